@@ -1,0 +1,276 @@
+"""Hosts of a Slurm allocation, minus the nodes Slurm reports unhealthy.
+
+The hosts come from ``SLURM_JOB_NODELIST`` (or ``--nodelist``), expanded by
+python-hostlist; slots from ``SLURM_TASKS_PER_NODE``,
+``SLURM_JOB_CPUS_PER_NODE`` or ``SLURM_GPUS_PER_NODE`` (or ``--slots``).
+Node health comes from one ``scontrol show node -o`` call per discovery,
+bounded by the caller's :class:`~elastic_ext.discovery.deadline.Deadline`.
+A node is dropped while any of its state words is in
+:data:`UNHEALTHY_STATES` and comes back as soon as Slurm reports it healthy.
+
+Functions take the environment as a mapping instead of reading
+``os.environ``, so the caller decides where configuration comes from.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any, Dict, FrozenSet, List, Mapping, Optional
+
+from elastic_ext.discovery.deadline import Deadline, command_failure, run_command
+from elastic_ext.discovery.errors import DiscoveryInputError, DiscoveryUnavailableError
+from elastic_ext.discovery.hosts import HostSlots, parse_slots
+
+logger = logging.getLogger(__name__)
+
+ENV_JOB_NODELIST = "SLURM_JOB_NODELIST"
+ENV_NODELIST = "SLURM_NODELIST"  # older name, still set by Slurm
+ENV_TASKS_PER_NODE = "SLURM_TASKS_PER_NODE"
+ENV_CPUS_PER_NODE = "SLURM_JOB_CPUS_PER_NODE"
+ENV_GPUS_PER_NODE = "SLURM_GPUS_PER_NODE"
+
+# Default bound for one scontrol call; the overall deadline may cut it shorter.
+SCONTROL_TIMEOUT_S = 3.0
+
+# State words (base state or flag, as in scontrol's ``State=IDLE+DRAIN``)
+# that mean "do not start workers here". NOT_RESPONDING is sinfo's ``*``
+# suffix; POWER* and REBOOT_ISSUED mean the node is (going) away.
+UNHEALTHY_STATES: FrozenSet[str] = frozenset({
+    "DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "NOT_RESPONDING",
+    "NO_RESPOND", "POWERED_DOWN", "POWER_DOWN", "POWERING_DOWN", "POWERING_UP",
+    "REBOOT_ISSUED", "FUTURE", "UNKNOWN", "INVAL", "END",
+})
+# Base states a node can run our workers in; anything else counts as unhealthy.
+HEALTHY_BASE_STATES: FrozenSet[str] = frozenset({
+    "IDLE", "MIXED", "ALLOCATED", "ALLOC", "MIX", "COMPLETING", "RESERVED", "PLANNED",
+})
+
+
+class SlotSource(str, enum.Enum):
+    """Where per-node slot counts come from when ``--slots`` is not given."""
+
+    TASKS = "tasks"  # SLURM_TASKS_PER_NODE
+    CPUS = "cpus"    # SLURM_JOB_CPUS_PER_NODE
+    GPUS = "gpus"    # SLURM_GPUS_PER_NODE, the same for every node
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """What ``scontrol show node`` says about one node."""
+
+    name: str
+    states: FrozenSet[str]
+    addr: Optional[str] = None
+    hostname: Optional[str] = None
+
+    def unhealthy_reason(self) -> Optional[str]:
+        """Why workers must not run here, or None if the node is healthy."""
+        bad = sorted(self.states & UNHEALTHY_STATES)
+        if bad:
+            return "+".join(bad)
+        if not self.states & HEALTHY_BASE_STATES:
+            return "no usable base state in " + "+".join(sorted(self.states))
+        return None
+
+
+class Address(str, enum.Enum):
+    """Which name of a node to print for Horovod (and ssh)."""
+
+    NAME = "name"          # NodeName, the name in the nodelist
+    ADDR = "addr"          # NodeAddr
+    HOSTNAME = "hostname"  # NodeHostName
+
+
+def _hostlist() -> Any:
+    """python-hostlist, imported late so that ``--help`` works without it."""
+    try:
+        import hostlist
+    except ImportError as exc:
+        raise DiscoveryInputError(
+            f"python-hostlist is not installed for {sys.executable}: "
+            "pip install 'python-hostlist>=1.23'") from exc
+    return hostlist
+
+
+def expand_nodelist(expr: str) -> List[str]:
+    """Expand a Slurm hostlist expression (``node[01-03,07],gpu1``) into names.
+
+    Raises:
+        DiscoveryInputError: the expression is malformed or empty.
+    """
+    hostlist = _hostlist()
+    try:
+        names = hostlist.expand_hostlist(expr)
+    except hostlist.BadHostlist as exc:
+        raise DiscoveryInputError(
+            f"nodelist {expr!r} is not a valid Slurm hostlist expression: {exc}") from exc
+    if not names:
+        raise DiscoveryInputError(f"nodelist {expr!r} expands to no hosts")
+    return names
+
+
+def parse_per_node(expr: str, n_nodes: int, source: str) -> List[int]:
+    """Parse a per-node count list such as ``2(x3),1`` into one count per node.
+
+    Raises:
+        DiscoveryInputError: malformed, or its length is not ``n_nodes``.
+    """
+    hostlist = _hostlist()
+    try:
+        counts = hostlist.parse_slurm_tasks_per_node(expr.strip())
+    except hostlist.BadHostlist as exc:
+        raise DiscoveryInputError(
+            f"{source} {expr!r} must look like '2(x3),1' (count, optional (xREPEAT), "
+            f"comma-separated): {exc}") from exc
+    if len(counts) != n_nodes:
+        raise DiscoveryInputError(
+            f"{source} {expr!r} gives {len(counts)} counts for {n_nodes} nodes")
+    return counts
+
+
+def parse_gpus_per_node(expr: str) -> int:
+    """Total GPUs per node from ``SLURM_GPUS_PER_NODE`` (``2``, ``a100:2``, ``a100:2,v100:1``).
+
+    Raises:
+        DiscoveryInputError: a part does not end in a GPU count.
+    """
+    total = 0
+    for part in expr.split(","):
+        total += parse_slots(part.strip().rsplit(":", 1)[-1], f"{ENV_GPUS_PER_NODE} {expr!r}")
+    return total
+
+
+def allocation_hosts(environ: Mapping[str, str], nodelist: Optional[str] = None,
+                     slots: Optional[int] = None,
+                     slots_from: SlotSource = SlotSource.TASKS) -> List[HostSlots]:
+    """The allocation's nodes and their slots, before any health check.
+
+    Args:
+        environ: the job environment (``os.environ`` in the scripts).
+        nodelist: overrides ``SLURM_JOB_NODELIST``.
+        slots: the same slot count for every node; overrides ``slots_from``.
+        slots_from: which Slurm variable gives per-node slots.
+
+    Raises:
+        DiscoveryInputError: no nodelist, or a malformed nodelist or count.
+    """
+    expr = nodelist if nodelist is not None else environ.get(ENV_JOB_NODELIST,
+                                                             environ.get(ENV_NODELIST))
+    if expr is None:
+        raise DiscoveryInputError(
+            f"{ENV_JOB_NODELIST} is not set: run inside a Slurm allocation or pass --nodelist")
+    names = expand_nodelist(expr)
+    if slots is not None:
+        counts = [parse_slots(slots, "--slots")] * len(names)
+    elif slots_from is SlotSource.GPUS:
+        raw = _require(environ, ENV_GPUS_PER_NODE, "gpus")
+        counts = [parse_gpus_per_node(raw)] * len(names)
+    else:
+        var = ENV_TASKS_PER_NODE if slots_from is SlotSource.TASKS else ENV_CPUS_PER_NODE
+        counts = parse_per_node(_require(environ, var, slots_from.value), len(names), var)
+    return [HostSlots(name, count) for name, count in zip(names, counts)]
+
+
+def _require(environ: Mapping[str, str], var: str, what: str) -> str:
+    value = environ.get(var)
+    if value is None:
+        raise DiscoveryInputError(
+            f"{var} is not set, so slots cannot come from {what}: pass --slots N")
+    return value
+
+
+_FIELD_RE = {key: re.compile(r"(?:^|\s)" + key + r"=(\S*)")
+             for key in ("NodeName", "State", "NodeAddr", "NodeHostName")}
+
+
+def parse_scontrol_nodes(output: str) -> Dict[str, NodeStatus]:
+    """Parse ``scontrol show node -o`` output (one node per line) by node name."""
+    nodes: Dict[str, NodeStatus] = {}
+    for line in output.splitlines():
+        fields = {key: rx.search(line) for key, rx in _FIELD_RE.items()}
+        if not fields["NodeName"] or not fields["State"]:
+            if line.strip():
+                logger.debug("ignoring scontrol line without NodeName/State: %r", line)
+            continue
+        name = fields["NodeName"].group(1)
+        states = frozenset(w for w in fields["State"].group(1).upper().split("+") if w)
+        addr = fields["NodeAddr"].group(1) if fields["NodeAddr"] else None
+        hostname = fields["NodeHostName"].group(1) if fields["NodeHostName"] else None
+        nodes[name] = NodeStatus(name, states, addr, hostname)
+    return nodes
+
+
+def query_nodes(names: List[str], deadline: Deadline, environ: Mapping[str, str],
+                scontrol: str = "scontrol",
+                call_timeout_s: float = SCONTROL_TIMEOUT_S) -> Dict[str, NodeStatus]:
+    """Ask Slurm for the state of ``names`` with one bounded scontrol call.
+
+    Raises:
+        DiscoveryUnavailableError: scontrol is missing, fails, or says nothing parsable.
+        DiscoveryTimeoutError: scontrol did not answer in time.
+    """
+    expr = _hostlist().collect_hostlist(names)
+    argv = [scontrol, "show", "node", "-o", expr]
+    timeout_s = deadline.call_timeout_s(call_timeout_s, "scontrol show node")
+    # Names Slurm does not know make scontrol print "Node X not found" and exit 1
+    # after printing the known ones, so a non-zero status alone is not a failure.
+    result = run_command(argv, timeout_s, env=environ, check=False)
+    nodes = parse_scontrol_nodes(result.stdout)
+    for line in result.stdout.splitlines():
+        if line.strip().endswith("not found"):
+            logger.warning("scontrol: %s", line.strip())
+    if not nodes:
+        if result.returncode != 0:
+            raise DiscoveryUnavailableError(
+                command_failure(argv, result.returncode, result.stderr or result.stdout))
+        raise DiscoveryUnavailableError(f"{' '.join(argv)!r} printed no node states")
+    return nodes
+
+
+def discover(environ: Mapping[str, str], deadline: Deadline, *, nodelist: Optional[str] = None,
+             slots: Optional[int] = None, slots_from: SlotSource = SlotSource.TASKS,
+             health_check: bool = True, address: Address = Address.NAME,
+             scontrol: str = "scontrol",
+             call_timeout_s: float = SCONTROL_TIMEOUT_S) -> List[HostSlots]:
+    """The allocation's healthy hosts with their slots, in nodelist order.
+
+    Raises:
+        DiscoveryInputError: bad nodelist/slots, or ``address`` without ``health_check``.
+        DiscoveryUnavailableError: Slurm could not be asked (includes timeouts).
+    """
+    hosts = allocation_hosts(environ, nodelist, slots, slots_from)
+    if not health_check:
+        if address is not Address.NAME:
+            raise DiscoveryInputError(
+                f"--address {address.value} needs the Slurm node query; drop --no-health-check")
+        return hosts
+    nodes = query_nodes([h.host for h in hosts], deadline, environ, scontrol, call_timeout_s)
+    healthy: List[HostSlots] = []
+    for entry in hosts:
+        node = nodes.get(entry.host)
+        if node is None:
+            logger.warning("dropping node %r: Slurm does not know it", entry.host)
+            continue
+        reason = node.unhealthy_reason()
+        if reason is not None:
+            logger.info("leaving out node %r: Slurm reports %s", entry.host, reason)
+            continue
+        healthy.append(HostSlots(_address_of(node, address), entry.slots))
+    return healthy
+
+
+def _address_of(node: NodeStatus, address: Address) -> str:
+    if address is Address.ADDR and node.addr:
+        return node.addr
+    if address is Address.HOSTNAME and node.hostname:
+        return node.hostname
+    return node.name
+
+
+__all__ = ["SlotSource", "Address", "NodeStatus", "UNHEALTHY_STATES", "expand_nodelist",
+           "parse_per_node", "parse_gpus_per_node", "allocation_hosts", "parse_scontrol_nodes",
+           "query_nodes", "discover"]
