@@ -1,0 +1,23 @@
+"""elastic_ext: fault-tolerant Horovod elastic training for PyTorch and TensorFlow.
+
+The core imports no framework: ``elastic_ext.torch`` and
+``elastic_ext.tensorflow`` are loaded only when the objects handed to
+:class:`State` (or the user) need them.
+"""
+
+from elastic_ext.adapters import Adapter, Capture, Entry, GlobalRNG
+from elastic_ext.config import ElasticConfig
+from elastic_ext.errors import (CheckpointError, ConfigError, CorruptCheckpointError, DiscoveryError,
+                                ElasticExtError, NotCommittedError, PartitionError, RollbackLimitError,
+                                StateDivergenceError, StateError)
+from elastic_ext.run import run
+from elastic_ext.sampler import ElasticPartitioner
+from elastic_ext.state import State
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Adapter", "Capture", "Entry", "GlobalRNG", "ElasticConfig", "ElasticPartitioner", "State", "run",
+    "ElasticExtError", "ConfigError", "DiscoveryError", "PartitionError", "StateError", "NotCommittedError",
+    "StateDivergenceError", "CheckpointError", "CorruptCheckpointError", "RollbackLimitError",
+]

@@ -1,0 +1,66 @@
+"""The whole exception hierarchy of elastic_ext.
+
+Every error raised on purpose by this package derives from
+:class:`ElasticExtError`. Horovod's own control-flow exceptions
+(``HorovodInternalError``, ``HostsUpdatedInterrupt``) are not wrapped: they
+are signals that drive rollback and resize, not errors.
+
+Messages quote the bad value and the rule it broke, e.g.
+``min_np (6) must be <= max_np (4)``.
+"""
+
+from __future__ import annotations
+
+
+class ElasticExtError(Exception):
+    """Base class of every error raised by elastic_ext."""
+
+
+class ConfigError(ElasticExtError, ValueError):
+    """A bad argument or environment variable, raised at construction."""
+
+
+class DiscoveryError(ElasticExtError):
+    """Host discovery could not produce a host list (scheduler, cloud or file)."""
+
+
+class PartitionError(ElasticExtError, ValueError):
+    """Inputs to data re-partitioning are inconsistent (bad cursor, world size, ...)."""
+
+
+class StateError(ElasticExtError):
+    """Committed state cannot be committed, restored or synced."""
+
+
+class NotCommittedError(StateError):
+    """``restore()`` was called before any ``commit()``."""
+
+
+class StateDivergenceError(StateError):
+    """Ranks disagree on what they committed (commit id, cursor or structure)."""
+
+
+class CheckpointError(ElasticExtError):
+    """A durable checkpoint cannot be written or read."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint failed verification (checksum, size or manifest); it is never loaded."""
+
+
+class RollbackLimitError(ElasticExtError):
+    """Too many consecutive rollbacks happened without a new commit."""
+
+
+__all__ = [
+    "ElasticExtError",
+    "ConfigError",
+    "DiscoveryError",
+    "PartitionError",
+    "StateError",
+    "NotCommittedError",
+    "StateDivergenceError",
+    "CheckpointError",
+    "CorruptCheckpointError",
+    "RollbackLimitError",
+]

@@ -1,0 +1,28 @@
+"""Packaging for elastic_ext. The development environment (Horovod build
+included) is made by tools/setup.sh; this file declares the package and
+the ranges it was tested with."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="elastic_ext",
+    version="0.1.0",
+    description="Fault-tolerant Horovod elastic training for PyTorch and TensorFlow",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=find_packages(include=["elastic_ext", "elastic_ext.*"]),
+    # Horovod is not listed: 0.28.1 must be built from source against the
+    # installed frameworks (tools/setup.sh does it, see README).
+    install_requires=["numpy>=1.24,<2"],
+    extras_require={
+        "torch": ["torch>=2.1,<2.14"],
+        "tensorflow": ["tensorflow-cpu>=2.15,<2.18", "tf_keras>=2.15,<2.18"],
+        "aws": ["boto3>=1.28"],
+        "slurm": ["python-hostlist>=1.23,<3"],
+        "test": ["pytest>=7.4", "pytest-timeout>=2.1", "hypothesis>=6.80", "mpi4py>=3.1,<5", "psutil>=5.9",
+                 "moto[server,ec2,autoscaling]>=5.0,<6", "scikit-learn>=1.3", "matplotlib>=3.7"],
+    },
+    scripts=["host_discovery/slurm.py", "host_discovery/aws_spot.py", "host_discovery/static.py"],
+    classifiers=["Programming Language :: Python :: 3", "Topic :: Scientific/Engineering :: Artificial Intelligence"],
+)

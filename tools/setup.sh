@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# Sets up everything elastic_ext needs on a Debian 12 machine (run as root):
+# Debian packages, the virtual environment at .venv, the Python stack, a
+# Horovod 0.28.1 build with PyTorch, TensorFlow, Gloo and MPI, and
+# elastic_ext itself in editable mode.
+#
+# Idempotent: a second run checks each step and skips what is already done.
+# The Horovod wheel is built once per (Horovod, torch, TF, Python) combination
+# and cached in $ELASTIC_EXT_CACHE (default ~/.cache/elastic_ext), so a fresh
+# clone on the same machine installs it in seconds instead of rebuilding.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+HOROVOD_VERSION=0.28.1
+CACHE="${ELASTIC_EXT_CACHE:-$HOME/.cache/elastic_ext}"
+DEB_PACKAGES=(
+    build-essential cmake git python3 python3-venv python3-dev
+    libopenmpi-dev openmpi-bin
+    munge slurmctld slurmd slurm-client
+    procps iproute2
+)
+
+step() { printf '\n== setup: %s\n' "$*" >&2; STEP="$*"; }
+fail() {
+    printf '\nsetup FAILED at step "%s": %s\n' "$STEP" "$1" >&2
+    [ $# -gt 1 ] && printf 'what to do: %s\n' "$2" >&2
+    exit 1
+}
+START_S=$(date +%s)
+
+step "Debian packages"
+missing=()
+for pkg in "${DEB_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    [ "$(id -u)" = 0 ] || fail "missing packages: ${missing[*]}" "run this script as root, or apt-get install them yourself"
+    echo "installing: ${missing[*]}" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q >/dev/null || fail "apt-get update failed" "check network access to the Debian mirrors"
+    apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null \
+        || fail "apt-get install ${missing[*]} failed" "run the same apt-get command by hand to see why"
+else
+    echo "all present" >&2
+fi
+
+step "Python interpreter"
+# Prefer an interpreter already on PATH (pyenv etc.) and fall back to Debian's.
+BASE_PY="$(command -v python3.11 || command -v python3)" || fail "no python3 found" "apt-get install python3"
+"$BASE_PY" -c 'import sys; assert sys.version_info[:2] == (3, 11), sys.version' 2>/dev/null \
+    || fail "$BASE_PY is not Python 3.11 (torch 2.13.0 / TF 2.17.1 wheels here are for 3.11)" "install Python 3.11"
+echo "$BASE_PY" >&2
+
+step "virtual environment at .venv"
+if [ ! -x "$PY" ]; then
+    "$BASE_PY" -m venv "$VENV" || fail "python -m venv failed" "apt-get install python3-venv"
+fi
+"$PY" -m pip --version >/dev/null || fail "pip is missing in $VENV" "delete $VENV and run again"
+
+step "Python packages (tools/requirements.txt)"
+# A stamp of the requirements file makes the repeated run skip pip entirely.
+stamp="$VENV/.requirements.sha256"
+want=$(sha256sum "$ROOT/tools/requirements.txt" | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    "$PY" -m pip install -q --disable-pip-version-check -r "$ROOT/tools/requirements.txt" 2>&1 \
+        | grep -v "^WARNING: Location .* is ignored" >&2
+    [ "${PIPESTATUS[0]}" = 0 ] \
+        || fail "pip install -r tools/requirements.txt failed" "read pip's message above; the pins in tools/requirements.txt are the tested ones"
+    echo "$want" >"$stamp"
+else
+    echo "all present (stamp matches tools/requirements.txt)" >&2
+fi
+
+horovod_ok() {
+    # Horovod is usable only if it imports with every framework we need and
+    # was built against the torch/TF now installed.
+    "$PY" - <<'PYEOF' 2>/dev/null
+import horovod, horovod.torch, horovod.tensorflow
+from horovod.common.util import gloo_built, mpi_built
+assert horovod.__version__ == "0.28.1", horovod.__version__
+assert gloo_built() and mpi_built()
+PYEOF
+}
+
+step "Horovod $HOROVOD_VERSION (PyTorch, TensorFlow, Gloo, MPI)"
+if horovod_ok; then
+    echo "already built and importable" >&2
+else
+    key=$("$PY" -c 'import sys, torch, tensorflow as tf; print(f"py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}-tf{tf.__version__}")' 2>/dev/null) \
+        || fail "cannot import torch and tensorflow to key the Horovod build" "run this script again; the previous step should have installed them"
+    wheel_dir="$CACHE/horovod-$HOROVOD_VERSION-$key"
+    wheel=$(ls "$wheel_dir"/horovod-*.whl 2>/dev/null | head -n 1)
+    if [ -z "$wheel" ]; then
+        echo "building from sdist (about 9 minutes on 2 cores); log: $CACHE/horovod-build.log" >&2
+        mkdir -p "$wheel_dir" "$CACHE"
+        # tools/cxx17 swaps -std=c++14 for -std=c++17; see that file for why.
+        env CXX="$ROOT/tools/cxx17" CC=gcc \
+            HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 \
+            HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$(nproc)" \
+            "$PY" -m pip wheel --no-build-isolation --no-deps --no-cache-dir \
+                -w "$wheel_dir.partial" "horovod==$HOROVOD_VERSION" >"$CACHE/horovod-build.log" 2>&1 \
+            || { rm -rf "$wheel_dir.partial"; fail "Horovod build failed" "see the end of $CACHE/horovod-build.log"; }
+        mv "$wheel_dir.partial"/horovod-*.whl "$wheel_dir"/ && rm -rf "$wheel_dir.partial"
+        wheel=$(ls "$wheel_dir"/horovod-*.whl | head -n 1)
+    else
+        echo "using cached wheel $wheel" >&2
+    fi
+    "$PY" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$wheel" \
+        || fail "installing $wheel failed" "delete $wheel_dir and run again to rebuild"
+    # Horovod's own runtime dependencies (its wheel was installed --no-deps).
+    "$PY" -m pip install -q --disable-pip-version-check cloudpickle psutil pyyaml packaging \
+        || fail "installing Horovod's runtime dependencies failed" "read pip's message above"
+    horovod_ok || fail "Horovod installed but does not import with torch, TF, Gloo and MPI" \
+        "delete $wheel_dir and run again; check $CACHE/horovod-build.log"
+fi
+
+step "elastic_ext (editable)"
+if ! "$PY" -c 'import elastic_ext, os, sys; sys.exit(0 if os.path.dirname(os.path.dirname(elastic_ext.__file__)) == sys.argv[1] else 1)' "$ROOT" 2>/dev/null; then
+    "$PY" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$ROOT" \
+        || fail "pip install -e . failed" "read pip's message above"
+else
+    echo "already installed" >&2
+fi
+
+printf '\nsetup done in %ss: activate with  source %s/bin/activate\n' "$(( $(date +%s) - START_S ))" "$VENV" >&2
