@@ -1,0 +1,117 @@
+"""The framework operations the neutral core needs, injected per framework.
+
+Like Horovod's own ``State``, which receives ``bcast_object`` and
+``get_rank``, the core receives a :class:`Binding`: rank and size, three
+collectives over numpy arrays, and the reset that re-initialises Horovod.
+``elastic_ext.torch`` and ``elastic_ext.tensorflow`` each provide one.
+This module also builds the few composite collectives the core uses
+(JSON broadcast, fused array broadcast) on top of those three.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Dict, Optional, Protocol, runtime_checkable
+
+import numpy as np
+
+from elastic_ext.errors import ConfigError
+
+FRAMEWORKS = ("torch", "tensorflow")
+
+
+@runtime_checkable
+class Binding(Protocol):
+    """Horovod operations for one framework, over host numpy arrays."""
+
+    framework: str
+
+    def rank(self) -> int: ...
+
+    def size(self) -> int: ...
+
+    def broadcast(self, array: np.ndarray, root_rank: int, name: str) -> np.ndarray:
+        """Returns root's ``array`` on every rank (same shape and dtype everywhere)."""
+
+    def allgather(self, array: np.ndarray, name: str) -> np.ndarray:
+        """Concatenates every rank's ``array`` along axis 0, in rank order."""
+
+    def allreduce_max(self, array: np.ndarray, name: str) -> np.ndarray:
+        """Element-wise maximum over ranks."""
+
+    def reset(self) -> None:
+        """Shuts Horovod down and initialises it again (after a failure or resize)."""
+
+    def as_internal_error(self, exc: BaseException) -> Optional[BaseException]:
+        """Returns a ``HorovodInternalError`` if ``exc`` is a failed Horovod
+        collective in framework clothing (TensorFlow op errors), else None."""
+
+
+def get_binding(framework: str) -> Binding:
+    """Returns the binding for ``framework`` ("torch" or "tensorflow").
+
+    Raises:
+        ConfigError: unknown framework name.
+    """
+    if framework == "torch":
+        from elastic_ext.torch.binding import TorchBinding
+        return TorchBinding()
+    if framework == "tensorflow":
+        from elastic_ext.tensorflow.binding import TensorFlowBinding
+        return TensorFlowBinding()
+    raise ConfigError(f"framework ({framework!r}) must be one of {FRAMEWORKS}")
+
+
+def guess_framework(preferred: Optional[str] = None) -> str:
+    """Picks the framework whose Horovod module is imported, when only one is.
+
+    Raises:
+        ConfigError: neither or both are imported and ``preferred`` is None.
+    """
+    if preferred is not None:
+        return preferred
+    loaded = [f for f, mod in (("torch", "horovod.torch"), ("tensorflow", "horovod.tensorflow"))
+              if mod in sys.modules]
+    if len(loaded) == 1:
+        return loaded[0]
+    raise ConfigError(
+        f"cannot tell which framework to use (Horovod modules imported: {loaded or 'none'}); "
+        "pass framework='torch' or framework='tensorflow' to State")
+
+
+def broadcast_json(binding: Binding, value: Any, root_rank: int, name: str) -> Any:
+    """Broadcasts a JSON-compatible value from ``root_rank`` (no pickle)."""
+    payload = np.frombuffer(json.dumps(value).encode("utf-8"), dtype=np.uint8)
+    length = binding.broadcast(np.array([payload.size], dtype=np.int64), root_rank, name + ".len")
+    buffer = payload if binding.rank() == root_rank else np.zeros(int(length[0]), dtype=np.uint8)
+    received = binding.broadcast(buffer, root_rank, name + ".data")
+    return json.loads(received.tobytes().decode("utf-8"))
+
+
+def broadcast_arrays(binding: Binding, arrays: Dict[str, np.ndarray], layout: list, root_rank: int,
+                     name: str) -> Dict[str, np.ndarray]:
+    """Broadcasts many arrays as one flat byte buffer.
+
+    ``layout`` is the root's ``[key, dtype, shape]`` list, already known to
+    every rank; ``arrays`` is only read on the root. A broadcast is a bitwise
+    copy, so moving raw bytes serves every dtype (Horovod has no unsigned
+    16/32/64-bit collectives) in a single collective. Returns fresh arrays on
+    non-root ranks and ``arrays`` itself on the root.
+    """
+    if binding.rank() == root_rank:
+        if layout:
+            flat = np.concatenate([np.ascontiguousarray(arrays[key]).reshape(-1).view(np.uint8)
+                                   for key, _, _ in layout])
+        else:
+            flat = np.zeros(0, dtype=np.uint8)
+        binding.broadcast(flat, root_rank, name)
+        return arrays
+    sizes = [int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for _, dtype, shape in layout]
+    flat = binding.broadcast(np.empty(sum(sizes), dtype=np.uint8), root_rank, name)
+    result: Dict[str, np.ndarray] = {}
+    offset = 0
+    for (key, dtype, shape), size in zip(layout, sizes):
+        result[key] = flat[offset:offset + size].view(np.dtype(dtype)).reshape(tuple(shape))
+        offset += size
+    return result

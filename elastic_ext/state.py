@@ -1,0 +1,504 @@
+"""Committed state: commit, restore and sync over adapters, with commit ids.
+
+:class:`State` holds named objects (a model, an optimizer, a sampler, the
+epoch counter...). ``commit()`` snapshots them into host buffers that are
+reused from one commit to the next; ``restore()`` brings every object back
+to the last commit bitwise; ``sync()`` makes every rank hold the same commit
+and checks that ranks which already held state agree on it.
+
+Commit protocol (why it is safe under failures):
+
+1. *Capture*: every adapter names its arrays and metadata. Nothing is copied
+   and no buffer is touched, so a bad object (wrong type, a dict with a
+   non-str key...) raises ``StateError`` and leaves the previous commit as it
+   was. Shapes and dtypes are checked against the buffers here too.
+2. *Copy*: arrays are copied into the buffers. With ``commit_buffers=1`` an
+   interruption here (an exception from a framework copy) marks the commit
+   *torn*: it is never restored from, and ``sync()`` treats this rank as a
+   newcomer. With ``commit_buffers=2`` the copy goes to a spare set that is
+   swapped in at the end, so the previous commit survives even that.
+3. *Agree*: the commit id goes up by one, then the host-update check does a
+   max-allreduce. No rank finishes commit N+1 before every rank has captured
+   N+1, so after a failure the surviving ranks hold ids that differ by at
+   most one, and the newest is a consistent state (its step's allreduce
+   completed). ``sync()`` picks it, so nobody goes back past its own commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+import zlib
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+
+from elastic_ext import adapters as _adapters
+from elastic_ext.adapters import Adapter, Capture, Entry
+from elastic_ext.binding import Binding, broadcast_arrays, broadcast_json, get_binding, guess_framework
+from elastic_ext.config import ElasticConfig
+from elastic_ext.errors import NotCommittedError, StateDivergenceError, StateError
+from elastic_ext.events import EventLog
+
+logger = logging.getLogger(__name__)
+
+# Horovod's HostUpdateResult flags, repeated here so the core needs no Horovod import.
+_HOSTS_REMOVED = 1
+_HOSTS_ADDED = 2
+
+_RESERVED = {"commit", "restore", "sync", "reset", "on_reset", "on_hosts_updated", "check_host_updates",
+             "register_reset_callbacks", "commit_id", "objects", "config", "binding", "events", "save"}
+
+
+class State:
+    """Committed state of a training job, for PyTorch or TensorFlow.
+
+    Every keyword argument becomes an attribute (``state.model``,
+    ``state.epoch``) whose object is committed, restored and synced by the
+    adapter that handles its type. Assigning a new value to such an attribute
+    (``state.epoch += 1``) replaces the tracked object.
+
+    Args:
+        framework: "torch" or "tensorflow"; guessed from the objects, or from
+            which Horovod module is imported, when left out.
+        binding: explicit Horovod operations (tests); overrides ``framework``.
+        adapters: extra adapters tried before the built-in ones, for this
+            instance only.
+        config: an :class:`ElasticConfig`; read from the environment if None.
+        **objects: the objects to track, by name.
+
+    Raises:
+        StateError: an object has no adapter, or a name is reserved.
+        ConfigError: the framework cannot be determined.
+    """
+
+    def __init__(self, *, framework: Optional[str] = None, binding: Optional[Binding] = None,
+                 adapters: Iterable[Adapter] = (), config: Optional[ElasticConfig] = None,
+                 **objects: Any) -> None:
+        if not objects:
+            raise StateError("State() needs at least one object to track, e.g. State(model=model, epoch=0)")
+        for name in objects:
+            if name in _RESERVED or name.startswith("_"):
+                raise StateError(f"object name {name!r} is reserved; choose another keyword")
+        s = object.__setattr__
+        s(self, "_objects", dict(objects))
+        s(self, "_config", config or ElasticConfig.from_env())
+        table = list(adapters)
+        frameworks = set()
+        for loader in _framework_adapter_loaders():
+            table.extend(loader())
+        table.extend(_adapters.core_adapters())
+        s(self, "_table", table)
+        s(self, "_adapter_of", {})
+        used = []
+        for name, obj in objects.items():
+            adapter = self._find_adapter(name, obj)
+            if adapter not in used:
+                used.append(adapter)
+            fw = getattr(adapter, "framework", None)
+            if fw:
+                frameworks.add(fw)
+        for adapter in used:
+            # e.g. Keras optimizers build their slots here, before any sync.
+            prepare = getattr(adapter, "prepare", None)
+            if callable(prepare):
+                prepare(self._objects)
+        if binding is None:
+            if len(frameworks) > 1 and framework is None:
+                raise StateError(f"objects from several frameworks {sorted(frameworks)} in one State; "
+                                 "pass framework= to choose the one whose Horovod runs the collectives")
+            binding = get_binding(framework or (frameworks.pop() if frameworks else guess_framework()))
+        s(self, "_binding", binding)
+        s(self, "_entries", None)        # name -> Entry, the last commit
+        s(self, "_spare", None)          # second buffer set (commit_buffers=2)
+        s(self, "_commit_id", 0)
+        s(self, "_commit_time", None)
+        s(self, "_torn", False)
+        s(self, "_participated", False)  # True once this process went through a sync
+        s(self, "_generation", 0)        # +1 per sync or verified resize, agreed by all ranks
+        s(self, "_host_messages", queue.Queue())
+        s(self, "_last_updated_timestamp", 0)
+        s(self, "_reset_callbacks", [])
+        s(self, "_rollbacks_without_progress", 0)
+        s(self, "_rollback_commit_id", -1)
+        s(self, "_events", EventLog(self._config.events_path, binding.rank, binding.size))
+
+    # ------------------------------------------------------------ attributes
+
+    def __getattr__(self, name: str) -> Any:
+        objects = self.__dict__.get("_objects")
+        if objects is not None and name in objects:
+            return objects[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._objects:
+            self._objects[name] = value
+        else:
+            object.__setattr__(self, name, value)
+
+    @property
+    def commit_id(self) -> int:
+        """Id of the last commit: 0 before the first, then +1 per commit."""
+        return self._commit_id
+
+    @property
+    def generation(self) -> int:
+        """How many times the job (re)started its training function: 1 after the
+        first sync, +1 after every reset. The same on every rank."""
+        return self._generation
+
+    @property
+    def objects(self) -> Dict[str, Any]:
+        """The tracked objects by name (a copy of the mapping)."""
+        return dict(self._objects)
+
+    @property
+    def config(self) -> ElasticConfig:
+        return self._config
+
+    @property
+    def binding(self) -> Binding:
+        return self._binding
+
+    @property
+    def events(self) -> EventLog:
+        return self._events
+
+    def register_adapter(self, adapter: Adapter) -> None:
+        """Adds ``adapter`` in front of this instance's lookup table."""
+        self._table.insert(0, adapter)
+        self._adapter_of.clear()
+
+    def _find_adapter(self, name: str, obj: Any) -> Adapter:
+        cached = self._adapter_of.get(name)
+        if cached is not None and cached.handles(obj):
+            return cached
+        for adapter in self._table:
+            if adapter.handles(obj):
+                self._adapter_of[name] = adapter
+                return adapter
+        raise StateError(f"no adapter for {name!r} of type {type(obj).__module__}.{type(obj).__qualname__}; "
+                         "register one with State(adapters=[...]) or state.register_adapter()")
+
+    # ---------------------------------------------------------------- commit
+
+    def commit(self) -> None:
+        """Snapshots every object to host memory, then checks for host updates.
+
+        Raises:
+            StateError: an object cannot be snapshotted; the previous commit
+                is left intact.
+            HostsUpdatedInterrupt: hosts were added or removed (after the
+                commit has been made).
+        """
+        started = time.perf_counter()
+        self.save()
+        if self._config.log_commits:
+            self._events.emit("commit", commit_id=self._commit_id,
+                              duration_s=time.perf_counter() - started)
+        self.check_host_updates()
+
+    def save(self) -> None:
+        """The local half of :meth:`commit`: snapshot without any collective."""
+        captures = self._capture_all()
+        base = self._entries if self._config.commit_buffers == 1 else self._spare
+        plan, entries = _plan_copy(captures, base)
+        if self._config.commit_buffers == 1:
+            # From here on the buffers of the previous commit are being overwritten.
+            self._torn = self._entries is not None
+        try:
+            for source, buffer in plan:
+                source.copy_into(buffer)
+        except BaseException:
+            if self._config.commit_buffers == 1 and self._entries is not None:
+                logger.error("[rank %s] commit %d interrupted while copying; the previous commit is torn "
+                             "and will not be restored from", self._safe_rank(), self._commit_id + 1)
+            else:
+                self._torn = False
+            raise
+        if self._config.commit_buffers == 2:
+            self._spare = self._entries
+        self._entries = entries
+        self._torn = False
+        self._commit_id += 1
+        self._commit_time = time.time()
+
+    def _capture_all(self) -> Dict[str, Tuple[Adapter, Capture]]:
+        captures = {}
+        for name, obj in self._objects.items():
+            adapter = self._find_adapter(name, obj)
+            try:
+                captures[name] = (adapter, adapter.capture(obj))
+            except StateError as exc:
+                raise StateError(f"cannot commit {name!r}: {exc}") from exc
+        return captures
+
+    def _safe_rank(self) -> int:
+        try:
+            return self._binding.rank()
+        except Exception:  # noqa: BLE001 - only used in log prefixes
+            return -1
+
+    # --------------------------------------------------------------- restore
+
+    def restore(self) -> None:
+        """Brings every object back to the last commit, bitwise.
+
+        Raises:
+            NotCommittedError: nothing was committed yet.
+            StateError: the last commit is torn (an interrupted copy).
+        """
+        if self._entries is None:
+            raise NotCommittedError("restore() called before any commit(); call commit() first")
+        if self._torn:
+            raise StateError(f"commit {self._commit_id} is torn (a commit was interrupted while copying); "
+                             "it cannot be restored. Use commit_buffers=2 to keep the previous commit intact")
+        for name, entry in self._entries.items():
+            obj = self._objects[name]
+            self._objects[name] = self._find_adapter(name, obj).apply(obj, entry)
+
+    # ------------------------------------------------------------------ sync
+
+    def sync(self) -> None:
+        """Makes every rank hold the same commit and the same live objects.
+
+        Ranks that went through an earlier sync (survivors) report their
+        commit id; the newest is chosen and broadcast from the lowest rank
+        that holds it. Newcomers and ranks that were one commit behind load
+        it. Synced objects only: per-rank ones (RNG streams) stay local.
+
+        Raises:
+            StateDivergenceError: survivors' commit ids differ by more than
+                one, or survivors with the same id hold different state.
+        """
+        started = time.perf_counter()
+        b = self._binding
+        if self._entries is None or self._torn:
+            # A newcomer (or a torn survivor) snapshots what it has, so that
+            # a fresh job starts from rank 0's initial objects.
+            self._torn = False
+            self.save()
+            self._commit_id = 0
+            self._participated = False
+        digest = self._digest() if self._config.verify_sync else 0
+        mine = np.array([[self._commit_id, int(self._participated), digest]], dtype=np.int64)
+        table = b.allgather(mine, "elastic_ext.sync.ids")
+        root, target = _choose_root(table, self._config.verify_sync)
+        meta = broadcast_json(b, self._sync_meta(), root, "elastic_ext.sync.meta")
+        arrays = broadcast_arrays(b, self._synced_arrays(), meta["layout"], root, "elastic_ext.sync.arrays")
+        up_to_date = (self._participated and self._commit_id == target
+                      and (not self._config.verify_sync or digest == int(table[root, 2])))
+        if b.rank() != root and not up_to_date:
+            self._load_synced(meta, arrays)
+        self._commit_id = target
+        self._last_updated_timestamp = meta["last_updated_timestamp"]
+        self._rollbacks_without_progress = meta["rollbacks_without_progress"]
+        self._rollback_commit_id = meta["rollback_commit_id"]
+        self._generation = meta["generation"] + 1
+        self._participated = True
+        self._events.emit("sync", commit_id=target, generation=self._generation, root=root, loaded=bool(b.rank() != root and not up_to_date),
+                          newcomers=int((table[:, 1] == 0).sum()), duration_s=time.perf_counter() - started)
+
+    def verify(self) -> None:
+        """Checks, with one small allgather, that all ranks hold the same commit id.
+
+        Used instead of :meth:`sync` after a resize that only removed hosts,
+        where Horovod skips the broadcast because every rank is a survivor.
+
+        Raises:
+            StateDivergenceError: the ids differ.
+        """
+        table = self._binding.allgather(np.array([[self._commit_id]], dtype=np.int64), "elastic_ext.verify")
+        if (table[:, 0] != self._commit_id).any():
+            detail = ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(table[:, 0]))
+            raise StateDivergenceError(f"ranks disagree on the commit id after a resize ({detail})")
+        self._generation += 1
+
+    def _synced_names(self) -> List[str]:
+        return [name for name in self._entries if self._find_adapter(name, self._objects[name]).synced]
+
+    def _synced_arrays(self) -> Dict[str, np.ndarray]:
+        return {f"{name}/{key}": array for name in self._synced_names()
+                for key, array in self._entries[name].arrays.items()}
+
+    def _sync_meta(self) -> dict:
+        names = self._synced_names()
+        return {
+            "commit_id": self._commit_id,
+            "names": names,
+            "meta": {name: self._entries[name].meta for name in names},
+            "layout": [[f"{name}/{key}", array.dtype.str, list(array.shape)]
+                       for name in names for key, array in self._entries[name].arrays.items()],
+            "last_updated_timestamp": self._last_updated_timestamp,
+            "rollbacks_without_progress": self._rollbacks_without_progress,
+            "rollback_commit_id": self._rollback_commit_id,
+            "generation": self._generation,
+        }
+
+    def _load_synced(self, meta: dict, arrays: Dict[str, np.ndarray]) -> None:
+        missing = set(meta["names"]) - set(self._objects)
+        if missing:
+            raise StateDivergenceError(f"the root commits objects {sorted(missing)} that this rank does not "
+                                       f"track (this rank tracks {sorted(self._objects)})")
+        for name in meta["names"]:
+            prefix = name + "/"
+            received = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+            old = self._entries.get(name)
+            entry_arrays = {}
+            for key, value in received.items():
+                buffer = old.arrays.get(key) if old is not None else None
+                if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                    buffer = np.empty(value.shape, dtype=value.dtype)
+                np.copyto(buffer, value)
+                entry_arrays[key] = buffer
+            self._entries[name] = Entry(arrays=entry_arrays, meta=meta["meta"][name])
+            obj = self._objects[name]
+            self._objects[name] = self._find_adapter(name, obj).apply(obj, self._entries[name])
+
+    def _digest(self) -> int:
+        """CRC32 of the synced part of the last commit (metadata and bytes)."""
+        import json
+        crc = 0
+        for name in sorted(self._synced_names()):
+            entry = self._entries[name]
+            crc = zlib.crc32(json.dumps([name, entry.meta], sort_keys=True).encode(), crc)
+            for key in sorted(entry.arrays):
+                array = entry.arrays[key]
+                crc = zlib.crc32(f"{key}:{array.dtype.str}:{array.shape}".encode(), crc)
+                crc = zlib.crc32(np.ascontiguousarray(array).view(np.uint8).data, crc)
+        return crc
+
+    # --------------------------------------------- Horovod listener interface
+
+    def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
+        """Callbacks run after every reset (worker added or removed), e.g. to rescale the LR."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        self._host_messages = queue.Queue()
+        self.reset()
+        for callback in self._reset_callbacks:
+            callback()
+
+    def reset(self) -> None:
+        """Tells objects that track the world size (samplers) that it changed."""
+        for obj in self._objects.values():
+            hook = getattr(obj, "on_world_change", None)
+            if callable(hook):
+                hook()
+
+    def on_hosts_updated(self, timestamp: int, update_res: int) -> None:
+        """Called by Horovod's notification service (on the coordinator)."""
+        self._host_messages.put((timestamp, int(update_res)))
+
+    def check_host_updates(self) -> None:
+        """Raises ``HostsUpdatedInterrupt`` on every rank together if hosts changed.
+
+        Horovod notifies only the coordinator; a max-allreduce (rather than a
+        broadcast from rank 0) lets any rank's notification count.
+        """
+        newest = self._last_updated_timestamp
+        flags = 0
+        while not self._host_messages.empty():
+            timestamp, update = self._host_messages.get()
+            if timestamp > self._last_updated_timestamp:
+                newest = max(newest, timestamp)
+                flags |= update
+        vector = np.array([newest, flags & _HOSTS_REMOVED, (flags & _HOSTS_ADDED) >> 1], dtype=np.int64)
+        newest, removed, added = (int(x) for x in self._binding.allreduce_max(vector, "elastic_ext.hosts"))
+        if newest > self._last_updated_timestamp:
+            self._last_updated_timestamp = newest
+            from horovod.common.exceptions import HostsUpdatedInterrupt
+            # Only-removed updates need no sync: every remaining rank holds this commit.
+            raise HostsUpdatedInterrupt(bool(removed) and not added)
+
+    # ------------------------------------------------------------- rollbacks
+
+    def note_rollback(self) -> int:
+        """Counts a rollback; returns how many happened in a row without a new commit."""
+        if self._commit_id == self._rollback_commit_id:
+            self._rollbacks_without_progress += 1
+        else:
+            self._rollbacks_without_progress = 1
+            self._rollback_commit_id = self._commit_id
+        return self._rollbacks_without_progress
+
+    @property
+    def seconds_since_commit(self) -> Optional[float]:
+        return None if self._commit_time is None else time.time() - self._commit_time
+
+    def value_if_int(self, name: str) -> Optional[int]:
+        value = self._objects.get(name)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    def committed_value(self, name: str) -> Any:
+        """The committed value of a plain object (e.g. ``step``), or None."""
+        if not self._entries or name not in self._entries:
+            return None
+        adapter = self._find_adapter(name, self._objects[name])
+        if not isinstance(adapter, _adapters.PlainAdapter):
+            return None
+        return adapter.apply(None, self._entries[name])
+
+
+def _plan_copy(captures: Dict[str, Tuple[Adapter, Capture]], base: Optional[Dict[str, Entry]]):
+    """Pairs every source with a buffer: reused from ``base`` when shape and dtype match."""
+    plan = []
+    entries: Dict[str, Entry] = {}
+    for name, (_, capture) in captures.items():
+        old = base.get(name) if base else None
+        arrays = {}
+        for key, source in capture.arrays.items():
+            shape, dtype = tuple(source.shape), np.dtype(source.dtype)
+            buffer = old.arrays.get(key) if old is not None else None
+            if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
+                buffer = np.empty(shape, dtype=dtype)
+            plan.append((source, buffer))
+            arrays[key] = buffer
+        entries[name] = Entry(arrays=arrays, meta=_adapters.copy.deepcopy(capture.meta))
+    return plan, entries
+
+
+def _choose_root(table: np.ndarray, verify: bool) -> Tuple[int, int]:
+    """Picks the sync root and commit id from the allgathered [id, survivor, digest] rows.
+
+    Raises:
+        StateDivergenceError: survivors disagree beyond what a failure mid-commit explains.
+    """
+    survivors = np.flatnonzero(table[:, 1] == 1)
+    if survivors.size == 0:
+        return 0, int(table[0, 0])
+    ids = table[survivors, 0]
+    newest, oldest = int(ids.max()), int(ids.min())
+    if newest - oldest > 1:
+        detail = ", ".join(f"rank {r}: {int(table[r, 0])}" for r in survivors)
+        raise StateDivergenceError(f"surviving ranks hold commit ids {oldest}..{newest} ({detail}); "
+                                   "ids may differ by at most 1 (a failure during commit)")
+    root = int(survivors[ids == newest][0])
+    if verify:
+        same = survivors[ids == newest]
+        bad = [int(r) for r in same if table[r, 2] != table[root, 2]]
+        if bad:
+            raise StateDivergenceError(
+                f"ranks {bad} hold commit {newest} with a different checksum than rank {root} "
+                f"({int(table[bad[0], 2]):#010x} vs {int(table[root, 2]):#010x}): state diverged")
+    return root, newest
+
+
+def _framework_adapter_loaders() -> List[Callable[[], list]]:
+    """Framework adapter tables, loaded only for frameworks already imported."""
+    import sys
+    loaders = []
+    if "torch" in sys.modules:
+        def torch_adapters() -> list:
+            from elastic_ext.torch.adapters import adapters
+            return adapters()
+        loaders.append(torch_adapters)
+    if "tensorflow" in sys.modules or "keras" in sys.modules or "tf_keras" in sys.modules:
+        def tf_adapters() -> list:
+            from elastic_ext.tensorflow.adapters import adapters
+            return adapters()
+        loaders.append(tf_adapters)
+    return loaders

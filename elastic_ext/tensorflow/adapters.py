@@ -1,0 +1,182 @@
+"""Adapters for TensorFlow objects: tf.Variable (and lists of them), tf.Module,
+Keras models and optimizers of Keras 2 (tf_keras) and Keras 3.
+
+Keras 3 variables are not ``tf.Variable`` (they wrap one), so everything is
+done through the methods both share: ``numpy()`` to read, ``assign()`` to
+write. Keras optimizers create their slot variables lazily; a newcomer's
+optimizer is built (``optimizer.build(model.trainable_variables)``, zero
+slots, weights untouched) when the State is created, instead of the
+zero-gradient step Horovod takes, which moves weights under weight decay.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, List
+
+import numpy as np
+import tensorflow as tf
+
+from elastic_ext.adapters import Capture, Entry
+from elastic_ext.errors import StateError
+
+
+class VariableSource:
+    """A variable read at commit time (TF copies it to host in ``numpy()``)."""
+
+    def __init__(self, variable: Any, where: str) -> None:
+        self.variable = variable
+        self.shape = tuple(int(d) for d in variable.shape)
+        try:
+            self.dtype = np.dtype(variable.dtype.as_numpy_dtype if hasattr(variable.dtype, "as_numpy_dtype")
+                                  else variable.dtype)
+        except TypeError:
+            raise StateError(f"{where} has dtype {variable.dtype}, which cannot be committed") from None
+
+    def copy_into(self, buffer: np.ndarray) -> None:
+        np.copyto(buffer, np.asarray(self.variable.numpy()), casting="no")
+
+
+def _is_keras_variable(obj: Any) -> bool:
+    keras = sys.modules.get("keras")
+    cls = getattr(keras, "Variable", None) if keras is not None else None
+    return isinstance(obj, tf.Variable) or (cls is not None and isinstance(obj, cls))
+
+
+def _keras_classes(name: str) -> tuple:
+    found = []
+    for module_name in ("keras", "tf_keras"):
+        module = sys.modules.get(module_name)
+        if module is None:
+            continue
+        if name == "Model":
+            cls = getattr(module, "Model", None)
+        else:
+            cls = getattr(getattr(module, "optimizers", None), "Optimizer", None)
+        if cls is not None:
+            found.append(cls)
+        if name == "Optimizer" and module_name == "tf_keras":
+            legacy = getattr(getattr(module, "optimizers", None), "legacy", None)
+            if legacy is not None:
+                found.append(legacy.Optimizer)
+    return tuple(found)
+
+
+def variables_of(obj: Any) -> List[Any]:
+    """The variables of a Keras model or optimizer, or a tf.Module, in a stable order."""
+    variables = obj.variables
+    return list(variables() if callable(variables) else variables)
+
+
+def _capture_variables(variables: List[Any], meta: Any) -> Capture:
+    return Capture(arrays={f"{i:05d}": VariableSource(v, f"variable {i} ({getattr(v, 'name', '?')})")
+                           for i, v in enumerate(variables)}, meta=meta)
+
+
+def _apply_variables(variables: List[Any], entry: Entry, what: str) -> None:
+    keys = sorted(entry.arrays)
+    if len(keys) != len(variables):
+        raise StateError(f"{what} has {len(variables)} variables but the commit holds {len(keys)}; "
+                         "build the model (and the optimizer) the same way on every worker")
+    for key, variable in zip(keys, variables):
+        value = entry.arrays[key]
+        if tuple(int(d) for d in variable.shape) != value.shape:
+            raise StateError(f"{what} variable {getattr(variable, 'name', key)} has shape "
+                             f"{tuple(variable.shape)} but the commit holds {value.shape}")
+        variable.assign(value)
+
+
+class VariableAdapter:
+    """A ``tf.Variable`` or Keras 3 variable."""
+
+    name = "tf.variable"
+    framework = "tensorflow"
+    synced = True
+
+    def handles(self, obj: Any) -> bool:
+        return _is_keras_variable(obj)
+
+    def capture(self, obj: Any) -> Capture:
+        return _capture_variables([obj], None)
+
+    def apply(self, obj: Any, entry: Entry) -> Any:
+        _apply_variables([obj], entry, "variable")
+        return obj
+
+
+class VariableListAdapter:
+    """A list or tuple of variables."""
+
+    name = "tf.variables"
+    framework = "tensorflow"
+    synced = True
+
+    def handles(self, obj: Any) -> bool:
+        return isinstance(obj, (list, tuple)) and len(obj) > 0 and all(_is_keras_variable(v) for v in obj)
+
+    def capture(self, obj: Any) -> Capture:
+        return _capture_variables(list(obj), None)
+
+    def apply(self, obj: Any, entry: Entry) -> Any:
+        _apply_variables(list(obj), entry, "variable list")
+        return obj
+
+
+class ModelAdapter:
+    """A Keras model (Keras 2 or 3) or any ``tf.Module``: all its variables."""
+
+    name = "tf.model"
+    framework = "tensorflow"
+    synced = True
+
+    def handles(self, obj: Any) -> bool:
+        return isinstance(obj, _keras_classes("Model") + (tf.Module,)) and \
+            not isinstance(obj, _keras_classes("Optimizer"))
+
+    def capture(self, obj: Any) -> Capture:
+        return _capture_variables(variables_of(obj), None)
+
+    def apply(self, obj: Any, entry: Entry) -> Any:
+        _apply_variables(variables_of(obj), entry, f"model {getattr(obj, 'name', '')}")
+        return obj
+
+
+class OptimizerAdapter:
+    """A Keras optimizer (Keras 2 via tf_keras, or Keras 3): iterations, learning rate, slots."""
+
+    name = "tf.optimizer"
+    framework = "tensorflow"
+    synced = True
+
+    def handles(self, obj: Any) -> bool:
+        return isinstance(obj, _keras_classes("Optimizer"))
+
+    def prepare(self, objects: dict) -> None:
+        build_optimizers(objects)
+
+    def capture(self, obj: Any) -> Capture:
+        return _capture_variables(variables_of(obj), None)
+
+    def apply(self, obj: Any, entry: Entry) -> Any:
+        _apply_variables(variables_of(obj), entry, "optimizer")
+        return obj
+
+
+def build_optimizers(objects: dict) -> None:
+    """Builds unbuilt Keras optimizers over the trainable variables of the
+    State's one Keras model, so every worker's optimizer has its slots before
+    the first sync (no gradient step involved)."""
+    optimizers = [o for o in objects.values() if isinstance(o, _keras_classes("Optimizer"))]
+    models = [m for m in objects.values() if isinstance(m, _keras_classes("Model"))]
+    for optimizer in optimizers:
+        if getattr(optimizer, "built", True) or not hasattr(optimizer, "build"):
+            continue
+        if len(models) != 1:
+            raise StateError(f"cannot build optimizer {type(optimizer).__name__}: the State holds "
+                             f"{len(models)} Keras models; call optimizer.build(variables) yourself")
+        optimizer.build(models[0].trainable_variables)
+
+
+def adapters() -> list:
+    """TensorFlow adapters in lookup order (tried before the framework-free ones)."""
+    return [VariableAdapter(), VariableListAdapter(), OptimizerAdapter(), ModelAdapter()]

@@ -1,0 +1,47 @@
+"""Horovod operations for TensorFlow, over host numpy arrays."""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+
+import horovod.tensorflow as hvd
+from horovod.common.exceptions import HorovodInternalError
+
+# Op names Horovod gives its TF kernels; an error from one of them means a
+# collective failed (a peer died, Horovod was shut down under it).
+_HOROVOD_OP = re.compile(r"Horovod(Allreduce|GroupedAllreduce|Allgather|GroupedAllgather|Broadcast|Alltoall|"
+                         r"Reducescatter|GroupedReducescatter|Join|Barrier)")
+
+
+class TensorFlowBinding:
+    """:class:`elastic_ext.binding.Binding` for ``horovod.tensorflow``."""
+
+    framework = "tensorflow"
+
+    def rank(self) -> int:
+        return hvd.rank()
+
+    def size(self) -> int:
+        return hvd.size()
+
+    def broadcast(self, array: np.ndarray, root_rank: int, name: str) -> np.ndarray:
+        return hvd.broadcast(tf.constant(array), root_rank, name=name.replace(".", "_")).numpy()
+
+    def allgather(self, array: np.ndarray, name: str) -> np.ndarray:
+        return hvd.allgather(tf.constant(array), name=name.replace(".", "_")).numpy()
+
+    def allreduce_max(self, array: np.ndarray, name: str) -> np.ndarray:
+        return hvd.allreduce(tf.constant(array), name=name.replace(".", "_"), op=hvd.Max).numpy()
+
+    def reset(self) -> None:
+        hvd.shutdown()
+        hvd.init()
+
+    def as_internal_error(self, exc: BaseException) -> Optional[BaseException]:
+        if isinstance(exc, tf.errors.OpError) and _HOROVOD_OP.search(str(exc)):
+            return HorovodInternalError(str(exc))
+        return None

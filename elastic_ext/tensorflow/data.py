@@ -1,0 +1,36 @@
+"""A ``tf.data`` source driven by the elastic cursor."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from elastic_ext.sampler import ElasticPartitioner
+
+
+class ElasticSampler(ElasticPartitioner):
+    """:class:`ElasticPartitioner` whose world is ``horovod.tensorflow``'s."""
+
+    def __init__(self, size: int, **kwargs: Any) -> None:
+        if kwargs.get("world") is None:
+            import horovod.tensorflow as hvd
+            kwargs["world"] = lambda: (hvd.rank(), hvd.size())
+        super().__init__(size, **kwargs)
+
+
+def index_dataset(sampler: ElasticPartitioner) -> tf.data.Dataset:
+    """One element per step: ``(indices int64[n], is_pad bool[n])`` for this rank.
+
+    The plan is made when iteration starts, from the sampler's cursor and the
+    world size at that moment; make a new iterator after every reset (the
+    ``@elastic_ext.run`` function does so naturally when it is called again).
+    Map it to data with ``tf.gather``; call ``sampler.record_step()`` after
+    each step.
+    """
+    def generate():
+        for indices, pad in sampler.batches():
+            yield indices.astype("int64"), pad
+
+    return tf.data.Dataset.from_generator(
+        generate, output_signature=(tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.bool)))

@@ -1,0 +1,128 @@
+"""Public seams for tests: a one-process binding and declared fault schedules.
+
+Nothing here fakes Horovod's behaviour for more than one process: the
+multi-process tests run the real ``horovodrun``. :class:`SoloBinding` is the
+exact semantics of every collective in a world of one rank, which lets unit
+tests drive ``State.sync`` and ``commit`` without launching Horovod.
+
+:class:`FaultSchedule` declares injected faults up front: which rank (or
+pid-stable slot) dies, at which step, and how (SIGKILL, SIGSTOP, SIGTERM,
+exception); each fires once, recorded in a marker file so that a restarted
+worker does not fire it again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+from typing import List, Optional
+
+import numpy as np
+
+from elastic_ext.errors import ConfigError
+
+
+class SoloBinding:
+    """Collectives of a world with a single rank (all are identities)."""
+
+    framework = "solo"
+
+    def __init__(self) -> None:
+        self.resets = 0
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 1
+
+    def broadcast(self, array: np.ndarray, root_rank: int, name: str) -> np.ndarray:
+        return np.array(array, copy=True)
+
+    def allgather(self, array: np.ndarray, name: str) -> np.ndarray:
+        return np.array(array, copy=True)
+
+    def allreduce_max(self, array: np.ndarray, name: str) -> np.ndarray:
+        return np.array(array, copy=True)
+
+    def reset(self) -> None:
+        self.resets += 1
+
+    def as_internal_error(self, exc: BaseException) -> Optional[BaseException]:
+        return None
+
+
+HOW = ("kill", "stop", "term", "exit", "raise")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """One injected fault: at ``step`` on ``rank``, do ``how``."""
+
+    rank: int
+    step: int
+    how: str = "kill"
+
+    def __post_init__(self) -> None:
+        if self.how not in HOW:
+            raise ConfigError(f"fault how ({self.how!r}) must be one of {HOW}")
+
+
+class FaultSchedule:
+    """Faults declared up front; each fires at most once per job.
+
+    Args:
+        faults: the faults.
+        marker_dir: directory where a fired fault leaves a marker file, so a
+            replayed step (after rollback) or a new process does not fire it
+            again.
+    """
+
+    def __init__(self, faults: List[Fault], marker_dir: str) -> None:
+        self.faults = list(faults)
+        self.marker_dir = marker_dir
+        os.makedirs(marker_dir, exist_ok=True)
+
+    @classmethod
+    def parse(cls, text: str, marker_dir: str) -> "FaultSchedule":
+        """Parses ``"rank:step:how,rank:step:how"`` (how defaults to kill)."""
+        faults = []
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            fields = item.split(":")
+            if len(fields) not in (2, 3):
+                raise ConfigError(f"fault {item!r} must look like RANK:STEP or RANK:STEP:HOW")
+            try:
+                rank, step = int(fields[0]), int(fields[1])
+            except ValueError:
+                raise ConfigError(f"fault {item!r}: rank and step must be integers") from None
+            faults.append(Fault(rank, step, fields[2] if len(fields) == 3 else "kill"))
+        return cls(faults, marker_dir)
+
+    def _marker(self, fault: Fault) -> str:
+        return os.path.join(self.marker_dir, f"fault-{fault.rank}-{fault.step}-{fault.how}")
+
+    def due(self, rank: int, step: int) -> Optional[Fault]:
+        for fault in self.faults:
+            if fault.rank == rank and fault.step == step and not os.path.exists(self._marker(fault)):
+                return fault
+        return None
+
+    def maybe_fire(self, rank: int, step: int) -> None:
+        """Fires the fault declared for (rank, step), once."""
+        fault = self.due(rank, step)
+        if fault is None:
+            return
+        with open(self._marker(fault), "w", encoding="utf-8") as handle:
+            json.dump({"pid": os.getpid(), **dataclasses.asdict(fault)}, handle)
+        if fault.how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.how == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif fault.how == "term":
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif fault.how == "exit":
+            os._exit(17)
+        else:
+            raise RuntimeError(f"injected fault at rank {rank} step {step}")

@@ -1,0 +1,166 @@
+"""Adapters for PyTorch objects.
+
+Tensors are copied with ``torch.Tensor.copy_`` straight into numpy-backed
+host buffers (``torch.from_numpy``), so a commit never makes a second copy on
+the accelerator and reuses the same host memory every time. Dtypes numpy
+lacks (bfloat16, float8) travel as same-width unsigned integers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import numpy as np
+import torch
+
+from elastic_ext.adapters import Capture, Entry
+from elastic_ext.errors import StateError
+from elastic_ext.tree import StatefulAdapter, join, split
+
+# torch dtypes without a numpy twin, stored bit for bit as unsigned ints
+_BIT_VIEWS = {torch.bfloat16: np.uint16}
+for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+    if hasattr(torch, _name):
+        _BIT_VIEWS[getattr(torch, _name)] = np.uint8
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    if dtype in _BIT_VIEWS:
+        return np.dtype(_BIT_VIEWS[dtype])
+    return torch.empty(0, dtype=dtype).numpy().dtype
+
+
+class TorchSource:
+    """A live tensor to be copied into a host buffer at commit time."""
+
+    def __init__(self, tensor: torch.Tensor, where: str) -> None:
+        if tensor.is_sparse or tensor.layout != torch.strided:
+            raise StateError(f"{where} is a {tensor.layout} tensor; only dense (strided) tensors can be committed")
+        try:
+            self.dtype = _numpy_dtype(tensor.dtype)
+        except TypeError:
+            raise StateError(f"{where} has dtype {tensor.dtype}, which cannot be committed") from None
+        self.tensor = tensor.detach()
+        self.shape = tuple(tensor.shape)
+
+    def copy_into(self, buffer: np.ndarray) -> None:
+        target = torch.from_numpy(buffer)
+        if self.tensor.dtype in _BIT_VIEWS:
+            target = target.view(self.tensor.dtype)
+        target.copy_(self.tensor)
+
+
+def _tag(tensor: torch.Tensor) -> dict:
+    return {"dtype": str(tensor.dtype).replace("torch.", ""), "device": str(tensor.device),
+            "requires_grad": bool(tensor.requires_grad)}
+
+
+def tensor_leaf(value: Any) -> Optional[Tuple[TorchSource, dict]]:
+    """tree.Leaf for torch tensors."""
+    if isinstance(value, torch.Tensor):
+        return TorchSource(value, "tensor"), _tag(value)
+    return None
+
+
+def host_view(array: np.ndarray, tag: dict) -> torch.Tensor:
+    """The buffer as a CPU tensor of the recorded dtype, sharing memory."""
+    # (np.ascontiguousarray would turn a 0-d array into 1-d, e.g. Adam's step)
+    tensor = torch.from_numpy(array if array.flags.c_contiguous else array.copy())
+    dtype = getattr(torch, tag["dtype"])
+    return tensor.view(dtype) if dtype in _BIT_VIEWS else tensor
+
+
+def make_tensor(array: np.ndarray, tag: dict) -> torch.Tensor:
+    """tree.Make: a fresh tensor on the recorded device (never aliasing the buffer)."""
+    tensor = host_view(array, tag)
+    device = torch.device(tag["device"])
+    tensor = tensor.clone() if device.type == "cpu" else tensor.to(device)
+    if tag.get("requires_grad"):
+        tensor.requires_grad_(True)
+    return tensor
+
+
+class ModuleAdapter:
+    """``torch.nn.Module``: its ``state_dict`` (parameters and buffers)."""
+
+    name = "torch.module"
+    framework = "torch"
+    synced = True
+
+    def handles(self, obj: Any) -> bool:
+        return isinstance(obj, torch.nn.Module)
+
+    def capture(self, obj: torch.nn.Module) -> Capture:
+        arrays, skeleton = split(obj.state_dict(), tensor_leaf)
+        return Capture(arrays=arrays, meta=skeleton)
+
+    def apply(self, obj: torch.nn.Module, entry: Entry) -> torch.nn.Module:
+        # load_state_dict copies into the existing parameters (param.copy_),
+        # so CPU views of the buffers are enough and nothing aliases them.
+        state = join(entry.meta, entry.arrays, lambda array, tag: host_view(array, tag))
+        obj.load_state_dict(state, strict=True)
+        return obj
+
+
+class TorchStatefulAdapter(StatefulAdapter):
+    """Optimizers, LR schedulers, gradient scalers and other ``state_dict`` objects.
+
+    Restored tensors are fresh copies: ``Optimizer.load_state_dict`` keeps
+    tensors that already have the right dtype and device, and an optimizer
+    step would otherwise write into the committed buffers.
+    """
+
+    name = "torch.stateful"
+    framework = "torch"
+    leaf = staticmethod(tensor_leaf)
+    make = staticmethod(make_tensor)
+
+    def handles(self, obj: Any) -> bool:
+        kinds = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)
+        scalers = tuple(c for c in (getattr(torch.amp, "GradScaler", None),
+                                    getattr(getattr(torch, "cuda", None), "amp", None) and
+                                    getattr(torch.cuda.amp, "GradScaler", None)) if c)
+        plateau = getattr(torch.optim.lr_scheduler, "ReduceLROnPlateau", None)
+        return isinstance(obj, kinds + scalers + ((plateau,) if plateau else ()))
+
+
+class TensorAdapter:
+    """A bare ``torch.Tensor`` in the state: restored in place."""
+
+    name = "torch.tensor"
+    framework = "torch"
+    synced = True
+
+    def handles(self, obj: Any) -> bool:
+        return isinstance(obj, torch.Tensor)
+
+    def capture(self, obj: torch.Tensor) -> Capture:
+        return Capture(arrays={"tensor": TorchSource(obj, "tensor")}, meta=_tag(obj))
+
+    def apply(self, obj: torch.Tensor, entry: Entry) -> torch.Tensor:
+        with torch.no_grad():
+            obj.copy_(host_view(entry.arrays["tensor"], entry.meta))
+        return obj
+
+
+class GeneratorAdapter:
+    """A ``torch.Generator``: per-rank, like every RNG stream."""
+
+    name = "torch.generator"
+    framework = "torch"
+    synced = False
+
+    def handles(self, obj: Any) -> bool:
+        return isinstance(obj, torch.Generator)
+
+    def capture(self, obj: torch.Generator) -> Capture:
+        return Capture(arrays={"state": TorchSource(obj.get_state(), "generator state")}, meta=None)
+
+    def apply(self, obj: torch.Generator, entry: Entry) -> torch.Generator:
+        obj.set_state(torch.from_numpy(entry.arrays["state"].copy()))
+        return obj
+
+
+def adapters() -> list:
+    """PyTorch adapters in lookup order (tried before the framework-free ones)."""
+    return [ModuleAdapter(), TorchStatefulAdapter(), TensorAdapter(), GeneratorAdapter()]

@@ -1,0 +1,46 @@
+"""Horovod operations for PyTorch, over host numpy arrays."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+import horovod.torch as hvd
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    # torch.from_numpy needs a writable, contiguous array; collectives read it.
+    if not array.flags.writeable or not array.flags.c_contiguous:
+        array = np.array(array, copy=True, order="C")
+    return torch.from_numpy(array)
+
+
+class TorchBinding:
+    """:class:`elastic_ext.binding.Binding` for ``horovod.torch``."""
+
+    framework = "torch"
+
+    def rank(self) -> int:
+        return hvd.rank()
+
+    def size(self) -> int:
+        return hvd.size()
+
+    def broadcast(self, array: np.ndarray, root_rank: int, name: str) -> np.ndarray:
+        return hvd.broadcast(_tensor(array), root_rank, name=name).numpy()
+
+    def allgather(self, array: np.ndarray, name: str) -> np.ndarray:
+        return hvd.allgather(_tensor(array), name=name).numpy()
+
+    def allreduce_max(self, array: np.ndarray, name: str) -> np.ndarray:
+        return hvd.allreduce(_tensor(array), name=name, op=hvd.Max).numpy()
+
+    def reset(self) -> None:
+        hvd.shutdown()
+        hvd.init()
+
+    def as_internal_error(self, exc: BaseException) -> Optional[BaseException]:
+        # horovod.torch raises HorovodInternalError itself.
+        return None

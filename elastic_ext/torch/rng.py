@@ -1,0 +1,28 @@
+"""The torch part of :class:`elastic_ext.GlobalRNG`: CPU and CUDA default generators."""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import numpy as np
+import torch
+
+from elastic_ext.adapters import Entry, NumpySource
+
+
+def capture_global() -> Tuple[Dict[str, NumpySource], dict]:
+    arrays = {"cpu": NumpySource(torch.get_rng_state().numpy().copy())}
+    cuda = 0
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for index, state in enumerate(torch.cuda.get_rng_state_all()):
+            arrays[f"cuda{index}"] = NumpySource(state.numpy().copy())
+        cuda = torch.cuda.device_count()
+    return arrays, {"cuda_devices": cuda}
+
+
+def apply_global(entry: Entry) -> None:
+    torch.set_rng_state(torch.from_numpy(np.array(entry.arrays["cpu"], copy=True)))
+    if entry.meta["cuda_devices"]:
+        states = [torch.from_numpy(np.array(entry.arrays[f"cuda{i}"], copy=True))
+                  for i in range(entry.meta["cuda_devices"])]
+        torch.cuda.set_rng_state_all(states)
