@@ -1,0 +1,183 @@
+"""The framework-neutral elastic sampler: epoch, cursor and batches from it.
+
+:class:`ElasticPartitioner` holds the committed data position (epoch and
+global cursor) and turns it into this rank's batches with
+:func:`elastic_ext.partition.plan`. Put it in the :class:`~elastic_ext.State`
+(its ``state_dict`` is plain values), call :meth:`record_step` after every
+optimizer step, and it rolls back with the weights on failure and
+re-partitions what is left on a resize. ``elastic_ext.torch.ElasticSampler``
+and ``elastic_ext.tensorflow.index_dataset`` wrap it for each framework.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterator, Optional, Tuple
+
+import numpy as np
+
+from elastic_ext import partition
+from elastic_ext.errors import PartitionError, StateDivergenceError
+
+logger = logging.getLogger(__name__)
+
+World = Callable[[], Tuple[int, int]]  # returns (rank, size)
+
+
+class ElasticPartitioner:
+    """Exactly-once, resize-aware partition of ``size`` samples per epoch.
+
+    Args:
+        size: number of samples in the dataset.
+        batch_size: samples per rank per step (the global batch then follows
+            the world size), or
+        global_batch_size: samples per step over all ranks, kept constant
+            when the world size changes (each rank takes its share).
+        micro_batch_size: with ``global_batch_size``, the most samples a rank
+            processes at once; :attr:`accumulation_steps` says how many passes.
+        seed: shuffling seed (the order depends only on seed and epoch).
+        shuffle: shuffle each epoch (identity order otherwise).
+        policy: ``"drop"`` or ``"pad"`` at the end of the epoch.
+        world: returns ``(rank, size)``; Horovod's by default.
+
+    Raises:
+        PartitionError: bad sizes or policy (message quotes the value).
+    """
+
+    def __init__(self, size: int, *, batch_size: Optional[int] = None, global_batch_size: Optional[int] = None,
+                 micro_batch_size: Optional[int] = None, seed: int = 0, shuffle: bool = True,
+                 policy: str = "drop", world: Optional[World] = None) -> None:
+        if not isinstance(size, (int, np.integer)) or size < 0:
+            raise PartitionError(f"size ({size!r}) must be an integer >= 0")
+        if (batch_size is None) == (global_batch_size is None):
+            raise PartitionError(f"give exactly one of batch_size ({batch_size!r}) and "
+                                 f"global_batch_size ({global_batch_size!r})")
+        for name, value in (("batch_size", batch_size), ("global_batch_size", global_batch_size),
+                            ("micro_batch_size", micro_batch_size)):
+            if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
+                raise PartitionError(f"{name} ({value!r}) must be an integer >= 1")
+        if micro_batch_size is not None and global_batch_size is None:
+            raise PartitionError("micro_batch_size needs global_batch_size (constant global batch)")
+        if policy not in partition.POLICIES:
+            raise PartitionError(f"policy ({policy!r}) must be one of {partition.POLICIES}")
+        if seed < 0:
+            raise PartitionError(f"seed ({seed}) must be >= 0")
+        self.size = int(size)
+        self.batch_size = batch_size
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.policy = policy
+        self._world = world
+        self.epoch = 0
+        self.cursor = 0
+        self._order: Optional[np.ndarray] = None
+        self._order_key: Optional[tuple] = None
+
+    # ------------------------------------------------------------- position
+
+    def world(self) -> Tuple[int, int]:
+        if self._world is not None:
+            return self._world()
+        from elastic_ext.binding import get_binding, guess_framework
+        binding = get_binding(guess_framework())
+        self._world = lambda: (binding.rank(), binding.size())
+        return self._world()
+
+    @property
+    def global_batch(self) -> int:
+        """Samples consumed per global step at the current world size."""
+        if self.global_batch_size is not None:
+            return self.global_batch_size
+        return self.batch_size * self.world()[1]
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Gradient-accumulation passes per step for this rank (1 without micro batches)."""
+        rank, size = self.world()
+        return partition.local_batch(self.global_batch, size, rank, self.micro_batch_size)[1]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Moves to ``epoch`` with the cursor at 0; a no-op for the current epoch,
+        so calling it again after a rollback keeps the committed position."""
+        if epoch < 0:
+            raise PartitionError(f"epoch ({epoch}) must be >= 0")
+        if epoch != self.epoch:
+            self.epoch = int(epoch)
+            self.cursor = 0
+
+    def _step_advance(self) -> int:
+        left = self.size - self.cursor
+        if left >= self.global_batch:
+            return self.global_batch
+        if self.policy == "pad" and left > 0:
+            return left
+        return 0
+
+    @property
+    def epoch_done(self) -> bool:
+        """No step is left in this epoch at the current world size."""
+        return self._step_advance() == 0
+
+    def record_step(self) -> None:
+        """Records that one global step was processed (call after each optimizer step).
+
+        Raises:
+            PartitionError: the epoch has no step left.
+        """
+        advance = self._step_advance()
+        if advance == 0:
+            raise PartitionError(f"record_step() at cursor {self.cursor} of {self.size} with global batch "
+                                 f"{self.global_batch} and policy {self.policy!r}: the epoch has no step left")
+        self.cursor += advance
+
+    # ------------------------------------------------------------- batches
+
+    def order(self) -> np.ndarray:
+        """This epoch's order, computed once per epoch and cached."""
+        key = (self.size, self.seed, self.epoch, self.shuffle)
+        if self._order_key != key:
+            self._order = partition.epoch_order(self.size, self.seed, self.epoch, self.shuffle)
+            self._order_key = key
+        return self._order
+
+    def plan(self) -> partition.Plan:
+        """This rank's steps from the cursor to the end of the epoch."""
+        rank, size = self.world()
+        return partition.plan(self.order(), self.cursor, self.global_batch, size, rank, self.policy)
+
+    def batches(self) -> Iterator[Tuple[np.ndarray, np.ndarray]]:
+        """Yields ``(indices, pad_mask)`` per step from the cursor on (planned once, at the start)."""
+        current = self.plan()
+        for step in range(current.steps):
+            yield current.indices[step], current.pad[step]
+
+    def __len__(self) -> int:
+        return self.plan().steps
+
+    def on_world_change(self) -> None:
+        """Called by ``State.reset()``; the next plan uses the new rank and size."""
+        logger.debug("world changed at epoch %d cursor %d", self.epoch, self.cursor)
+
+    # ------------------------------------------------------- committed state
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, "size": self.size, "seed": self.seed,
+                "shuffle": self.shuffle, "policy": self.policy}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores epoch and cursor.
+
+        Raises:
+            StateDivergenceError: the committed sampler was built for another
+                dataset size, seed, shuffle or policy.
+        """
+        for key in ("size", "seed", "shuffle", "policy"):
+            if state[key] != getattr(self, key):
+                raise StateDivergenceError(f"committed sampler has {key}={state[key]!r} but this rank's "
+                                           f"sampler has {key}={getattr(self, key)!r}")
+        if not 0 <= state["cursor"] <= self.size:
+            raise PartitionError(f"committed cursor ({state['cursor']}) must be in [0, {self.size}]")
+        self.epoch = int(state["epoch"])
+        self.cursor = int(state["cursor"])
