@@ -62,7 +62,7 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=description,
                                      epilog=exit_code_epilog(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--timeout-s", type=_positive_float, default=DEFAULT_TIMEOUT_S,
+    parser.add_argument("--timeout-s", type=positive_float, default=DEFAULT_TIMEOUT_S,
                         metavar="S", help="bound for the whole run, in seconds "
                         f"(default {DEFAULT_TIMEOUT_S:g}); exceeding it exits {EXIT_TIMEOUT}")
     parser.add_argument("--log-level", default="WARNING",
@@ -82,7 +82,8 @@ def positive_int(text: str) -> int:
     return value
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0."""
     try:
         value = float(text)
     except ValueError:
@@ -160,4 +161,5 @@ def _configure_logging(prog: str, level: str) -> None:
 
 
 __all__ = ["EXIT_OK", "EXIT_INTERNAL", "EXIT_INPUT", "EXIT_UNAVAILABLE", "EXIT_TIMEOUT",
-           "EXIT_CODES", "DEFAULT_TIMEOUT_S", "make_parser", "positive_int", "main"]
+           "EXIT_CODES", "DEFAULT_TIMEOUT_S", "make_parser", "positive_int", "positive_float",
+           "main"]

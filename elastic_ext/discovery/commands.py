@@ -11,7 +11,7 @@ import os
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from elastic_ext.discovery import aws, slurm, static
-from elastic_ext.discovery.cli import main, make_parser, positive_int
+from elastic_ext.discovery.cli import main, make_parser, positive_float, positive_int
 from elastic_ext.discovery.deadline import Deadline
 from elastic_ext.discovery.errors import DiscoveryInputError
 from elastic_ext.discovery.hosts import HostSlots, parse_slots
@@ -40,8 +40,9 @@ def slurm_parser() -> argparse.ArgumentParser:
                         help="do not ask Slurm for node states (no scontrol call)")
     parser.add_argument("--scontrol", default="scontrol", metavar="PATH",
                         help="scontrol executable (default: scontrol on PATH)")
-    parser.add_argument("--call-timeout-s", type=float, default=slurm.SCONTROL_TIMEOUT_S,
-                        metavar="S", help="bound for the scontrol call "
+    parser.add_argument("--call-timeout-s", type=positive_float,
+                        default=slurm.SCONTROL_TIMEOUT_S, metavar="S",
+                        help="bound for the scontrol call "
                         f"(default {slurm.SCONTROL_TIMEOUT_S:g})")
     return parser
 
@@ -113,7 +114,8 @@ def aws_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", help="AWS profile (default: $AWS_PROFILE or default)")
     parser.add_argument("--endpoint-url", metavar="URL",
                         help="EC2/Auto Scaling endpoint, e.g. a VPC endpoint")
-    parser.add_argument("--call-timeout-s", type=float, default=aws.API_TIMEOUT_S, metavar="S",
+    parser.add_argument("--call-timeout-s", type=positive_float, default=aws.API_TIMEOUT_S,
+                        metavar="S",
                         help=f"connect/read bound per API call (default {aws.API_TIMEOUT_S:g})")
     return parser
 

@@ -65,7 +65,8 @@ def host_error(value: str) -> Optional[str]:
         try:
             ipaddress.IPv6Address(value)
         except ValueError:
-            return f"host {shown} contains ':' (Horovod splits each line on ':' into host and slots)"
+            return (f"host {shown} contains ':' "
+                    "(Horovod splits each line on ':' into host and slots)")
         return (f"host {shown} is an IPv6 address; Horovod 0.28.1 splits discovery lines and "
                 "rendezvous keys on ':', so IPv6 cannot be used: emit a hostname instead")
     if _DOTTED_NUMERIC_RE.match(value):

@@ -23,6 +23,9 @@ STOP_TIMEOUT_S = 5.0
 CLIENT_TIMEOUT_S = 10.0
 LIVE_NODES = ("node01", "node02")
 DEAD_NODES = ("node03", "node04")
+# Two spellings of this machine: with `slurm.py --address addr` horovodrun sees
+# two hosts (both local), so an elastic job can shrink to one and grow back.
+NODE_ADDRS = ("localhost", "127.0.0.1")
 NODE_CPUS = 2
 
 
@@ -84,8 +87,8 @@ class SlurmCluster:
             "MpiDefault=none", "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none", "JobCompType=jobcomp/none",
         ]
-        for node in LIVE_NODES:
-            lines.append(f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 "
+        for node, addr in zip(LIVE_NODES, NODE_ADDRS):
+            lines.append(f"NodeName={node} NodeHostname={host} NodeAddr={addr} "
                          f"Port={_free_port()} CPUs={NODE_CPUS} RealMemory=1000")
         for node in DEAD_NODES:
             lines.append(f"NodeName={node} NodeAddr=127.0.0.1 Port={_free_port()} "

@@ -6,7 +6,11 @@ reports them DOWN. Tests that drain a node resume it before they end.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +21,14 @@ from elastic_ext.discovery.cli import EXIT_INPUT, EXIT_OK, EXIT_TIMEOUT, EXIT_UN
 pytestmark = pytest.mark.timeout(90)
 
 RESUME_TIMEOUT_S = 25.0
+SLURM_SCRIPT = Path(__file__).resolve().parents[2] / "host_discovery" / "slurm.py"
+
+
+def run_in_cluster(cluster, argv):
+    """Run a Slurm client command (salloc ...) against the test cluster."""
+    env = dict(cluster.env)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
 
 
 def job_env(cluster, nodelist="node[01-04]", tasks="2(x2),4(x2)"):
@@ -25,29 +37,10 @@ def job_env(cluster, nodelist="node[01-04]", tasks="2(x2),4(x2)"):
                 SLURM_JOB_CPUS_PER_NODE="2(x2),4(x2)")
 
 
-def test_inside_a_real_allocation_prints_its_nodes_and_task_slots(slurm_cluster, run_script):
-    proc = slurm_cluster_salloc(slurm_cluster, run_script, "-N2", "-n3")
+def test_inside_a_real_allocation_prints_its_nodes_and_task_slots(slurm_cluster):
+    proc = run_in_cluster(slurm_cluster, ["salloc", "-N2", "-n3", "--", str(SLURM_SCRIPT)])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "node01:2\nnode02:1\n"
-
-
-def slurm_cluster_salloc(cluster, run_script, *salloc_args, script_args=()):
-    """Run the script as the command of a real ``salloc`` allocation."""
-    from conftest import SCRIPTS
-
-    return run_script_via(cluster, ["salloc", *salloc_args, "--",
-                                    str(SCRIPTS / "slurm.py"), *script_args])
-
-
-def run_script_via(cluster, argv):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = dict(cluster.env)
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
 
 
 def test_down_nodes_without_daemon_are_left_out(slurm_cluster, run_script):
@@ -84,15 +77,14 @@ def test_drained_node_leaves_and_returns_when_slurm_says_healthy(slurm_cluster, 
 
 def test_node_drained_while_a_job_runs_on_it_is_left_out(slurm_cluster):
     """DRAINING (ALLOCATED+DRAIN) inside a real allocation."""
-    from conftest import SCRIPTS
-
     script = (f"scontrol update NodeName=node02 State=DRAIN Reason=discovery-test && "
-              f"sinfo -h -N -n node02 -o %T >&2; {SCRIPTS / 'slurm.py'}; rc=$?; "
+              f"sinfo -h -N -n node02 -o %T >&2; {SLURM_SCRIPT}; rc=$?; "
               f"scontrol update NodeName=node02 State=RESUME; exit $rc")
     try:
-        proc = run_script_via(slurm_cluster, ["salloc", "-N2", "-n4", "--", "bash", "-c", script])
+        proc = run_in_cluster(slurm_cluster, ["salloc", "-N2", "-n4", "--", "bash", "-c", script])
     finally:
-        slurm_cluster.resume("node02") if slurm_cluster.state("node02") != "idle" else None
+        if "drain" in slurm_cluster.state("node02"):
+            slurm_cluster.resume("node02")
     assert proc.returncode == 0, proc.stderr
     assert "draining" in proc.stderr
     assert proc.stdout == "node01:2\n"
@@ -102,11 +94,12 @@ def test_node_drained_while_a_job_runs_on_it_is_left_out(slurm_cluster):
 def test_library_reports_states_and_addresses(slurm_cluster):
     nodes = slurm.query_nodes(["node01", "node03"], Deadline(5), slurm_cluster.env)
     assert nodes["node01"].unhealthy_reason() is None
-    assert nodes["node01"].addr == "127.0.0.1"
+    assert nodes["node01"].addr == "localhost"
     assert "DOWN" in nodes["node03"].unhealthy_reason()
-    hosts = slurm.discover(job_env(slurm_cluster, "node01", "3"), Deadline(5),
+    hosts = slurm.discover(job_env(slurm_cluster, "node[01-02]", "3,1"), Deadline(5),
                            address=slurm.Address.ADDR)
-    assert [(h.host, h.slots) for h in hosts] == [("127.0.0.1", 3)]
+    # Two distinct local addresses, so horovodrun can treat them as two hosts.
+    assert [(h.host, h.slots) for h in hosts] == [("localhost", 3), ("127.0.0.1", 1)]
 
 
 def test_unknown_node_is_dropped_with_a_warning(slurm_cluster, run_script):
