@@ -17,6 +17,8 @@ import urllib.request
 from pathlib import Path
 from typing import Dict, Optional
 
+from procs import die_with_parent
+
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 5.0
 REGION = "us-east-1"
@@ -55,7 +57,7 @@ class MotoServer:
             self._proc = subprocess.Popen([str(exe), "-H", "127.0.0.1", "-p", str(self.port)],
                                           stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                           env=dict(os.environ, **FAKE_AWS_ENV),
-                                          start_new_session=True)
+                                          start_new_session=True, preexec_fn=die_with_parent)
         end = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < end:
             if self._proc.poll() is not None:

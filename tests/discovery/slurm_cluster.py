@@ -4,19 +4,22 @@ Starts munged (as the ``munge`` user), one slurmctld and two slurmd
 (node01, node02, one port each) from the Debian packages. node03 and node04
 are configured but have no daemon, so Slurm reports them down. See
 shared/notes/slurm.md for why each setting is there. Everything is stopped
-by PID, with SIGKILL after a bound.
+by PID, with SIGKILL after a bound; slurmctld and slurmd also die with the
+test process (see procs.py). munged may outlive it: it is shared by every
+cluster on the machine and reused by the next run.
 """
 
 from __future__ import annotations
 
 import os
 import pwd
-import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
+
+from procs import die_with_parent, terminate
 
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 5.0
@@ -65,7 +68,7 @@ class SlurmCluster:
         # munged may serve other clusters on the machine; only stop one we started.
         if self._munged_pid is not None:
             pids.append(self._munged_pid)
-        terminate(pids)
+        terminate(pids, STOP_TIMEOUT_S)
         self._pids.clear()
         self._munged_pid = None
 
@@ -116,7 +119,8 @@ class SlurmCluster:
     def _spawn(self, argv: List[str], name: str) -> None:
         log = open(self.root / "log" / f"{name}.out", "wb")
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                env=self.env, start_new_session=True)
+                                env=self.env, start_new_session=True,
+                                preexec_fn=die_with_parent)
         log.close()
         self._pids.append(proc.pid)
         time.sleep(0.05)
@@ -160,35 +164,3 @@ class SlurmCluster:
 
     def resume(self, node: str) -> None:
         self.scontrol("update", f"NodeName={node}", "State=RESUME")
-
-
-def terminate(pids: List[int]) -> None:
-    """SIGTERM every PID, then SIGKILL those still alive after STOP_TIMEOUT_S."""
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    end = time.monotonic() + STOP_TIMEOUT_S
-    while time.monotonic() < end and any(_alive(pid) for pid in pids):
-        time.sleep(0.05)
-    for pid in pids:
-        if _alive(pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-def _alive(pid: int) -> bool:
-    """True while ``pid`` runs; reaps it first if it is our exited child."""
-    try:
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
-            return False
-    except ChildProcessError:
-        pass  # not our child (munged forked away from us)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True

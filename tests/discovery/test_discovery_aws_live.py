@@ -21,7 +21,8 @@ from elastic_ext.discovery import aws
 from elastic_ext.discovery.cli import EXIT_INPUT, EXIT_OK, EXIT_TIMEOUT, EXIT_UNAVAILABLE
 from moto_server import FAKE_AWS_ENV, free_port
 
-pytestmark = pytest.mark.timeout(60)
+# "signal" raises in the test, so fixture teardown still stops the daemons.
+pytestmark = pytest.mark.timeout(60, method="signal")
 
 AMI = "ami-12c6146b"  # one of moto's built-in images
 

@@ -18,7 +18,8 @@ from elastic_ext.discovery import Deadline, DiscoveryInputError, DiscoveryTimeou
 from elastic_ext.discovery import slurm
 from elastic_ext.discovery.cli import EXIT_INPUT, EXIT_OK, EXIT_TIMEOUT, EXIT_UNAVAILABLE
 
-pytestmark = pytest.mark.timeout(90)
+# "signal" raises in the test, so fixture teardown still stops the daemons.
+pytestmark = pytest.mark.timeout(90, method="signal")
 
 RESUME_TIMEOUT_S = 25.0
 SLURM_SCRIPT = Path(__file__).resolve().parents[2] / "host_discovery" / "slurm.py"
