@@ -67,6 +67,7 @@ def run(func: Optional[F] = None) -> Any:
                         state.sync()
                     if pending is not None:
                         pending["size"] = binding.size()
+                        pending["generation"] = state.generation
                         pending["recovery_s"] = time.perf_counter() - pending.pop("_t0")
                         events.emit("recovered", **pending)
                         pending = None

@@ -393,6 +393,10 @@ class State:
         """Called by Horovod's notification service (on the coordinator)."""
         self._host_messages.put((timestamp, int(update_res)))
 
+    def host_update_pending(self) -> bool:
+        """True if Horovod has announced a host change this rank has not acted on yet."""
+        return not self._host_messages.empty()
+
     def check_host_updates(self) -> None:
         """Raises ``HostsUpdatedInterrupt`` on every rank together if hosts changed.
 

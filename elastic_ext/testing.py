@@ -57,17 +57,28 @@ class SoloBinding:
 HOW = ("kill", "stop", "term", "exit", "raise")
 
 
+WHERE = ("step", "allreduce", "commit")
+
+
 @dataclasses.dataclass(frozen=True)
 class Fault:
-    """One injected fault: at ``step`` on ``rank``, do ``how``."""
+    """One injected fault: on ``rank`` at ``step``, at point ``where``, do ``how``.
+
+    ``where`` names the point in a step that the training script reaches:
+    ``step`` (before the forward pass), ``allreduce`` (a collective is in
+    flight) or ``commit`` (in the middle of copying the state).
+    """
 
     rank: int
     step: int
     how: str = "kill"
+    where: str = "step"
 
     def __post_init__(self) -> None:
         if self.how not in HOW:
             raise ConfigError(f"fault how ({self.how!r}) must be one of {HOW}")
+        if self.where not in WHERE:
+            raise ConfigError(f"fault where ({self.where!r}) must be one of {WHERE}")
 
 
 class FaultSchedule:
@@ -87,31 +98,32 @@ class FaultSchedule:
 
     @classmethod
     def parse(cls, text: str, marker_dir: str) -> "FaultSchedule":
-        """Parses ``"rank:step:how,rank:step:how"`` (how defaults to kill)."""
+        """Parses ``"RANK:STEP[:HOW[:WHERE]],..."`` (HOW defaults to kill, WHERE to step)."""
         faults = []
         for item in filter(None, (part.strip() for part in text.split(","))):
             fields = item.split(":")
-            if len(fields) not in (2, 3):
-                raise ConfigError(f"fault {item!r} must look like RANK:STEP or RANK:STEP:HOW")
+            if len(fields) not in (2, 3, 4):
+                raise ConfigError(f"fault {item!r} must look like RANK:STEP[:HOW[:WHERE]]")
             try:
                 rank, step = int(fields[0]), int(fields[1])
             except ValueError:
                 raise ConfigError(f"fault {item!r}: rank and step must be integers") from None
-            faults.append(Fault(rank, step, fields[2] if len(fields) == 3 else "kill"))
+            faults.append(Fault(rank, step, *fields[2:]))
         return cls(faults, marker_dir)
 
     def _marker(self, fault: Fault) -> str:
-        return os.path.join(self.marker_dir, f"fault-{fault.rank}-{fault.step}-{fault.how}")
+        return os.path.join(self.marker_dir, f"fault-{fault.rank}-{fault.step}-{fault.how}-{fault.where}")
 
-    def due(self, rank: int, step: int) -> Optional[Fault]:
+    def due(self, rank: int, step: int, where: str = "step") -> Optional[Fault]:
         for fault in self.faults:
-            if fault.rank == rank and fault.step == step and not os.path.exists(self._marker(fault)):
+            if (fault.rank, fault.step, fault.where) == (rank, step, where) and \
+                    not os.path.exists(self._marker(fault)):
                 return fault
         return None
 
-    def maybe_fire(self, rank: int, step: int) -> None:
-        """Fires the fault declared for (rank, step), once."""
-        fault = self.due(rank, step)
+    def maybe_fire(self, rank: int, step: int, where: str = "step") -> None:
+        """Fires the fault declared for (rank, step, where), once."""
+        fault = self.due(rank, step, where)
         if fault is None:
             return
         with open(self._marker(fault), "w", encoding="utf-8") as handle:

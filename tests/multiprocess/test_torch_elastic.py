@@ -1,0 +1,78 @@
+"""PyTorch under @elastic_ext.run with real horovodrun on two pseudo-hosts."""
+
+import os
+
+import pytest
+
+from elastic_ext import ledger
+from tests.multiprocess import analysis, launch
+
+DIGITS = 1797
+EPOCHS = 2
+COMMIT_EVERY = 4
+HOSTS = ["localhost:2", "127.0.0.1:2"]
+
+
+def run_elastic(tmp_path, name, *worker_args, np_=4, hosts=HOSTS, timeout_s=240, env=None):
+    out = tmp_path / name
+    out.mkdir()
+    hosts_file = str(out / "hosts")
+    launch.write_hosts(hosts_file, hosts)
+    cmd = launch.elastic_cmd(np_, 2, 4, hosts_file, "train_torch.py", "--out", str(out),
+                             "--epochs", str(EPOCHS), "--commit-every", str(COMMIT_EVERY), *worker_args)
+    code, output = launch.run(cmd, launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl"), **(env or {})),
+                              str(out / "horovodrun.log"), timeout_s)
+    assert code == 0, output[-5000:]
+    return out
+
+
+def run_plain(tmp_path, name, *worker_args, np_=2):
+    out = tmp_path / name
+    out.mkdir()
+    cmd = launch.static_cmd(np_, "train_torch.py", "--out", str(out), "--mode", "plain",
+                            "--epochs", str(EPOCHS), "--commit-every", str(COMMIT_EVERY), *worker_args)
+    code, output = launch.run(cmd, launch.base_env(), str(out / "horovodrun.log"), 180)
+    assert code == 0, output[-5000:]
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("optimizer", ["adam", "adamw", "sgd"])
+def test_failure_free_elastic_equals_plain_horovod(tmp_path, optimizer):
+    elastic = run_elastic(tmp_path, "elastic", "--optimizer", optimizer, np_=2, hosts=["localhost:2"])
+    plain = run_plain(tmp_path, "plain", "--optimizer", optimizer)
+    finals_e, finals_p = analysis.load_finals(elastic), analysis.load_finals(plain)
+    analysis.assert_ranks_identical(finals_e)
+    assert sorted(finals_e) == sorted(finals_p) == [0, 1]
+    analysis.assert_bitwise_equal(finals_e[0], finals_p[0], f"elastic vs plain ({optimizer})")
+    analysis.assert_exactly_once(elastic, DIGITS, EPOCHS)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("where, kill_step, resumes_at", [
+    ("step", 10, 8),        # between commits: back to commit 8
+    ("allreduce", 10, 8),   # a gradient allreduce in flight
+    ("commit", 12, 12),     # while commit 12 copies: survivors hold 12, nothing is lost
+])
+def test_sigkill_rolls_back_and_matches_a_failure_free_run(tmp_path, where, kill_step, resumes_at):
+    # Rank 3 lives on the second pseudo-host; Horovod blacklists that host, so 4 -> 2 workers.
+    failed = run_elastic(tmp_path, "failed", "--optimizer", "adam", "--faults", f"3:{kill_step}:kill:{where}")
+    events = analysis.read_events(str(failed / "events.jsonl"))
+    rollbacks = [e for e in events if e["event"] == "rollback"]
+    assert rollbacks, "the SIGKILL did not cause a rollback"
+    analysis.assert_exactly_once(failed, DIGITS, EPOCHS)
+    analysis.assert_no_step_went_back_past_a_commit(failed, COMMIT_EVERY)
+    starts = ledger.starts(ledger.read(str(failed)))
+    assert starts[2][2] == resumes_at, f"resumed at step {starts[2][2]}, expected {resumes_at}"
+    finals = analysis.load_finals(failed)
+    assert sorted(finals) == [0, 1], "expected the job to end on the two workers of the first host"
+    analysis.assert_ranks_identical(finals)
+
+    # The same world-size schedule without a failure: 4 workers until commit
+    # `resumes_at`, then the second host leaves gracefully.
+    hosts_file = tmp_path / "reference" / "hosts"
+    reference = run_elastic(tmp_path, "reference", "--optimizer", "adam",
+                            "--resize-at", f"{resumes_at}:{hosts_file}:localhost:2")
+    ref_events = analysis.read_events(str(reference / "events.jsonl"))
+    assert not [e for e in ref_events if e["event"] == "rollback"], "the reference run must not roll back"
+    analysis.assert_bitwise_equal(finals[0], analysis.load_finals(reference)[0], "failed run vs reference")

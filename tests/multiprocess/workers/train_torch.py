@@ -1,0 +1,190 @@
+"""Test worker: elastic (or plain) PyTorch training on scikit-learn's digits.
+
+Writes, under --out: steps-<pid>.jsonl (every step: generation, epoch,
+cursor, rank, size, sample indices), final-<rank>.npz (weights and optimizer
+state at the end), and recovery events (ELASTIC_EXT_EVENTS_PATH).
+Faults come from --faults "RANK:STEP:HOW[:WHERE]" (WHERE: step, allreduce,
+commit) and fire once each.
+"""
+
+import argparse
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import torch
+from sklearn.datasets import load_digits
+
+import horovod.torch as hvd
+
+import elastic_ext
+from elastic_ext.adapters import Capture
+from elastic_ext.ledger import Ledger
+from elastic_ext.testing import FaultSchedule
+from elastic_ext.torch import ElasticSampler
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--mode", choices=["elastic", "plain"], default="elastic")
+p.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam")
+p.add_argument("--epochs", type=int, default=2)
+p.add_argument("--global-batch", type=int, default=64)
+p.add_argument("--commit-every", type=int, default=4)
+p.add_argument("--faults", default="")
+p.add_argument("--step-sleep-s", type=float, default=0.0)
+p.add_argument("--slow", default="", help="RANK:FROM:TO:FACTOR slows one rank's steps")
+p.add_argument("--resize-at", default="", help="STEP:HOSTFILE:LINES  (rank 0 rewrites the host file at that "
+                                               "commit and waits for Horovod's notice: a deterministic resize)")
+args = p.parse_args()
+
+torch.set_num_threads(1)
+hvd.init()
+faults = FaultSchedule.parse(args.faults, os.path.join(args.out, "faults"))
+
+digits = load_digits()
+X = torch.tensor(digits.data / 16.0, dtype=torch.float32)
+Y = torch.tensor(digits.target, dtype=torch.int64)
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+if args.optimizer == "adam":
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+elif args.optimizer == "adamw":
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.05)
+else:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+sampler = ElasticSampler(len(X), global_batch_size=args.global_batch, seed=1, policy="pad")
+book = Ledger(args.out)
+
+
+class CommitFault:
+    """Part of the state whose copy fires the fault declared for WHERE=commit."""
+
+    name, synced = "commit_fault", True
+
+    def __init__(self):
+        self.step = None
+
+    def handles(self, obj):
+        return obj is commit_probe
+
+    def capture(self, obj):
+        class Source:
+            shape, dtype = (1,), np.dtype(np.int64)
+
+            def copy_into(self_inner, buffer):
+                if obj.step is not None:
+                    faults.maybe_fire(hvd.rank(), obj.step, where="commit")
+                buffer[0] = obj.step or 0
+        return Capture(arrays={"probe": Source()}, meta=None)
+
+    def apply(self, obj, entry):
+        return obj
+
+
+commit_probe = CommitFault()
+
+
+def allreduce_gradients(step):
+    handles = [hvd.allreduce_async_(p.grad, name=f"grad.{i}", op=hvd.Sum) for i, p in enumerate(model.parameters())]
+    faults.maybe_fire(hvd.rank(), step, where="allreduce")  # a collective is in flight here
+    for handle in handles:
+        hvd.synchronize(handle)
+
+
+def train_step(state, indices, pad):
+    keep = torch.tensor(~pad)
+    x, y = X[torch.from_numpy(indices.astype(np.int64))], Y[torch.from_numpy(indices.astype(np.int64))]
+    losses = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+    # Sum over this rank's real samples / global batch, summed over ranks:
+    # the global mean whatever the world size.
+    loss = (losses * keep).sum() / args.global_batch
+    optimizer.zero_grad()
+    loss.backward()
+    allreduce_gradients(state.step)
+    optimizer.step()
+
+
+def maybe_resize(state):
+    if not args.resize_at:
+        return
+    step, path, lines = args.resize_at.split(":", 2)
+    if state.step != int(step) or hvd.rank() != 0 or os.path.exists(path + ".done"):
+        return
+    with open(path, "w") as handle:
+        handle.write(lines.replace(",", "\n") + "\n")
+    open(path + ".done", "w").close()
+    deadline = time.time() + 60
+    while not state.host_update_pending() and time.time() < deadline:
+        time.sleep(0.05)
+
+
+def slow_factor(state):
+    if not args.slow:
+        return 1.0
+    rank, start, stop, factor = args.slow.split(":")
+    return float(factor) if hvd.rank() == int(rank) and int(start) <= state.step < int(stop) else 1.0
+
+
+def train(state):
+    book.start(state.generation, sampler.epoch, sampler.cursor, state.step, hvd.rank(), hvd.size())
+    while state.epoch < args.epochs:
+        sampler.set_epoch(state.epoch)
+        for indices, pad in sampler.batches():
+            faults.maybe_fire(hvd.rank(), state.step, where="step")
+            book.step(state.generation, sampler.epoch, sampler.cursor, state.step, hvd.rank(), hvd.size(),
+                      indices[~pad], int(pad.sum()))
+            if os.environ.get("TRAIN_DEBUG_CRC"):
+                import zlib
+                crc = zlib.crc32(b"".join(v.numpy().tobytes() for v in model.state_dict().values()))
+                ocrc = zlib.crc32(b"".join(v.numpy().tobytes() for st in optimizer.state_dict()["state"].values()
+                                           for v in st.values()))
+                print("CRC", state.step, hvd.size(), hvd.rank(), crc, ocrc, flush=True)
+            train_step(state, indices, pad)
+            if args.step_sleep_s:
+                time.sleep(args.step_sleep_s * slow_factor(state))
+            sampler.record_step()
+            state.step += 1
+            if state.step % args.commit_every == 0:
+                commit_probe.step = state.step
+                maybe_resize(state)
+                state.commit()
+                commit_probe.step = None
+        state.epoch += 1
+    state.commit()
+
+
+def save_final():
+    arrays = {f"model/{k}": v.numpy() for k, v in model.state_dict().items()}
+    for pid, st in optimizer.state_dict()["state"].items():
+        for k, v in st.items():
+            arrays[f"opt/{pid}/{k}"] = v.numpy() if torch.is_tensor(v) else np.asarray(v)
+    np.savez(os.path.join(args.out, f"final-{hvd.rank()}.npz"), **arrays)
+    with open(os.path.join(args.out, f"final-{hvd.rank()}.json"), "w") as handle:
+        json.dump({"step": state_step[0], "size": hvd.size(), "epoch": sampler.epoch}, handle)
+
+
+state_step = [0]
+if args.mode == "elastic":
+    state = elastic_ext.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0,
+                              commit_probe=commit_probe, adapters=[commit_probe])
+    elastic_ext.run(train)(state)
+    state_step[0] = state.step
+else:
+    # The same training without elastic: what a user would write with plain Horovod.
+    class Plain:
+        epoch, step, generation = 0, 0, 1
+
+        def commit(self):
+            pass
+
+        def host_update_pending(self):
+            return False
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    plain = Plain()
+    train(plain)
+    state_step[0] = plain.step
+save_final()
+book.end(state_step[0], hvd.rank(), hvd.size())
