@@ -18,6 +18,11 @@ ENV_EVENTS_PATH = "ELASTIC_EXT_EVENTS_PATH"
 ENV_VERIFY_SYNC = "ELASTIC_EXT_VERIFY_SYNC"
 ENV_COMMIT_BUFFERS = "ELASTIC_EXT_COMMIT_BUFFERS"
 ENV_LOG_COMMITS = "ELASTIC_EXT_LOG_COMMITS"
+ENV_CHECKPOINT_DIR = "ELASTIC_EXT_CHECKPOINT_DIR"
+ENV_CHECKPOINT_EVERY = "ELASTIC_EXT_CHECKPOINT_EVERY"
+ENV_CHECKPOINT_KEEP_LAST = "ELASTIC_EXT_CHECKPOINT_KEEP_LAST"
+ENV_CHECKPOINT_KEEP_EVERY = "ELASTIC_EXT_CHECKPOINT_KEEP_EVERY"
+ENV_CHECKPOINT_WAIT_S = "ELASTIC_EXT_CHECKPOINT_WAIT_S"
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -39,6 +44,13 @@ def _parse_int(name: str, text: str) -> int:
         raise ConfigError(f"{name} ({text!r}) must be an integer") from None
 
 
+def _parse_float(name: str, text: str) -> float:
+    try:
+        return float(text.strip())
+    except ValueError:
+        raise ConfigError(f"{name} ({text!r}) must be a number") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class ElasticConfig:
     """Settings of the committed state and the ``run`` decorator.
@@ -58,6 +70,19 @@ class ElasticConfig:
             buffer and swaps, so even an interrupted copy leaves the previous
             commit intact, at the price of a second host copy.
         log_commits: also write an event for every commit (chatty).
+        checkpoint_dir: directory (or fsspec URL) for durable checkpoints of
+            the committed state, written in the background by rank 0 (see
+            :mod:`elastic_ext.checkpoint`); a fresh job resumes from the
+            newest valid one. ``None`` turns durable checkpoints off.
+        checkpoint_every: write a checkpoint every this many commits (by
+            commit id).
+        checkpoint_keep_last: keep the newest this many checkpoints.
+        checkpoint_keep_every: also keep every checkpoint whose commit id is
+            a multiple of this; 0 keeps no extra ones.
+        checkpoint_wait_s: the longest a commit waits for the previous
+            checkpoint write to finish when the next one is due; if it is
+            still running then, this commit's checkpoint is skipped (logged)
+            and the next commit is checkpointed instead.
 
     Raises:
         ConfigError: a value is out of range or an environment variable does
@@ -69,6 +94,11 @@ class ElasticConfig:
     verify_sync: bool = True
     commit_buffers: int = 1
     log_commits: bool = False
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 1
+    checkpoint_keep_last: int = 3
+    checkpoint_keep_every: int = 0
+    checkpoint_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.rollback_limit, int) or self.rollback_limit < 0:
@@ -77,6 +107,19 @@ class ElasticConfig:
             raise ConfigError(f"commit_buffers ({self.commit_buffers!r}) must be 1 or 2")
         if self.events_path is not None and not str(self.events_path).strip():
             raise ConfigError(f"events_path ({self.events_path!r}) must be a non-empty path or None")
+        self._validate_checkpoint()
+
+    def _validate_checkpoint(self) -> None:
+        if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str)
+                                                or not self.checkpoint_dir.strip()):
+            raise ConfigError(f"checkpoint_dir ({self.checkpoint_dir!r}) must be a non-empty path or None")
+        for name, low in (("checkpoint_every", 1), ("checkpoint_keep_last", 1), ("checkpoint_keep_every", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"{name} ({value!r}) must be an integer >= {low}")
+        wait = self.checkpoint_wait_s
+        if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 <= wait < float("inf"):
+            raise ConfigError(f"checkpoint_wait_s ({wait!r}) must be a finite number >= 0")
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides: Any) -> "ElasticConfig":
@@ -97,5 +140,14 @@ class ElasticConfig:
             values["commit_buffers"] = _parse_int(ENV_COMMIT_BUFFERS, env[ENV_COMMIT_BUFFERS])
         if ENV_LOG_COMMITS in env:
             values["log_commits"] = _parse_bool(ENV_LOG_COMMITS, env[ENV_LOG_COMMITS])
+        if env.get(ENV_CHECKPOINT_DIR):
+            values["checkpoint_dir"] = env[ENV_CHECKPOINT_DIR]
+        for field, var in (("checkpoint_every", ENV_CHECKPOINT_EVERY),
+                           ("checkpoint_keep_last", ENV_CHECKPOINT_KEEP_LAST),
+                           ("checkpoint_keep_every", ENV_CHECKPOINT_KEEP_EVERY)):
+            if var in env:
+                values[field] = _parse_int(var, env[var])
+        if ENV_CHECKPOINT_WAIT_S in env:
+            values["checkpoint_wait_s"] = _parse_float(ENV_CHECKPOINT_WAIT_S, env[ENV_CHECKPOINT_WAIT_S])
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
