@@ -22,6 +22,12 @@ Commit protocol (why it is safe under failures):
    N+1, so after a failure the surviving ranks hold ids that differ by at
    most one, and the newest is a consistent state (its step's allreduce
    completed). ``sync()`` picks it, so nobody goes back past its own commit.
+
+Durable checkpoints (``config.checkpoint_dir``, see :mod:`elastic_ext.checkpoint`):
+once a commit is agreed (step 3), rank 0 hands its synced buffers to a
+background writer; later commits copy into other buffers until the write is
+done. A sync with no survivors (a fresh job) loads the newest valid
+checkpoint on the root before broadcasting it.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from elastic_ext import adapters as _adapters
 from elastic_ext.adapters import Adapter, Capture, Entry
 from elastic_ext.binding import Binding, broadcast_arrays, broadcast_json, get_binding, guess_framework
 from elastic_ext.config import ElasticConfig
-from elastic_ext.errors import NotCommittedError, StateDivergenceError, StateError
+from elastic_ext.errors import CheckpointError, NotCommittedError, StateDivergenceError, StateError
 from elastic_ext.events import EventLog
 
 logger = logging.getLogger(__name__)
@@ -48,7 +54,8 @@ _HOSTS_REMOVED = 1
 _HOSTS_ADDED = 2
 
 _RESERVED = {"commit", "restore", "sync", "reset", "on_reset", "on_hosts_updated", "check_host_updates",
-             "register_reset_callbacks", "commit_id", "objects", "config", "binding", "events", "save"}
+             "register_reset_callbacks", "commit_id", "objects", "config", "binding", "events", "save",
+             "wait_for_checkpoint"}
 
 
 class State:
@@ -123,6 +130,11 @@ class State:
         s(self, "_rollbacks_without_progress", 0)
         s(self, "_rollback_commit_id", -1)
         s(self, "_events", EventLog(self._config.events_path, binding.rank, binding.size))
+        s(self, "_checkpointer", None)
+        if self._config.checkpoint_dir is not None:
+            from elastic_ext.checkpoint import Checkpointer
+            s(self, "_checkpointer", Checkpointer(self._config, self._events.emit,
+                                                  lambda: (self._entries, self._spare)))
 
     # ------------------------------------------------------------ attributes
 
@@ -198,12 +210,23 @@ class State:
         if self._config.log_commits:
             self._events.emit("commit", commit_id=self._commit_id,
                               duration_s=time.perf_counter() - started)
-        self.check_host_updates()
+        if self._checkpointer is None:
+            self.check_host_updates()
+            return
+        try:
+            self.check_host_updates()
+        except Exception as exc:
+            if type(exc).__name__ == "HostsUpdatedInterrupt":  # the commit is agreed all the same
+                self._checkpoint_commit()
+            raise
+        self._checkpoint_commit()
 
     def save(self) -> None:
         """The local half of :meth:`commit`: snapshot without any collective."""
         captures = self._capture_all()
         base = self._entries if self._config.commit_buffers == 1 else self._spare
+        if self._checkpointer is not None:
+            base = self._checkpointer.writable(base)  # never overwrite what a checkpoint write reads
         plan, entries = _plan_copy(captures, base)
         if self._config.commit_buffers == 1:
             # From here on the buffers of the previous commit are being overwritten.
@@ -286,7 +309,17 @@ class State:
         mine = np.array([[self._commit_id, int(self._participated), digest]], dtype=np.int64)
         table = b.allgather(mine, "elastic_ext.sync.ids")
         root, target = _choose_root(table, self._config.verify_sync)
-        meta = broadcast_json(b, self._sync_meta(), root, "elastic_ext.sync.meta")
+        resume_error = None
+        if self._checkpointer is not None and not table[:, 1].any() and b.rank() == root:
+            resume_error = self._resume_from_checkpoint()
+        meta = self._sync_meta()
+        if self._checkpointer is not None:
+            meta["resume_error"] = resume_error
+        meta = broadcast_json(b, meta, root, "elastic_ext.sync.meta")
+        if meta.get("resume_error"):  # raised on every rank together, so none waits in a broadcast
+            raise CheckpointError(meta["resume_error"])
+        if "resume_error" in meta:
+            target = int(meta["commit_id"])  # the checkpoint a fresh job resumed from, if any
         arrays = broadcast_arrays(b, self._synced_arrays(), meta["layout"], root, "elastic_ext.sync.arrays")
         up_to_date = (self._participated and self._commit_id == target
                       and (not self._config.verify_sync or digest == int(table[root, 2])))
@@ -346,6 +379,8 @@ class State:
             prefix = name + "/"
             received = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
             old = self._entries.get(name)
+            if self._checkpointer is not None and self._checkpointer.is_leased(old):
+                old = None  # a checkpoint write is reading those buffers
             entry_arrays = {}
             for key, value in received.items():
                 buffer = old.arrays.get(key) if old is not None else None
@@ -369,6 +404,64 @@ class State:
                 crc = zlib.crc32(f"{key}:{array.dtype.str}:{array.shape}".encode(), crc)
                 crc = zlib.crc32(np.ascontiguousarray(array).view(np.uint8).data, crc)
         return crc
+
+    # --------------------------------------------------- durable checkpoints
+
+    def wait_for_checkpoint(self, timeout_s: Optional[float] = None) -> Optional[int]:
+        """Waits (at most ``timeout_s``) for the running checkpoint write; returns the
+        newest commit id this process wrote or resumed from, or None.
+
+        Call it before the script exits to make the last checkpoint durable.
+        A no-op without ``checkpoint_dir`` and on ranks that do not write.
+        """
+        if self._checkpointer is None:
+            return None
+        self._checkpointer.wait(timeout_s)
+        return self._checkpointer.last_written
+
+    def _checkpoint_commit(self) -> None:
+        """Rank 0 hands the agreed commit's synced buffers to the background writer."""
+        if self._safe_rank() != 0 or not self._checkpointer.due(self._commit_id):
+            return
+        from elastic_ext.sampler import ElasticPartitioner
+        from elastic_ext.tree import join
+        names = self._synced_names()
+        cursors = {name: {k: v for k, v in join(self._entries[name].meta, {}).items() if k in ("epoch", "cursor")}
+                   for name in names if isinstance(self._objects[name], ElasticPartitioner)}
+        info = {"world_size": self._binding.size(), "written_by_rank": 0, "generation": self._generation,
+                "commit_time": self._commit_time, "data_cursor": cursors,
+                "adapters": {name: self._find_adapter(name, self._objects[name]).name for name in names}}
+        self._checkpointer.on_commit(self._commit_id, {name: self._entries[name] for name in names}, info)
+
+    def _resume_from_checkpoint(self) -> Optional[str]:
+        """On the root of a fresh job: loads the newest valid checkpoint; returns an error message or None."""
+        try:
+            loaded = self._checkpointer.store.load_newest()
+        except CheckpointError as exc:  # e.g. the directory cannot be listed
+            return f"cannot look for checkpoints in {self._config.checkpoint_dir}: {exc}"
+        if loaded is None:
+            return None
+        synced = set(self._synced_names())
+        try:
+            foreign = sorted(set(loaded.entries) - synced)
+            if foreign:
+                raise CheckpointError(f"it holds objects {foreign} that this State does not track as synced "
+                                      f"objects (it tracks {sorted(synced)})")
+            for name, entry in loaded.entries.items():
+                self._entries[name] = entry
+                obj = self._objects[name]
+                self._objects[name] = self._find_adapter(name, obj).apply(obj, entry)
+        except Exception as exc:  # noqa: BLE001 - every rank raises it as CheckpointError in sync()
+            return f"cannot resume from checkpoint {loaded.path}: {type(exc).__name__}: {exc}"
+        missing = sorted(synced - set(loaded.entries))
+        if missing:
+            logger.warning("[rank 0] checkpoint %s holds no %s; they keep their initial values", loaded.path, missing)
+        self._commit_id = loaded.commit_id
+        self._generation = int(loaded.manifest.get("generation", 0))
+        self._checkpointer.resumed(loaded.commit_id)
+        self._events.emit("checkpoint_resumed", commit_id=loaded.commit_id, path=loaded.path,
+                          world_size=loaded.manifest.get("world_size"), data_cursor=loaded.manifest.get("data_cursor"))
+        return None
 
     # --------------------------------------------- Horovod listener interface
 
