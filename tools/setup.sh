@@ -117,7 +117,8 @@ else
 fi
 
 step "elastic_ext (editable)"
-if ! "$PY" -c 'import elastic_ext, os, sys; sys.exit(0 if os.path.dirname(os.path.dirname(elastic_ext.__file__)) == sys.argv[1] else 1)' "$ROOT" 2>/dev/null; then
+# (run from / so that a checkout in the working directory does not count as installed)
+if ! (cd / && "$PY" -c 'import elastic_ext, os, sys; sys.exit(0 if os.path.dirname(os.path.dirname(elastic_ext.__file__)) == sys.argv[1] else 1)' "$ROOT" 2>/dev/null); then
     "$PY" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$ROOT" \
         || fail "pip install -e . failed" "read pip's message above"
 else

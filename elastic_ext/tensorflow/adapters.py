@@ -162,6 +162,14 @@ class OptimizerAdapter:
         return obj
 
 
+def _optimizer_built(optimizer: Any) -> bool:
+    built = getattr(optimizer, "built", None)          # Keras 3
+    if built is None:
+        # tf_keras's optimizer has no flag; build() creates its index of variables.
+        built = bool(getattr(optimizer, "_index_dict", None))
+    return bool(built)
+
+
 def build_optimizers(objects: dict) -> None:
     """Builds unbuilt Keras optimizers over the trainable variables of the
     State's one Keras model, so every worker's optimizer has its slots before
@@ -169,7 +177,7 @@ def build_optimizers(objects: dict) -> None:
     optimizers = [o for o in objects.values() if isinstance(o, _keras_classes("Optimizer"))]
     models = [m for m in objects.values() if isinstance(m, _keras_classes("Model"))]
     for optimizer in optimizers:
-        if getattr(optimizer, "built", True) or not hasattr(optimizer, "build"):
+        if _optimizer_built(optimizer) or not hasattr(optimizer, "build"):
             continue
         if len(models) != 1:
             raise StateError(f"cannot build optimizer {type(optimizer).__name__}: the State holds "

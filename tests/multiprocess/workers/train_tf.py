@@ -1,0 +1,149 @@
+"""Test worker: elastic TensorFlow training on scikit-learn's digits, with
+Keras 2 (tf_keras, --keras 2) or Keras 3 (--keras 3).
+
+Same outputs and fault flags as train_torch.py: a sample ledger, final-<rank>.npz
+with weights and optimizer variables, and faults "RANK:STEP:HOW[:WHERE]".
+"""
+
+import argparse
+import os
+import threading
+import time
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--keras", choices=["2", "3"], default="3")
+p.add_argument("--epochs", type=int, default=1)
+p.add_argument("--global-batch", type=int, default=64)
+p.add_argument("--commit-every", type=int, default=4)
+p.add_argument("--faults", default="")
+p.add_argument("--resize-at", default="")
+args = p.parse_args()
+if args.keras == "2":
+    os.environ["TF_USE_LEGACY_KERAS"] = "1"
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from sklearn.datasets import load_digits  # noqa: E402
+
+if args.keras == "2":
+    import tf_keras as keras  # noqa: E402
+else:
+    import keras  # noqa: E402
+
+import horovod.tensorflow as hvd  # noqa: E402
+
+import elastic_ext  # noqa: E402
+from elastic_ext.adapters import Capture  # noqa: E402
+from elastic_ext.ledger import Ledger  # noqa: E402
+from elastic_ext.tensorflow import ElasticSampler, index_dataset  # noqa: E402
+from elastic_ext.testing import FaultSchedule  # noqa: E402
+
+assert keras.__version__.startswith(args.keras), keras.__version__
+tf.config.threading.set_inter_op_parallelism_threads(1)
+tf.config.threading.set_intra_op_parallelism_threads(1)
+hvd.init()
+faults = FaultSchedule.parse(args.faults, os.path.join(args.out, "faults"))
+digits = load_digits()
+X = tf.constant(digits.data / 16.0, dtype=tf.float32)
+Y = tf.constant(digits.target, dtype=tf.int64)
+
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)])
+optimizer = keras.optimizers.Adam(0.01)
+sampler = ElasticSampler(int(X.shape[0]), global_batch_size=args.global_batch, seed=1, policy="pad")
+book = Ledger(args.out)
+loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+
+class CommitFault:
+    """State entry whose copy fires the fault declared for WHERE=commit."""
+
+    name, synced = "commit_fault", True
+
+    def __init__(self):
+        self.step = None
+
+    def handles(self, obj):
+        return obj is commit_probe
+
+    def capture(self, obj):
+        class Source:
+            shape, dtype = (1,), np.dtype(np.int64)
+
+            def copy_into(self_inner, buffer):
+                if obj.step is not None:
+                    faults.maybe_fire(hvd.rank(), obj.step, where="commit")
+                buffer[0] = obj.step or 0
+        return Capture(arrays={"probe": Source()}, meta=None)
+
+    def apply(self, obj, entry):
+        return obj
+
+
+commit_probe = CommitFault()
+
+
+def allreduce_gradients(step, grads):
+    if faults.due(hvd.rank(), step, "allreduce"):
+        # Die 0.3 s into the allreduce: the others enter it 1 s late, so the
+        # victim is surely inside the collective, waiting, when it is killed.
+        threading.Timer(0.3, faults.maybe_fire, (hvd.rank(), step, "allreduce")).start()
+    elif any(f.step == step and f.where == "allreduce" for f in faults.faults):
+        time.sleep(1.0)
+    return [hvd.allreduce(g, op=hvd.Sum, name=f"grad_{i}") for i, g in enumerate(grads)]
+
+
+def train_step(step, indices, pad):
+    keep = tf.cast(tf.logical_not(pad), tf.float32)
+    x, y = tf.gather(X, indices), tf.gather(Y, indices)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(loss_fn(y, model(x)) * keep) / args.global_batch
+    grads = tape.gradient(loss, model.trainable_variables)
+    grads = allreduce_gradients(step, grads)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+
+def maybe_resize(state):
+    if not args.resize_at:
+        return
+    step, path, lines = args.resize_at.split(":", 2)
+    if state.step != int(step) or hvd.rank() != 0 or os.path.exists(path + ".done"):
+        return
+    with open(path, "w") as handle:
+        handle.write(lines.replace(",", "\n") + "\n")
+    open(path + ".done", "w").close()
+    deadline = time.time() + 60
+    while not state.host_update_pending() and time.time() < deadline:
+        time.sleep(0.05)
+
+
+@elastic_ext.run
+def train(state):
+    book.start(state.generation, sampler.epoch, sampler.cursor, state.step, hvd.rank(), hvd.size())
+    while state.epoch < args.epochs:
+        sampler.set_epoch(state.epoch)
+        for indices, pad in index_dataset(sampler):
+            faults.maybe_fire(hvd.rank(), state.step, where="step")
+            book.step(state.generation, sampler.epoch, sampler.cursor, state.step, hvd.rank(), hvd.size(),
+                      indices.numpy()[~pad.numpy()], int(pad.numpy().sum()))
+            train_step(state.step, indices, pad)
+            sampler.record_step()
+            state.step += 1
+            if state.step % args.commit_every == 0:
+                commit_probe.step = state.step
+                maybe_resize(state)
+                state.commit()
+                commit_probe.step = None
+        state.epoch += 1
+    state.commit()
+
+
+state = elastic_ext.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0,
+                          commit_probe=commit_probe, adapters=[commit_probe])
+train(state)
+variables = {f"model/{i:03d}": np.asarray(v.numpy()) for i, v in enumerate(model.variables)}
+opt_vars = optimizer.variables() if callable(optimizer.variables) else optimizer.variables
+variables.update({f"opt/{i:03d}": np.asarray(v.numpy()) for i, v in enumerate(opt_vars)})
+np.savez(os.path.join(args.out, f"final-{hvd.rank()}.npz"), **variables)
+book.end(state.step, hvd.rank(), hvd.size())
