@@ -354,7 +354,7 @@ class CheckpointStore:
             try:
                 loaded = read_checkpoint(self.path(commit_id))
             except CheckpointError as exc:
-                logger.warning("skipping checkpoint %s: %s", self.path(commit_id), exc)
+                logger.warning("skipping checkpoint: %s", exc)  # the message starts with its path
                 skipped.append(commit_id)
                 continue
             if skipped:

@@ -1,0 +1,124 @@
+"""Durable checkpoints with real horovodrun: every worker and the driver die, the job
+starts again from storage on another number of workers, and ends bitwise where an
+uninterrupted run with the same world-size schedule ends, every sample once."""
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from elastic_ext.checkpoint import CheckpointStore, checkpoint_name
+from tests.multiprocess import analysis, launch
+
+DIGITS = 1797
+EPOCHS = 2
+COMMIT_EVERY = 4
+FIRST_HOSTS = ["localhost:2", "127.0.0.1:2"]   # 4 workers on two pseudo-hosts
+SECOND_HOSTS = ["localhost:2"]                  # 2 workers after the restart
+KILL_AFTER_COMMIT = 3                           # kill once this commit's checkpoint is durable
+
+
+def command(out, hosts, np_, *worker_args):
+    hosts_file = str(out / f"hosts-{np_}")
+    launch.write_hosts(hosts_file, hosts)
+    return launch.elastic_cmd(np_, np_, np_, hosts_file, "train_torch_ckpt.py", "--out", str(out),
+                              "--epochs", str(EPOCHS), "--commit-every", str(COMMIT_EVERY), *worker_args)
+
+
+def environment(out, name):
+    return launch.base_env(ELASTIC_EXT_CHECKPOINT_DIR=str(out / "ckpt"), ELASTIC_EXT_CHECKPOINT_EVERY=1,
+                           ELASTIC_EXT_CHECKPOINT_KEEP_LAST=3, ELASTIC_EXT_CHECKPOINT_WAIT_S=60,
+                           ELASTIC_EXT_EVENTS_PATH=str(out / f"events-{name}.jsonl"))
+
+
+def run_to_end(out, name, hosts, np_, *worker_args, timeout_s=240):
+    code, output = launch.run(command(out, hosts, np_, *worker_args), environment(out, name),
+                              str(out / f"{name}.log"), timeout_s)
+    assert code == 0, output[-5000:]
+    return output
+
+
+def durable_commit_ids(out):
+    directory = out / "ckpt"
+    if not directory.is_dir():
+        return []
+    return [i for i in CheckpointStore(str(directory)).commit_ids()
+            if (directory / checkpoint_name(i) / "manifest.json").exists()]
+
+
+def run_and_kill_everything(out, name, hosts, np_, *worker_args, timeout_s=240):
+    """Starts the job, and once commit KILL_AFTER_COMMIT is durable SIGKILLs horovodrun and every worker."""
+    job = launch.Job(command(out, hosts, np_, *worker_args), environment(out, name), str(out / f"{name}.log"))
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not any(i >= KILL_AFTER_COMMIT for i in durable_commit_ids(out)):
+            job.track()
+            tail = open(job.log_path).read()[-5000:]
+            assert job.proc.poll() is None, f"the job ended before it could be killed:\n{tail}"
+            assert time.monotonic() < deadline, f"no checkpoint after {timeout_s}s:\n{tail}"
+            time.sleep(0.05)
+        job.track()
+        driver = psutil.Process(job.proc.pid)
+        workers = [psutil.Process(pid) for pid in job.descendants if psutil.pid_exists(pid)]
+        for proc in [driver] + workers:  # the driver first: nothing may react to the workers' death
+            proc.kill()
+        gone, alive = psutil.wait_procs([driver] + workers, timeout=30)
+    finally:
+        launch.kill_tree(job.proc.pid)
+        for pid in job.descendants:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.NoSuchProcess:
+                pass
+        job.log.close()
+    assert not alive, f"processes survived SIGKILL: {alive}"
+    assert driver.returncode == -signal.SIGKILL, f"the driver ended with {driver.returncode}, not by SIGKILL"
+    assert len(workers) >= np_, f"expected at least {np_} worker processes, found {len(workers)}"
+    assert not list(out.glob("final-*.npz")), "the killed run must not have finished"
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("damage", ["none", "flip_newest"])
+def test_job_killed_entirely_resumes_on_fewer_workers_bitwise_and_exactly_once(tmp_path, damage):
+    # 1. Four workers until every process of the job, driver included, is SIGKILLed.
+    failed = tmp_path / "failed"
+    failed.mkdir()
+    run_and_kill_everything(failed, "killed", FIRST_HOSTS, 4, "--step-sleep-s", "0.1")
+    durable = durable_commit_ids(failed)
+    assert durable, "no durable checkpoint"
+    if damage == "flip_newest":
+        data = failed / "ckpt" / checkpoint_name(durable[0]) / "arrays.bin"
+        with open(data, "r+b") as handle:
+            handle.seek(os.path.getsize(data) // 2)
+            byte = handle.read(1)
+            handle.seek(-1, os.SEEK_CUR)
+            handle.write(bytes([byte[0] ^ 0x10]))
+    resume_from = CheckpointStore(str(failed / "ckpt")).load_newest().commit_id
+    assert resume_from == (durable[0] if damage == "none" else durable[1])
+
+    # 2. The job starts again from storage with two workers.
+    output = run_to_end(failed, "resumed", SECOND_HOSTS, 2)
+    resumed = [e for e in analysis.read_events(str(failed / "events-resumed.jsonl"))
+               if e["event"] == "checkpoint_resumed"]
+    assert [e["commit_id"] for e in resumed] == [resume_from], resumed
+    if damage == "flip_newest":
+        warning = [line for line in output.splitlines() if "skipping checkpoint" in line]
+        assert warning and str(failed / "ckpt" / checkpoint_name(durable[0])) in warning[0], output[-5000:]
+        assert "checksum" in warning[0], warning
+    finals = analysis.load_finals(str(failed))
+    assert sorted(finals) == [0, 1]
+    analysis.assert_ranks_identical(finals)
+    analysis.assert_exactly_once(str(failed), DIGITS, EPOCHS)
+
+    # 3. Reference: the same world-size schedule without a failure. Four workers stop
+    # cleanly after the checkpoint of the same commit; two workers resume from it.
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    run_to_end(reference, "first", FIRST_HOSTS, 4, "--stop-after-commit", str(resume_from))
+    assert durable_commit_ids(reference)[0] == resume_from
+    run_to_end(reference, "second", SECOND_HOSTS, 2)
+    ref_finals = analysis.load_finals(str(reference))
+    assert sorted(ref_finals) == [0, 1]
+    analysis.assert_exactly_once(str(reference), DIGITS, EPOCHS)
+    analysis.assert_bitwise_equal(finals[0], ref_finals[0], "resumed after losing every process vs reference")
