@@ -23,6 +23,14 @@ ENV_CHECKPOINT_EVERY = "ELASTIC_EXT_CHECKPOINT_EVERY"
 ENV_CHECKPOINT_KEEP_LAST = "ELASTIC_EXT_CHECKPOINT_KEEP_LAST"
 ENV_CHECKPOINT_KEEP_EVERY = "ELASTIC_EXT_CHECKPOINT_KEEP_EVERY"
 ENV_CHECKPOINT_WAIT_S = "ELASTIC_EXT_CHECKPOINT_WAIT_S"
+ENV_ABORT_CONNECTIONS = "ELASTIC_EXT_ABORT_CONNECTIONS"
+ENV_HEARTBEAT_PERIOD_S = "ELASTIC_EXT_HEARTBEAT_PERIOD_S"
+ENV_HANG_TIMEOUT_S = "ELASTIC_EXT_HANG_TIMEOUT_S"
+ENV_STALL_TIMEOUT_S = "ELASTIC_EXT_STALL_TIMEOUT_S"
+ENV_TERM_GRACE_S = "ELASTIC_EXT_TERM_GRACE_S"
+# Set by horovodrun for every elastic worker: where its rendezvous server listens.
+ENV_HOROVOD_RENDEZVOUS_ADDR = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
+ENV_HOROVOD_RENDEZVOUS_PORT = "HOROVOD_GLOO_RENDEZVOUS_PORT"
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -83,6 +91,23 @@ class ElasticConfig:
             checkpoint write to finish when the next one is due; if it is
             still running then, this commit's checkpoint is skipped (logged)
             and the next commit is checkpointed instead.
+        abort_connections: when a collective fails on this rank, shut down
+            this process's collective TCP connections at once, so that every
+            peer's pending collective fails within milliseconds instead of
+            waiting for Gloo's timeout (see :mod:`elastic_ext.watchdog`).
+        heartbeat_period_s: how often the worker tells its guardian process
+            that it is alive.
+        hang_timeout_s: a worker whose heartbeat stops this long (SIGSTOP, a
+            process frozen in native code) is SIGKILLed by its guardian, which
+            turns a hang into an ordinary failure. 0 turns the guardian off.
+        stall_timeout_s: a worker whose training makes no progress (no commit,
+            no ``record_step``) for this long while it is *not* waiting in a
+            Horovod collective is the one holding everybody up: it kills
+            itself. Waiting ranks never fire, so a slow but healthy worker is
+            never declared dead as long as one of its steps takes less than
+            this. 0 turns it off.
+        term_grace_s: after SIGTERM, how long a worker keeps training to reach
+            the next commit and leave without a rollback; after that it exits.
 
     Raises:
         ConfigError: a value is out of range or an environment variable does
@@ -99,6 +124,11 @@ class ElasticConfig:
     checkpoint_keep_last: int = 3
     checkpoint_keep_every: int = 0
     checkpoint_wait_s: float = 0.0
+    abort_connections: bool = True
+    heartbeat_period_s: float = 0.5
+    hang_timeout_s: float = 10.0
+    stall_timeout_s: float = 600.0
+    term_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.rollback_limit, int) or self.rollback_limit < 0:
@@ -108,6 +138,18 @@ class ElasticConfig:
         if self.events_path is not None and not str(self.events_path).strip():
             raise ConfigError(f"events_path ({self.events_path!r}) must be a non-empty path or None")
         self._validate_checkpoint()
+        self._validate_detection()
+
+    def _validate_detection(self) -> None:
+        for name in ("heartbeat_period_s", "hang_timeout_s", "stall_timeout_s", "term_grace_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
+                raise ConfigError(f"{name} ({value!r}) must be a finite number >= 0")
+        if self.heartbeat_period_s <= 0:
+            raise ConfigError(f"heartbeat_period_s ({self.heartbeat_period_s!r}) must be > 0")
+        if self.hang_timeout_s and self.hang_timeout_s < 4 * self.heartbeat_period_s:
+            raise ConfigError(f"hang_timeout_s ({self.hang_timeout_s!r}) must be 0 (off) or at least 4 x "
+                              f"heartbeat_period_s ({self.heartbeat_period_s!r}), or a busy machine looks hung")
 
     def _validate_checkpoint(self) -> None:
         if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str)
@@ -149,5 +191,20 @@ class ElasticConfig:
                 values[field] = _parse_int(var, env[var])
         if ENV_CHECKPOINT_WAIT_S in env:
             values["checkpoint_wait_s"] = _parse_float(ENV_CHECKPOINT_WAIT_S, env[ENV_CHECKPOINT_WAIT_S])
+        if ENV_ABORT_CONNECTIONS in env:
+            values["abort_connections"] = _parse_bool(ENV_ABORT_CONNECTIONS, env[ENV_ABORT_CONNECTIONS])
+        for field, var in (("heartbeat_period_s", ENV_HEARTBEAT_PERIOD_S), ("hang_timeout_s", ENV_HANG_TIMEOUT_S),
+                           ("stall_timeout_s", ENV_STALL_TIMEOUT_S), ("term_grace_s", ENV_TERM_GRACE_S)):
+            if var in env:
+                values[field] = _parse_float(var, env[var])
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+def horovod_rendezvous(environ: Optional[Mapping[str, str]] = None) -> Optional[tuple]:
+    """(address, port) of horovodrun's rendezvous server, or None outside horovodrun."""
+    env = os.environ if environ is None else environ
+    addr, port = env.get(ENV_HOROVOD_RENDEZVOUS_ADDR), env.get(ENV_HOROVOD_RENDEZVOUS_PORT)
+    if not addr or not port:
+        return None
+    return addr, _parse_int(ENV_HOROVOD_RENDEZVOUS_PORT, port)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -30,12 +31,12 @@ class Ledger:
 
     def start(self, generation: int, epoch: int, cursor: int, step: int, rank: int, size: int) -> None:
         self._write({"start": generation, "epoch": epoch, "cursor": cursor, "step": step, "rank": rank,
-                     "size": size})
+                     "size": size, "t": time.time()})
 
     def step(self, generation: int, epoch: int, cursor: int, step: int, rank: int, size: int,
              indices: Sequence[int], pads: int = 0) -> None:
         self._write({"gen": generation, "epoch": epoch, "cursor": cursor, "step": step, "rank": rank,
-                     "size": size, "indices": [int(i) for i in indices], "pads": int(pads)})
+                     "size": size, "indices": [int(i) for i in indices], "pads": int(pads), "t": time.time()})
 
     def end(self, step: int, rank: int, size: int) -> None:
         self._write({"end": True, "step": step, "rank": rank, "size": size})

@@ -15,16 +15,21 @@ TensorFlow op errors that come from a Horovod collective become
 ``HorovodInternalError`` and every other error propagates (Horovod's TF
 wrapper returns None for them, so a worker could exit 0 on an error);
 consecutive rollbacks without a new commit are limited
-(``RollbackLimitError``); and every reset writes a structured event.
+(``RollbackLimitError``); every reset writes a structured event; and the
+watchdog (:mod:`elastic_ext.watchdog`) makes failures known to every rank
+at once, turns hung workers into failures, and lets a worker told to leave
+(SIGTERM) go at its next commit without a rollback.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from typing import Any, Callable, Optional, TypeVar
 
+from elastic_ext import watchdog
 from elastic_ext.errors import RollbackLimitError
 
 logger = logging.getLogger(__name__)
@@ -53,8 +58,12 @@ def run(func: Optional[F] = None) -> Any:
 
         binding = state.binding
         events = state.events
+        config = state.config
         notification_manager.init()
         notification_manager.register_listener(state)
+        dog = watchdog.Watchdog(config, on_stall=lambda idle: events.emit("stall", idle_s=idle))
+        dog.start()
+        watchdog.install_sigterm(config)
         skip_sync = False
         pending: Optional[dict] = None
         started = time.perf_counter()
@@ -72,7 +81,8 @@ def run(func: Optional[F] = None) -> Any:
                         events.emit("recovered", **pending)
                         pending = None
                     try:
-                        result = func(state, *args, **kwargs)
+                        with watchdog.training():
+                            result = func(state, *args, **kwargs)
                     except HorovodInternalError:
                         raise
                     except HostsUpdatedInterrupt:
@@ -86,6 +96,8 @@ def run(func: Optional[F] = None) -> Any:
                     return result
                 except HorovodInternalError as exc:
                     t0 = time.perf_counter()
+                    if config.abort_connections:
+                        watchdog.abort_collective_connections(str(exc))
                     count = state.note_rollback()
                     lost_s = state.seconds_since_commit
                     step_now = state.value_if_int("step")
@@ -105,6 +117,10 @@ def run(func: Optional[F] = None) -> Any:
                     events.emit("rollback", **{k: v for k, v in pending.items() if k != "_t0"})
                     skip_sync = False
                 except HostsUpdatedInterrupt as exc:
+                    if watchdog.leaving():
+                        events.emit("leave", commit_id=state.commit_id, cause="sigterm")
+                        logging.shutdown()
+                        os._exit(watchdog.LEAVE_EXIT_CODE)
                     pending = {"cause": "hosts_updated", "skip_sync": bool(exc.skip_sync),
                                "commit_id": state.commit_id, "steps_rolled_back": 0, "_t0": time.perf_counter()}
                     events.emit("resize", skip_sync=bool(exc.skip_sync), commit_id=state.commit_id)
@@ -114,6 +130,7 @@ def run(func: Optional[F] = None) -> Any:
                 state.on_reset()
                 events.emit("reset", duration_s=time.perf_counter() - reset_started, cause=pending["cause"])
         finally:
+            dog.stop()
             notification_manager.remove_listener(state)
 
     return wrapper

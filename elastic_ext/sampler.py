@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Optional, Tuple
 
 import numpy as np
 
-from elastic_ext import partition
+from elastic_ext import partition, watchdog
 from elastic_ext.errors import PartitionError, StateDivergenceError
 
 logger = logging.getLogger(__name__)
@@ -131,6 +131,7 @@ class ElasticPartitioner:
             raise PartitionError(f"record_step() at cursor {self.cursor} of {self.size} with global batch "
                                  f"{self.global_batch} and policy {self.policy!r}: the epoch has no step left")
         self.cursor += advance
+        watchdog.progress()
 
     # ------------------------------------------------------------- batches
 

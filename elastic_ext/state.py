@@ -41,6 +41,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 
 from elastic_ext import adapters as _adapters
+from elastic_ext import watchdog
 from elastic_ext.adapters import Adapter, Capture, Entry
 from elastic_ext.binding import Binding, broadcast_arrays, broadcast_json, get_binding, guess_framework
 from elastic_ext.config import ElasticConfig
@@ -206,6 +207,7 @@ class State:
                 commit has been made).
         """
         started = time.perf_counter()
+        watchdog.progress()
         self.save()
         if self._config.log_commits:
             self._events.emit("commit", commit_id=self._commit_id,
@@ -503,13 +505,16 @@ class State:
             if timestamp > self._last_updated_timestamp:
                 newest = max(newest, timestamp)
                 flags |= update
-        vector = np.array([newest, flags & _HOSTS_REMOVED, (flags & _HOSTS_ADDED) >> 1], dtype=np.int64)
-        newest, removed, added = (int(x) for x in self._binding.allreduce_max(vector, "elastic_ext.hosts"))
-        if newest > self._last_updated_timestamp:
+        # The last element says that some rank was told to leave (SIGTERM):
+        # everyone resizes here, right after a commit, so nothing is lost.
+        vector = np.array([newest, flags & _HOSTS_REMOVED, (flags & _HOSTS_ADDED) >> 1, int(watchdog.leaving())],
+                          dtype=np.int64)
+        newest, removed, added, leaving = (int(x) for x in self._binding.allreduce_max(vector, "elastic_ext.hosts"))
+        if newest > self._last_updated_timestamp or leaving:
             self._last_updated_timestamp = newest
             from horovod.common.exceptions import HostsUpdatedInterrupt
-            # Only-removed updates need no sync: every remaining rank holds this commit.
-            raise HostsUpdatedInterrupt(bool(removed) and not added)
+            # Removals need no sync: every remaining rank holds this commit.
+            raise HostsUpdatedInterrupt(bool(removed or leaving) and not added)
 
     # ------------------------------------------------------------- rollbacks
 

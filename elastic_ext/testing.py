@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import signal
+import time
 from typing import List, Optional
 
 import numpy as np
@@ -54,7 +55,7 @@ class SoloBinding:
         return None
 
 
-HOW = ("kill", "stop", "term", "exit", "raise")
+HOW = ("kill", "stop", "term", "exit", "raise", "hang")
 
 
 WHERE = ("step", "allreduce", "commit")
@@ -111,6 +112,15 @@ class FaultSchedule:
             faults.append(Fault(rank, step, *fields[2:]))
         return cls(faults, marker_dir)
 
+    def fired(self) -> List[dict]:
+        """What fired so far (pid, time, rank, step, how, where), from the marker files."""
+        found = []
+        for fault in self.faults:
+            if os.path.exists(self._marker(fault)):
+                with open(self._marker(fault), encoding="utf-8") as handle:
+                    found.append(json.load(handle))
+        return found
+
     def _marker(self, fault: Fault) -> str:
         return os.path.join(self.marker_dir, f"fault-{fault.rank}-{fault.step}-{fault.how}-{fault.where}")
 
@@ -127,13 +137,16 @@ class FaultSchedule:
         if fault is None:
             return
         with open(self._marker(fault), "w", encoding="utf-8") as handle:
-            json.dump({"pid": os.getpid(), **dataclasses.asdict(fault)}, handle)
+            json.dump({"pid": os.getpid(), "time": time.time(), **dataclasses.asdict(fault)}, handle)
         if fault.how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.how == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
         elif fault.how == "term":
             os.kill(os.getpid(), signal.SIGTERM)
+        elif fault.how == "hang":
+            while True:  # a step that never ends (the process stays responsive)
+                time.sleep(0.01)
         elif fault.how == "exit":
             os._exit(17)
         else:

@@ -1,0 +1,112 @@
+"""Failure detection with real horovodrun: slow workers, hung workers, SIGTERM.
+
+Horovod's driver only re-forms the job when a worker exits, so a hung worker
+(SIGSTOP, or a step that never ends) wedges a plain Horovod job; these tests
+check that elastic_ext turns hangs into failures within the configured bound,
+never mistakes a slow worker for a dead one, and lets a SIGTERMed worker
+leave at its next commit without a rollback.
+"""
+
+import json
+import os
+
+import pytest
+
+from elastic_ext import ledger
+from tests.multiprocess import analysis, launch
+
+DIGITS = 1797
+COMMIT_EVERY = 4
+HOSTS = ["localhost:2", "127.0.0.1:2"]
+
+
+def run_job(tmp_path, *worker_args, env=None, timeout_s=240, epochs=1):
+    out = tmp_path / "job"
+    out.mkdir()
+    hosts_file = str(out / "hosts")
+    launch.write_hosts(hosts_file, HOSTS)
+    cmd = launch.elastic_cmd(4, 2, 4, hosts_file, "train_torch.py", "--out", str(out), "--epochs", str(epochs),
+                             "--commit-every", str(COMMIT_EVERY), *worker_args)
+    code, output = launch.run(cmd, launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl"), **(env or {})),
+                              str(out / "horovodrun.log"), timeout_s)
+    assert code == 0, output[-5000:]
+    return out, output
+
+
+def fired(out):
+    marks = [json.load(open(out / "faults" / name)) for name in os.listdir(out / "faults")]
+    assert len(marks) == 1, marks
+    return marks[0]
+
+
+def first_step_after(out, t0):
+    records = ledger.read(str(out))
+    return min(r["t"] for r in records if "gen" in r and r["gen"] >= 2 and r["t"] > t0)
+
+
+@pytest.mark.timeout(300)
+def test_a_slow_worker_is_not_declared_dead(tmp_path):
+    # Rank 1's steps take 20 x longer (1 s instead of 0.05 s) for steps 4..11,
+    # with the stall check at 3 s and the guardian at 2 s: neither may fire.
+    out, output = run_job(tmp_path, "--step-sleep-s", "0.05", "--slow", "1:4:12:20",
+                          env={"ELASTIC_EXT_STALL_TIMEOUT_S": "3", "ELASTIC_EXT_HANG_TIMEOUT_S": "2",
+                               "ELASTIC_EXT_HEARTBEAT_PERIOD_S": "0.2"})
+    events = analysis.read_events(str(out / "events.jsonl"))
+    kinds = {e["event"] for e in events}
+    assert not kinds & {"rollback", "stall", "resize", "leave"}, sorted(kinds)
+    assert "guardian" not in output
+    records = ledger.read(str(out))
+    assert {r["gen"] for r in records if "gen" in r} == {1}
+    assert {r["size"] for r in records if "gen" in r} == {4}
+    analysis.assert_exactly_once(out, DIGITS, 1)
+    analysis.assert_ranks_identical(analysis.load_finals(out))
+
+
+@pytest.mark.timeout(300)
+def test_a_sigstopped_worker_is_killed_and_the_job_recovers_within_the_bound(tmp_path):
+    hang_timeout_s = 3.0
+    out, output = run_job(tmp_path, "--faults", "3:10:stop", env={"ELASTIC_EXT_HANG_TIMEOUT_S": str(hang_timeout_s)})
+    assert "sent no heartbeat" in output, "the guardian did not kill the stopped worker"
+    stopped = fired(out)["time"]
+    resumed = first_step_after(out, stopped)
+    # Gloo's own timeout (30 s) would come later, and would not re-form the
+    # job at all: the stopped worker never reaches the driver's barrier.
+    assert hang_timeout_s <= resumed - stopped < hang_timeout_s + 15, resumed - stopped
+    events = analysis.read_events(str(out / "events.jsonl"))
+    assert [e for e in events if e["event"] == "rollback"]
+    analysis.assert_exactly_once(out, DIGITS, 1)
+    finals = analysis.load_finals(out)
+    assert sorted(finals) == [0, 1]
+    analysis.assert_ranks_identical(finals)
+
+
+@pytest.mark.timeout(300)
+def test_a_step_that_never_ends_kills_only_the_stuck_worker(tmp_path):
+    stall_timeout_s = 3.0
+    out, output = run_job(tmp_path, "--faults", "3:10:hang", env={"ELASTIC_EXT_STALL_TIMEOUT_S": str(stall_timeout_s)})
+    events = analysis.read_events(str(out / "events.jsonl"))
+    stalls = [e for e in events if e["event"] == "stall"]
+    assert len(stalls) == 1, "exactly the stuck worker must declare itself stuck"
+    assert stalls[0]["idle_s"] >= stall_timeout_s
+    stuck = fired(out)["time"]
+    resumed = first_step_after(out, stuck)
+    assert stall_timeout_s <= resumed - stuck < stall_timeout_s + 15, resumed - stuck
+    analysis.assert_exactly_once(out, DIGITS, 1)
+    analysis.assert_ranks_identical(analysis.load_finals(out))
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_leaves_at_the_next_commit_without_rollback(tmp_path):
+    out, _ = run_job(tmp_path, "--faults", "3:10:term")
+    events = analysis.read_events(str(out / "events.jsonl"))
+    kinds = [e["event"] for e in events]
+    assert "rollback" not in kinds, "a SIGTERMed worker must not cause a rollback"
+    leaves = [e for e in events if e["event"] == "leave"]
+    assert len(leaves) == 1 and leaves[0]["commit_id"] == 12 // COMMIT_EVERY
+    records = ledger.read(str(out))
+    report = analysis.assert_exactly_once(out, DIGITS, 1)
+    assert report["lost_steps"] == 0, "no step may be thrown away"
+    starts = ledger.starts(records)
+    assert starts[2][2] == 12, "the job must resume where the leaver committed"
+    assert {r["size"] for r in records if r.get("gen") == 2} == {2}
+    analysis.assert_ranks_identical(analysis.load_finals(out))
