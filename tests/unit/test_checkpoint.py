@@ -76,7 +76,7 @@ def test_round_trip_is_bitwise_and_manifest_records_the_commit(tmp_path):
     assert manifest["world_size"] == 4 and manifest["generation"] == 1
     assert manifest["versions"]["numpy"] == np.__version__ and "python" in manifest["versions"]
     assert manifest["written_time"] > 0
-    assert len(manifest["files"]["arrays.bin"]["sha256"]) == 64
+    assert len(manifest["files"]["arrays.bin"]["crc32"]) == 8
     assert all(row[4] % checkpoint.ALIGN_BYTES == 0 for row in manifest["arrays"])
     # Loaded arrays are fresh, writable buffers.
     assert loaded.entries["model"].arrays["w"].flags.writeable
@@ -161,12 +161,11 @@ def _craft(directory, commit_id, dtype_text, payload):
     path = directory / checkpoint.checkpoint_name(commit_id)
     path.mkdir(parents=True)
     (path / "arrays.bin").write_bytes(payload)
-    import hashlib
     body = {"format": checkpoint.FORMAT, "format_version": checkpoint.FORMAT_VERSION, "commit_id": commit_id,
             "arrays": [["model", "w", dtype_text, [1], 0, len(payload)]],
             "objects": {"model": {"meta": None}},
-            "files": {"arrays.bin": {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}}}
-    body["manifest_sha256"] = hashlib.sha256(checkpoint._canonical(body)).hexdigest()
+            "files": {"arrays.bin": {"bytes": len(payload), "crc32": checkpoint.Crc32(payload).hexdigest()}}}
+    body["manifest_crc32"] = checkpoint.Crc32(checkpoint._canonical(body)).hexdigest()
     (path / "manifest.json").write_text(json.dumps(body))
     return path
 
@@ -418,3 +417,25 @@ def test_tensorflow_keras_state_resumes_bitwise(tmp_path):
     assert len(got) == len(expected)
     for a, b in zip(expected, got):
         assert a.tobytes() == b.tobytes()
+
+
+def test_a_failed_write_is_reported_and_retried_at_the_next_commit(tmp_path, monkeypatch, caplog):
+    real = checkpoint.write_checkpoint
+    calls = []
+
+    def failing_once(directory, commit_id, entries, info):
+        calls.append(commit_id)
+        if len(calls) == 1:
+            raise CheckpointError(f"cannot write checkpoint {directory}: disk full")
+        return real(directory, commit_id, entries, info)
+
+    monkeypatch.setattr(checkpoint, "write_checkpoint", failing_once)
+    job = Job(tmp_path, checkpoint_every=10)
+    job.state.sync()
+    with caplog.at_level(logging.ERROR, logger="elastic_ext.checkpoint"):
+        job.steps(10)
+        assert job.state.wait_for_checkpoint() is None
+    assert any("disk full" in r.getMessage() for r in caplog.records)
+    assert [e["commit_id"] for e in job.state.events.history if e["event"] == "checkpoint_failed"] == [10]
+    job.steps(1)  # commit 11 is not a multiple of 10, but the failed checkpoint is owed
+    assert job.state.wait_for_checkpoint() == 11 and calls == [10, 11]
