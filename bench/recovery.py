@@ -1,0 +1,115 @@
+"""Time from a worker's SIGKILL to the first completed step after recovery:
+plain Horovod elastic against elastic_ext, side by side in one run.
+
+4 workers on two pseudo-hosts (localhost and 127.0.0.1, 2 slots each). In
+each job, rank 3 SIGKILLs itself at step 10; Horovod blacklists its host and
+the job finishes on the 2 survivors. ``--failures`` jobs per system, the two
+systems interleaved, the same worker script under both (see
+bench/workers/recovery_worker.py).
+
+    .venv/bin/python -m bench.recovery [--failures 10]
+
+Writes bench/results/recovery.json and bench/results/recovery.png.
+"""
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+from tests.multiprocess import launch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+
+
+def run_once(system, index, work):
+    out = os.path.join(work, f"{system}-{index:02d}")
+    os.makedirs(out)
+    hosts = os.path.join(out, "hosts")
+    launch.write_hosts(hosts, ["localhost:2", "127.0.0.1:2"])
+    cmd = [os.path.join(launch.VENV_BIN, "horovodrun"), "-np", "4", "--min-np", "2", "--max-np", "4",
+           "--network-interfaces", "lo", "--host-discovery-script", f"{launch.STATIC} {hosts}",
+           sys.executable, os.path.join(HERE, "workers", "recovery_worker.py"), "--system", system, "--out", out]
+    # Fusion stays at Horovod's default here: this measures recovery, not bits.
+    env = launch.base_env(HOROVOD_FUSION_THRESHOLD=str(64 * 1024 * 1024))
+    started = time.time()
+    code, _ = launch.run(cmd, env, os.path.join(out, "horovodrun.log"), timeout_s=240)
+    kill = json.loads(open(os.path.join(out, "kills.jsonl")).readline())
+    steps = sorted((json.loads(line) for path in glob.glob(os.path.join(out, "steps-*.jsonl"))
+                    for line in open(path) if line.strip()), key=lambda r: r["t"])
+    after = [s["t"] for s in steps if s["t"] > kill["t"] and s["size"] < 4]
+    return {"exit_code": code, "wall_s": time.time() - started,
+            "recovery_s": after[0] - kill["t"] if after else None,
+            "timeline": [[s["t"] - started, s["size"]] for s in steps if s["rank"] == 0],
+            "kill_at": kill["t"] - started}
+
+
+def summarize(system, runs):
+    times = [r["recovery_s"] for r in runs if r["recovery_s"] is not None]
+    return {"system": system, "failures": len(runs), "recovered": len(times), "recovery_s": times,
+            "median_s": statistics.median(times) if times else None, "worst_s": max(times) if times else None,
+            "exit_codes": [r["exit_code"] for r in runs], "timeline": runs[0]["timeline"],
+            "kill_at": runs[0]["kill_at"]}
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    names = [r["system"] for r in results]
+    ax1.bar(names, [r["median_s"] for r in results], label="median")
+    ax1.scatter(names, [r["worst_s"] for r in results], color="red", zorder=3, label="worst")
+    ax1.set_ylabel("seconds from SIGKILL to first step after recovery")
+    ax1.legend()
+    for r in results:
+        ax2.plot([t - r["kill_at"] for t, _ in r["timeline"]], [s for _, s in r["timeline"]], marker=".",
+                 drawstyle="steps-post", label=r["system"])
+    ax2.axvline(0, color="red", linestyle="--", label="SIGKILL")
+    ax2.set_xlabel("seconds since the SIGKILL (first job of each system)")
+    ax2.set_ylabel("world size at each step of rank 0")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--failures", type=int, default=10)
+    parser.add_argument("--systems", default="plain,ext")
+    args = parser.parse_args()
+    work = tempfile.mkdtemp(prefix="bench_recovery_")
+    systems = args.systems.split(",")
+    runs = {system: [] for system in systems}
+    for index in range(args.failures):
+        for system in systems:
+            runs[system].append(run_once(system, index, work))
+            print(f"{system} #{index}: recovery {runs[system][-1]['recovery_s']}", flush=True)
+    results = [summarize(system, runs[system]) for system in systems]
+    by = {r["system"]: r for r in results}
+    summary = {"machine": "2 cores, CPU only, 4 workers on two pseudo-hosts (localhost, 127.0.0.1)",
+               "command": ".venv/bin/python -m bench.recovery --failures %d" % args.failures,
+               "results": results, "work_dir": work}
+    if "plain" in by and "ext" in by and by["ext"]["median_s"]:
+        summary["ratio_median_plain_over_ext"] = by["plain"]["median_s"] / by["ext"]["median_s"]
+        summary["ratio_worst_plain_over_ext"] = by["plain"]["worst_s"] / by["ext"]["worst_s"]
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "recovery.json"), "w") as handle:
+        json.dump(summary, handle, indent=1)
+    plot(results, os.path.join(RESULTS, "recovery.png"))
+    print(f"{'system':8s} {'failures':>8s} {'recovered':>9s} {'median s':>9s} {'worst s':>8s}")
+    for r in results:
+        print(f"{r['system']:8s} {r['failures']:8d} {r['recovered']:9d} {r['median_s'] or float('nan'):9.2f} "
+              f"{r['worst_s'] or float('nan'):8.2f}")
+    if "ratio_median_plain_over_ext" in summary:
+        print(f"plain / elastic_ext: median {summary['ratio_median_plain_over_ext']:.1f}x, "
+              f"worst {summary['ratio_worst_plain_over_ext']:.1f}x")
+
+
+if __name__ == "__main__":
+    main()

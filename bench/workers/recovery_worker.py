@@ -1,0 +1,75 @@
+"""Benchmark worker: the same training loop under plain Horovod elastic
+(``--system plain``: hvd.elastic.TorchState + @hvd.elastic.run) or
+elastic_ext (``--system ext``: elastic_ext.State + @elastic_ext.run).
+
+Rank 3 SIGKILLs itself after ``--kill-step`` steps on 4 workers; Horovod
+blacklists its host and the job finishes ``--steps-after`` steps later on
+the 2 survivors. Writes ``kills.jsonl`` (time of the kill) and
+``steps-<pid>.jsonl`` (time, step, world size of each completed step) under
+``--out``. (One failure per job: Horovod 0.28.1 ends the whole job when a
+host fails again after its blacklist cooldown, with either system.)
+"""
+
+import argparse
+import json
+import os
+import signal
+import time
+
+import torch
+
+import horovod.torch as hvd
+
+p = argparse.ArgumentParser()
+p.add_argument("--system", choices=["plain", "ext"], required=True)
+p.add_argument("--out", required=True)
+p.add_argument("--kill-step", type=int, default=10)
+p.add_argument("--steps-after", type=int, default=6)
+p.add_argument("--step-sleep-s", type=float, default=0.05)
+p.add_argument("--commit-every", type=int, default=4)
+args = p.parse_args()
+
+torch.set_num_threads(1)
+hvd.init()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+log = open(os.path.join(args.out, f"steps-{os.getpid()}.jsonl"), "a", buffering=1)
+kills_path = os.path.join(args.out, "kills.jsonl")
+
+if args.system == "plain":
+    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, step=0)
+    run = hvd.elastic.run
+else:
+    import elastic_ext
+    state = elastic_ext.State(model=model, optimizer=optimizer, step=0)
+    run = elastic_ext.run
+
+
+@run
+def train(state):
+    killed_at = None
+    while True:
+        x = torch.randn(32, 64)
+        loss = model(x).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        for i, param in enumerate(model.parameters()):
+            hvd.allreduce_(param.grad, op=hvd.Average, name=f"g{i}")
+        optimizer.step()
+        state.step += 1
+        log.write(json.dumps({"t": time.time(), "step": state.step, "size": hvd.size(), "rank": hvd.rank()}) + "\n")
+        time.sleep(args.step_sleep_s)
+        if hvd.size() == 4 and hvd.rank() == 3 and state.step == args.kill_step:
+            with open(kills_path, "a") as handle:
+                handle.write(json.dumps({"t": time.time(), "step": state.step}) + "\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+        if hvd.size() < 4:
+            killed_at = state.step if killed_at is None else killed_at
+            if state.step - killed_at >= args.steps_after:
+                return
+        if state.step % args.commit_every == 0:
+            state.commit()
+
+
+train(state)
