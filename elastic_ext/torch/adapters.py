@@ -24,6 +24,16 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnu
         _BIT_VIEWS[getattr(torch, _name)] = np.uint8
 
 
+# Optimizers, LR schedulers (ReduceLROnPlateau included) and gradient scalers.
+_STATEFUL_TYPES = tuple(t for t in (
+    torch.optim.Optimizer,
+    torch.optim.lr_scheduler.LRScheduler,
+    getattr(torch.optim.lr_scheduler, "ReduceLROnPlateau", None),
+    getattr(getattr(torch, "amp", None), "GradScaler", None),
+    getattr(getattr(getattr(torch, "cuda", None), "amp", None), "GradScaler", None),
+) if isinstance(t, type))
+
+
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
     if dtype in _BIT_VIEWS:
         return np.dtype(_BIT_VIEWS[dtype])
@@ -116,12 +126,7 @@ class TorchStatefulAdapter(StatefulAdapter):
     make = staticmethod(make_tensor)
 
     def handles(self, obj: Any) -> bool:
-        kinds = (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)
-        scalers = tuple(c for c in (getattr(torch.amp, "GradScaler", None),
-                                    getattr(getattr(torch, "cuda", None), "amp", None) and
-                                    getattr(torch.cuda.amp, "GradScaler", None)) if c)
-        plateau = getattr(torch.optim.lr_scheduler, "ReduceLROnPlateau", None)
-        return isinstance(obj, kinds + scalers + ((plateau,) if plateau else ()))
+        return isinstance(obj, _STATEFUL_TYPES)
 
 
 class TensorAdapter:

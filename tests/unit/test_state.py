@@ -289,3 +289,21 @@ def test_run_propagates_ordinary_errors():
 
     with pytest.raises(KeyError, match="user bug"):
         broken(state)
+
+
+def test_grad_scaler_and_plateau_scheduler_round_trip():
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    state = make_state(optimizer=optimizer, plateau=plateau, scaler=scaler)
+    assert {type(a).__name__ for a in state._adapter_of.values()} == {"TorchStatefulAdapter"}
+    plateau.step(1.0)
+    scaler.scale(torch.tensor(1.0))  # initialises the scale tensor
+    state.commit()
+    expected = (plateau.state_dict(), scaler.state_dict(), optimizer.param_groups[0]["lr"])
+    plateau.step(2.0), plateau.step(3.0)
+    scaler.update(new_scale=7.0)
+    assert optimizer.param_groups[0]["lr"] != expected[2]
+    state.restore()
+    assert (plateau.state_dict(), scaler.state_dict(), optimizer.param_groups[0]["lr"]) == expected
