@@ -28,14 +28,26 @@ class TensorFlowBinding:
     def size(self) -> int:
         return hvd.size()
 
+    def _collective(self, op, *args, **kwargs) -> np.ndarray:
+        # sync() and commit() run these outside the training function too:
+        # a failed Horovod op must surface as HorovodInternalError there as
+        # well, so that @elastic_ext.run rolls back instead of crashing.
+        try:
+            return op(*args, **kwargs).numpy()
+        except tf.errors.OpError as exc:
+            translated = self.as_internal_error(exc)
+            if translated is None:
+                raise
+            raise translated from exc
+
     def broadcast(self, array: np.ndarray, root_rank: int, name: str) -> np.ndarray:
-        return hvd.broadcast(tf.constant(array), root_rank, name=name.replace(".", "_")).numpy()
+        return self._collective(hvd.broadcast, tf.constant(array), root_rank, name=name.replace(".", "_"))
 
     def allgather(self, array: np.ndarray, name: str) -> np.ndarray:
-        return hvd.allgather(tf.constant(array), name=name.replace(".", "_")).numpy()
+        return self._collective(hvd.allgather, tf.constant(array), name=name.replace(".", "_"))
 
     def allreduce_max(self, array: np.ndarray, name: str) -> np.ndarray:
-        return hvd.allreduce(tf.constant(array), name=name.replace(".", "_"), op=hvd.Max).numpy()
+        return self._collective(hvd.allreduce, tf.constant(array), name=name.replace(".", "_"), op=hvd.Max)
 
     def reset(self) -> None:
         hvd.shutdown()
