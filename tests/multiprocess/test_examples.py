@@ -1,0 +1,97 @@
+"""The examples run for real under horovodrun, survive a SIGKILL, learn, and see every sample exactly once.
+
+Each job has a hard timeout (launch.run kills the whole process tree on
+expiry) under pytest's own. Epochs are few to keep CI short; the digits
+reach ~0.95 test accuracy in three, so the bound (0.85) only catches a
+run that did not really learn.
+"""
+
+import os
+import re
+import sys
+
+import pytest
+
+from elastic_ext import ledger
+from tests.multiprocess import analysis, launch
+
+EXAMPLES = os.path.join(launch.REPO, "examples")
+TRAIN_SIZE = 1500  # digits minus the 297 held out, in both examples
+EPOCHS = 3
+MIN_ACCURACY = 0.85
+RANK0 = re.compile(r"^\[0\]<stdout>:(.*)$", re.MULTILINE)
+
+
+def run_example(tmp_path, script, hosts, np_, min_np, *script_args, timeout_s=150):
+    """Runs an example elastically on the pseudo-hosts ``hosts``; returns (rank 0's lines, out dir)."""
+    out = tmp_path / "job"
+    out.mkdir()
+    hosts_file = str(out / "hosts")
+    launch.write_hosts(hosts_file, hosts)
+    cmd = [os.path.join(launch.VENV_BIN, "horovodrun"), "-np", str(np_), "--min-np", str(min_np),
+           "--max-np", str(np_), "--network-interfaces", "lo",
+           "--host-discovery-script", f"{launch.STATIC} {hosts_file}",
+           sys.executable, os.path.join(EXAMPLES, script), "--epochs", str(EPOCHS),
+           "--ledger", str(out / "ledger"), *script_args]
+    env = launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl"))
+    code, output = launch.run(cmd, env, str(out / "horovodrun.log"), timeout_s)
+    assert code == 0, f"exit code {code}; output tail:\n{output[-5000:]}"
+    return RANK0.findall(output), out
+
+
+def final_accuracy(lines):
+    done = [re.search(r"^done: test accuracy ([0-9.]+) after \d+ steps on (\d+) workers", line) for line in lines]
+    done = [m for m in done if m]
+    assert len(done) == 1, f"expected one 'done:' line from rank 0, got: {lines}"
+    return float(done[0].group(1)), int(done[0].group(2))
+
+
+def assert_killed_and_recovered(lines, out, kill_step, commit_every, survivors):
+    events = analysis.read_events(str(out / "events.jsonl"))
+    assert any(e["event"] == "rollback" for e in events), "the SIGKILL did not cause a rollback"
+    resume = kill_step - kill_step % commit_every
+    expected = (f"[elastic] recovered from collective_failed in ", f"{kill_step - resume} steps rolled back, "
+                f"resuming at step {resume}")
+    recovered = [line for line in lines if line.startswith(expected[0]) and line.endswith(expected[1])]
+    assert recovered, f"no recovery line like {expected} in rank 0's output: {lines}"
+    assert f"[elastic] reset: the job now has {survivors} workers" in lines, lines
+    epochs = [line for line in lines if line.startswith("epoch ")]
+    assert len(epochs) == EPOCHS, lines
+    assert epochs[-1].split("workers ")[1].startswith(f"{survivors} "), epochs[-1]
+
+
+def assert_exactly_once(out):
+    report = ledger.audit(ledger.read(str(out / "ledger")), TRAIN_SIZE, EPOCHS)
+    assert report["exactly_once"], f"not exactly once: {report['epochs']}"
+    assert [e["processed"] for e in report["epochs"]] == [TRAIN_SIZE] * EPOCHS, report["epochs"]
+    return report
+
+
+@pytest.mark.timeout(200)
+def test_pytorch_example_survives_a_sigkill_on_four_workers(tmp_path):
+    # Rank 3 lives on the second pseudo-host; Horovod blacklists that host: 4 -> 2 workers.
+    kill_step, commit_every = 28, 5
+    lines, out = run_example(tmp_path, "pytorch_elastic.py", ["localhost:2", "127.0.0.1:2"], 4, 2,
+                             "--commit-every", str(commit_every), "--faults", f"3:{kill_step}:kill")
+    accuracy, workers = final_accuracy(lines)
+    assert accuracy > MIN_ACCURACY, lines
+    assert workers == 2, lines
+    assert_killed_and_recovered(lines, out, kill_step, commit_every, survivors=2)
+    report = assert_exactly_once(out)
+    assert report["lost_steps"] >= 1, "the steps after the last commit should have been thrown away"
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("keras", ["3", "2"])
+def test_tensorflow_example_survives_a_sigkill_on_two_workers(tmp_path, keras):
+    # One slot on each pseudo-host, so that losing rank 1 (and its host) leaves rank 0 to finish alone.
+    kill_step, commit_every = 28, 5
+    lines, out = run_example(tmp_path, "tensorflow_elastic.py", ["localhost:1", "127.0.0.1:1"], 2, 1,
+                             "--keras", keras, "--commit-every", str(commit_every),
+                             "--faults", f"1:{kill_step}:kill")
+    accuracy, workers = final_accuracy(lines)
+    assert accuracy > MIN_ACCURACY, lines
+    assert workers == 1, lines
+    assert f"(Keras {keras}." in lines[-1], f"not the Keras asked for: {lines[-1]}"
+    assert_killed_and_recovered(lines, out, kill_step, commit_every, survivors=1)
+    assert_exactly_once(out)
