@@ -28,12 +28,12 @@ class TensorFlowBinding:
     def size(self) -> int:
         return hvd.size()
 
-    def _collective(self, op, *args, **kwargs) -> np.ndarray:
+    def _collective(self, collective, *args, **kwargs) -> np.ndarray:
         # sync() and commit() run these outside the training function too:
         # a failed Horovod op must surface as HorovodInternalError there as
         # well, so that @elastic_ext.run rolls back instead of crashing.
         try:
-            return op(*args, **kwargs).numpy()
+            return collective(*args, **kwargs).numpy()
         except tf.errors.OpError as exc:
             translated = self.as_internal_error(exc)
             if translated is None:

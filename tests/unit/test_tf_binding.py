@@ -1,5 +1,9 @@
 """The TF binding's error translation: Horovod op failures become HorovodInternalError, nothing else."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import tensorflow as tf
 from horovod.common.exceptions import HorovodInternalError
@@ -24,3 +28,21 @@ def test_collective_wrapper_translates_failures():
 
     with pytest.raises(HorovodInternalError, match="HorovodBroadcast"):
         binding._collective(failing)
+
+
+def test_every_collective_runs_through_real_horovod_in_a_world_of_one():
+    # In a subprocess: Horovod is initialised once per process.
+    code = (
+        "import numpy as np, horovod.tensorflow as hvd\n"
+        "from elastic_ext.tensorflow.binding import TensorFlowBinding\n"
+        "hvd.init(); b = TensorFlowBinding()\n"
+        "a = np.array([3, 1, 2], dtype=np.int64)\n"
+        "assert b.allreduce_max(a, 'x.max').tolist() == [3, 1, 2]\n"
+        "assert b.allgather(a[None, :], 'x.gather').tolist() == [[3, 1, 2]]\n"
+        "assert b.broadcast(np.arange(4, dtype=np.uint8), 0, 'x.bcast').tolist() == [0, 1, 2, 3]\n"
+        "assert (b.rank(), b.size()) == (0, 1)\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1"))
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
