@@ -68,14 +68,22 @@ def plot(results, path):
     ax1.set_ylabel("seconds from SIGKILL to first step after recovery")
     ax1.legend()
     for r in results:
+        # One dot per completed step: the gap after the SIGKILL is the recovery.
         ax2.plot([t - r["kill_at"] for t, _ in r["timeline"]], [s for _, s in r["timeline"]], marker=".",
-                 drawstyle="steps-post", label=r["system"])
+                 linestyle="none", label=r["system"])
     ax2.axvline(0, color="red", linestyle="--", label="SIGKILL")
     ax2.set_xlabel("seconds since the SIGKILL (first job of each system)")
-    ax2.set_ylabel("world size at each step of rank 0")
+    ax2.set_ylabel("world size at each completed step (rank 0)")
+    ax2.set_yticks([2, 4])
     ax2.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def replot():
+    """Redraws the PNG from the saved JSON (no new measurement)."""
+    with open(os.path.join(RESULTS, "recovery.json")) as handle:
+        plot(json.load(handle)["results"], os.path.join(RESULTS, "recovery.png"))
 
 
 def main():
