@@ -82,7 +82,10 @@ def abort_collective_connections(reason: str) -> int:
         rendezvous = horovod_rendezvous()
         skip_ports = {rendezvous[1]} if rendezvous else set()
         count = 0
-        for conn in psutil.Process().connections(kind="tcp"):
+        process = psutil.Process()
+        # psutil >= 6 calls it net_connections; older releases only have connections.
+        list_connections = getattr(process, "net_connections", None) or process.connections
+        for conn in list_connections(kind="tcp"):
             if conn.status != psutil.CONN_ESTABLISHED or conn.fd < 0 or not conn.raddr:
                 continue
             if conn.raddr.port in skip_ports:
