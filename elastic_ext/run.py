@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import time
 from typing import Any, Callable, Optional, TypeVar
 
@@ -63,7 +64,7 @@ def run(func: Optional[F] = None) -> Any:
         notification_manager.register_listener(state)
         dog = watchdog.Watchdog(config, on_stall=lambda idle: events.emit("stall", idle_s=idle))
         dog.start()
-        watchdog.install_sigterm(config)
+        previous_sigterm = watchdog.install_sigterm(config)
         skip_sync = False
         pending: Optional[dict] = None
         started = time.perf_counter()
@@ -131,6 +132,8 @@ def run(func: Optional[F] = None) -> Any:
                 events.emit("reset", duration_s=time.perf_counter() - reset_started, cause=pending["cause"])
         finally:
             dog.stop()
+            if previous_sigterm is not None:
+                signal.signal(signal.SIGTERM, previous_sigterm)
             notification_manager.remove_listener(state)
 
     return wrapper

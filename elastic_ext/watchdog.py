@@ -179,15 +179,16 @@ class Watchdog:
 
 # ------------------------------------------------------------------ SIGTERM
 
-def install_sigterm(config: ElasticConfig) -> None:
+def install_sigterm(config: ElasticConfig):
     """Makes SIGTERM mean "leave at the next commit" while training runs.
 
     Outside training (e.g. while Horovod re-initialises, when the driver
     itself terminates workers of a removed host) SIGTERM keeps its default
     meaning. Only possible from the main thread; elsewhere this is a no-op.
+    Returns the previous handler (to restore), or None.
     """
     if threading.current_thread() is not threading.main_thread():
-        return
+        return None
 
     def handler(signum, frame):
         if not _in_training.is_set() or _leaving.is_set():
@@ -205,7 +206,7 @@ def install_sigterm(config: ElasticConfig) -> None:
         timer.daemon = True
         timer.start()
 
-    signal.signal(signal.SIGTERM, handler)
+    return signal.signal(signal.SIGTERM, handler)
 
 
 class training:

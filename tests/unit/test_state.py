@@ -307,3 +307,24 @@ def test_grad_scaler_and_plateau_scheduler_round_trip():
     assert optimizer.param_groups[0]["lr"] != expected[2]
     state.restore()
     assert (plateau.state_dict(), scaler.state_dict(), optimizer.param_groups[0]["lr"]) == expected
+
+
+def test_run_restores_the_sigterm_handler_and_stops_its_guardian():
+    import signal
+
+    import psutil
+    before = signal.getsignal(signal.SIGTERM)
+    state = make_state(step=0)
+    seen = {}
+
+    @elastic_ext.run
+    def train(state):
+        seen["handler"] = signal.getsignal(signal.SIGTERM)
+        seen["children"] = [p.cmdline() for p in psutil.Process().children()]
+        return 1
+
+    assert train(state) == 1
+    assert seen["handler"] is not before, "SIGTERM is handled while training"
+    assert any("elastic_ext.guardian" in " ".join(c) for c in seen["children"]), seen["children"]
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert not [p for p in psutil.Process().children() if "elastic_ext.guardian" in " ".join(p.cmdline())]
