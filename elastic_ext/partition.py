@@ -80,28 +80,59 @@ def share(global_batch: int, world_size: int, rank: int) -> Tuple[int, int]:
 class Plan:
     """What one rank processes from the cursor to the end of the epoch.
 
-    ``indices[s]`` are the sample indices of this rank in global step ``s``;
-    ``pad[s]`` marks padding (only with policy ``"pad"``, last step only).
-    ``advance[s]`` is how far the cursor moves after step ``s`` (the same on
-    every rank; the padded step moves it to the end of the epoch).
+    ``body`` is a strided view of the epoch order, one row per full global
+    step; ``tail`` is the padded last step (policy ``"pad"`` only) with its
+    ``tail_pad`` mask, or None. ``batch(s)`` returns step ``s``'s indices and
+    padding mask without copying the body; ``advance[s]`` is how far the
+    cursor moves after step ``s`` (the same on every rank; the padded step
+    moves it to the end of the epoch).
     """
 
-    indices: np.ndarray
-    pad: np.ndarray
+    body: np.ndarray
+    tail: Optional[np.ndarray]
+    tail_pad: Optional[np.ndarray]
     advance: np.ndarray
 
     @property
     def steps(self) -> int:
-        return int(self.indices.shape[0])
+        return int(self.body.shape[0]) + (0 if self.tail is None else 1)
+
+    def batch(self, step: int) -> Tuple[np.ndarray, np.ndarray]:
+        """(indices, pad mask) of step ``step``."""
+        if step < self.body.shape[0]:
+            row = self.body[step]
+            return row, np.broadcast_to(False, row.shape)
+        if self.tail is None or step != self.body.shape[0]:
+            raise IndexError(f"step {step} out of range for a plan of {self.steps} steps")
+        return self.tail, self.tail_pad
+
+    @property
+    def indices(self) -> np.ndarray:
+        """All steps as one array (a copy when there is a padded step)."""
+        if self.tail is None:
+            return self.body
+        return np.concatenate([self.body, self.tail[None, :]])
+
+    @property
+    def pad(self) -> np.ndarray:
+        mask = np.zeros((self.steps, self.body.shape[1]), dtype=bool)
+        if self.tail is not None:
+            mask[-1] = self.tail_pad
+        return mask
+
+
+def steps_left(size: int, cursor: int, global_batch: int, policy: str) -> int:
+    """How many global steps remain in the epoch (arithmetic, no plan)."""
+    full, rest = divmod(size - cursor, global_batch)
+    return full + (1 if policy == "pad" and rest else 0)
 
 
 def plan(order: np.ndarray, cursor: int, global_batch: int, world_size: int, rank: int,
          policy: str = "drop") -> Plan:
     """Splits ``order[cursor:]`` into global steps and returns this rank's part.
 
-    Memory and time are proportional to this rank's share of what is left:
-    the result is a strided view of the order plus, with padding, one small
-    last step.
+    Time and memory do not grow with the epoch: the body is a strided view of
+    the order; with padding, one last step of one global batch is built.
 
     Raises:
         PartitionError: a bad cursor, batch, world size, rank or policy; the
@@ -119,15 +150,14 @@ def plan(order: np.ndarray, cursor: int, global_batch: int, world_size: int, ran
     advance = np.full(full, global_batch, dtype=np.int64)
     rest = remaining.shape[0] - full * global_batch
     if policy == "drop" or rest == 0 or size == 0:
-        return Plan(indices=body, pad=np.zeros(body.shape, dtype=bool), advance=advance)
+        return Plan(body=body, tail=None, tail_pad=None, advance=advance)
     # Pad the last step with the first positions of the order (repeated if
     # the epoch is smaller than one global batch).
-    tail = np.concatenate([remaining[full * global_batch:], np.resize(order, global_batch - rest)])
+    missing = global_batch - rest
+    tail = np.concatenate([remaining[full * global_batch:], np.resize(order[:missing], missing)])
     tail_pad = np.arange(global_batch) >= rest
-    indices = np.concatenate([body, tail[start:start + count][None, :]])
-    pad = np.zeros(indices.shape, dtype=bool)
-    pad[-1] = tail_pad[start:start + count]
-    return Plan(indices=indices, pad=pad, advance=np.append(advance, rest))
+    return Plan(body=body, tail=tail[start:start + count], tail_pad=tail_pad[start:start + count],
+                advance=np.append(advance, rest))
 
 
 def local_batch(global_batch: int, world_size: int, rank: int, micro_batch: Optional[int] = None) -> Tuple[int, int]:

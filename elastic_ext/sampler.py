@@ -152,10 +152,11 @@ class ElasticPartitioner:
         """Yields ``(indices, pad_mask)`` per step from the cursor on (planned once, at the start)."""
         current = self.plan()
         for step in range(current.steps):
-            yield current.indices[step], current.pad[step]
+            yield current.batch(step)
 
     def __len__(self) -> int:
-        return self.plan().steps
+        """Steps left in this epoch at the current world size."""
+        return partition.steps_left(self.size, self.cursor, self.global_batch, self.policy)
 
     def on_world_change(self) -> None:
         """Called by ``State.reset()``; the next plan uses the new rank and size."""

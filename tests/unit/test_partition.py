@@ -116,6 +116,11 @@ class Job:
             self.sampler.set_epoch(self.sampler.epoch + 1)
             return True
         plans = self.ranks()
+        assert len(self.sampler) == plans[0].steps, "the arithmetic step count must match the plan"
+        for plan in plans:
+            for step in range(plan.steps):
+                indices, pad = plan.batch(step)
+                assert np.array_equal(indices, plan.indices[step]) and np.array_equal(pad, plan.pad[step])
         taken = np.concatenate([p.indices[0][~p.pad[0]] for p in plans])
         padded = np.concatenate([p.indices[0][p.pad[0]] for p in plans])
         assert all(p.advance[0] == plans[0].advance[0] for p in plans)
