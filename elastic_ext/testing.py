@@ -151,3 +151,42 @@ class FaultSchedule:
             os._exit(17)
         else:
             raise RuntimeError(f"injected fault at rank {rank} step {step}")
+
+
+class HostFileSchedule:
+    """Deterministic resizes for tests: rewrite a discovery host file at given steps.
+
+    Spec: ``"STEP:HOSTFILE:HOST,HOST;STEP:HOSTFILE:HOST,..."``. At a listed
+    step (at a commit), rank 0 rewrites the file, then waits until Horovod's
+    driver has announced the change, so that the commit that follows resizes
+    the job at exactly that step. Each entry applies once (a marker file).
+    """
+
+    def __init__(self, spec: str, wait_s: float = 60.0) -> None:
+        self.entries = []
+        for item in filter(None, (part.strip() for part in spec.split(";"))):
+            fields = item.split(":", 2)
+            if len(fields) != 3:
+                raise ConfigError(f"resize {item!r} must look like STEP:HOSTFILE:HOST[,HOST...]")
+            try:
+                step = int(fields[0])
+            except ValueError:
+                raise ConfigError(f"resize {item!r}: step must be an integer") from None
+            self.entries.append((step, fields[1], fields[2].split(",")))
+        self.wait_s = wait_s
+
+    def maybe_apply(self, state, rank: int, step: int) -> None:
+        """Called by every rank before a commit; only rank 0 acts."""
+        if rank != 0:
+            return
+        for index, (at, path, hosts) in enumerate(self.entries):
+            marker = f"{path}.done{index}"
+            if at != step or os.path.exists(marker):
+                continue
+            with open(path + ".tmp", "w", encoding="utf-8") as handle:
+                handle.write("\n".join(hosts) + "\n")
+            os.replace(path + ".tmp", path)
+            open(marker, "w").close()
+            deadline = time.time() + self.wait_s
+            while not state.host_update_pending() and time.time() < deadline:
+                time.sleep(0.05)

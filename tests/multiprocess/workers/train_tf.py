@@ -37,13 +37,14 @@ import elastic_ext  # noqa: E402
 from elastic_ext.adapters import Capture  # noqa: E402
 from elastic_ext.ledger import Ledger  # noqa: E402
 from elastic_ext.tensorflow import ElasticSampler, index_dataset  # noqa: E402
-from elastic_ext.testing import FaultSchedule  # noqa: E402
+from elastic_ext.testing import FaultSchedule, HostFileSchedule  # noqa: E402
 
 assert keras.__version__.startswith(args.keras), keras.__version__
 tf.config.threading.set_inter_op_parallelism_threads(1)
 tf.config.threading.set_intra_op_parallelism_threads(1)
 hvd.init()
 faults = FaultSchedule.parse(args.faults, os.path.join(args.out, "faults"))
+resizes = HostFileSchedule(args.resize_at)
 digits = load_digits()
 X = tf.constant(digits.data / 16.0, dtype=tf.float32)
 Y = tf.constant(digits.target, dtype=tf.int64)
@@ -105,17 +106,7 @@ def train_step(step, indices, pad):
 
 
 def maybe_resize(state):
-    if not args.resize_at:
-        return
-    step, path, lines = args.resize_at.split(":", 2)
-    if state.step != int(step) or hvd.rank() != 0 or os.path.exists(path + ".done"):
-        return
-    with open(path, "w") as handle:
-        handle.write(lines.replace(",", "\n") + "\n")
-    open(path + ".done", "w").close()
-    deadline = time.time() + 60
-    while not state.host_update_pending() and time.time() < deadline:
-        time.sleep(0.05)
+    resizes.maybe_apply(state, hvd.rank(), state.step)
 
 
 @elastic_ext.run

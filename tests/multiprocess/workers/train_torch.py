@@ -22,7 +22,7 @@ import horovod.torch as hvd
 import elastic_ext
 from elastic_ext.adapters import Capture
 from elastic_ext.ledger import Ledger
-from elastic_ext.testing import FaultSchedule
+from elastic_ext.testing import FaultSchedule, HostFileSchedule
 from elastic_ext.torch import ElasticSampler
 
 p = argparse.ArgumentParser()
@@ -35,13 +35,13 @@ p.add_argument("--commit-every", type=int, default=4)
 p.add_argument("--faults", default="")
 p.add_argument("--step-sleep-s", type=float, default=0.0)
 p.add_argument("--slow", default="", help="RANK:FROM:TO:FACTOR slows one rank's steps")
-p.add_argument("--resize-at", default="", help="STEP:HOSTFILE:LINES  (rank 0 rewrites the host file at that "
-                                               "commit and waits for Horovod's notice: a deterministic resize)")
+p.add_argument("--resize-at", default="", help="STEP:HOSTFILE:HOST,HOST[;...] (see elastic_ext.testing.HostFileSchedule)")
 args = p.parse_args()
 
 torch.set_num_threads(1)
 hvd.init()
 faults = FaultSchedule.parse(args.faults, os.path.join(args.out, "faults"))
+resizes = HostFileSchedule(args.resize_at)
 
 digits = load_digits()
 X = torch.tensor(digits.data / 16.0, dtype=torch.float32)
@@ -108,17 +108,7 @@ def train_step(state, indices, pad):
 
 
 def maybe_resize(state):
-    if not args.resize_at:
-        return
-    step, path, lines = args.resize_at.split(":", 2)
-    if state.step != int(step) or hvd.rank() != 0 or os.path.exists(path + ".done"):
-        return
-    with open(path, "w") as handle:
-        handle.write(lines.replace(",", "\n") + "\n")
-    open(path + ".done", "w").close()
-    deadline = time.time() + 60
-    while not state.host_update_pending() and time.time() < deadline:
-        time.sleep(0.05)
+    resizes.maybe_apply(state, hvd.rank(), state.step)
 
 
 def slow_factor(state):

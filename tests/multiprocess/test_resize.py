@@ -1,0 +1,47 @@
+"""2 -> 4 -> 2 -> 4 workers through the discovery script, then a SIGKILL back
+to 2: every sample exactly once over the committed history, for PyTorch and
+TensorFlow. Resizes are deterministic: rank 0 rewrites the host file at a
+given step and waits for Horovod's notice (elastic_ext.testing.HostFileSchedule)."""
+
+import pytest
+
+from elastic_ext import ledger
+from tests.multiprocess import analysis, launch
+
+DIGITS = 1797
+COMMIT_EVERY = 4
+ONE = "localhost:2"
+TWO = "localhost:2,127.0.0.1:2"
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("worker, extra", [("train_torch.py", []), ("train_tf.py", ["--keras", "3"])],
+                         ids=["torch", "tensorflow"])
+def test_grow_shrink_grow_and_failure_keep_exactly_once(tmp_path, worker, extra):
+    out = tmp_path / "job"
+    out.mkdir()
+    hosts = str(out / "hosts")
+    launch.write_hosts(hosts, [ONE])
+    schedule = f"8:{hosts}:{TWO};16:{hosts}:{ONE};24:{hosts}:{TWO}"
+    cmd = launch.elastic_cmd(2, 2, 4, hosts, worker, "--out", str(out), "--epochs", "2",
+                             "--commit-every", str(COMMIT_EVERY), "--resize-at", schedule,
+                             "--faults", "3:30:kill", *extra)
+    code, output = launch.run(cmd, launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl")),
+                              str(out / "horovodrun.log"), timeout_s=360)
+    assert code == 0, output[-5000:]
+    records = ledger.read(str(out))
+    by_gen = {}
+    for r in records:
+        if "gen" in r and r["rank"] == 0:
+            by_gen.setdefault(r["gen"], set()).add(r["size"])
+    sizes = [sorted(by_gen[g]) for g in sorted(by_gen)]
+    assert sizes == [[2], [4], [2], [4], [2]], sizes
+    starts = ledger.starts(records)
+    assert [starts[g][2] for g in sorted(starts)] == [0, 8, 16, 24, 28], starts
+    events = analysis.read_events(str(out / "events.jsonl"))
+    assert len({e["generation"] for e in events if e["event"] == "recovered" and e["cause"] == "collective_failed"}) == 1
+    report = analysis.assert_exactly_once(out, DIGITS, 2)
+    assert report["lost_steps"] >= 1  # the steps after commit 28 that the SIGKILL threw away
+    finals = analysis.load_finals(out)
+    assert sorted(finals) == [0, 1]
+    analysis.assert_ranks_identical(finals)
