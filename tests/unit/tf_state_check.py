@@ -1,0 +1,104 @@
+"""Run by test_tf_state.py in a fresh process per Keras version (the version
+is fixed at TensorFlow's import): exact restore for every TF adapter."""
+
+import os
+import sys
+
+legacy = sys.argv[1] == "2"
+if legacy:
+    os.environ["TF_USE_LEGACY_KERAS"] = "1"
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+if legacy:
+    import tf_keras as keras  # noqa: E402
+else:
+    import keras  # noqa: E402
+
+from elastic_ext import State  # noqa: E402
+from elastic_ext.errors import StateError  # noqa: E402
+from elastic_ext.testing import SoloBinding  # noqa: E402
+
+assert keras.__version__.startswith(sys.argv[1]), keras.__version__
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, activation="relu"),
+                          keras.layers.BatchNormalization(), keras.layers.Dense(2)])
+optimizer = keras.optimizers.AdamW(0.01, weight_decay=0.1)
+
+
+class Counter(tf.Module):
+    def __init__(self):
+        super().__init__()
+        self.count = tf.Variable(0, dtype=tf.int64)
+        self.scale = tf.Variable([1.0, 2.0])
+
+
+module = Counter()
+variable = tf.Variable([[1.0, 2.0], [3.0, 4.0]])
+var_list = [tf.Variable(1.5), tf.Variable([7, 8], dtype=tf.int32)]
+state = State(binding=SoloBinding(), model=model, optimizer=optimizer, module=module, variable=variable,
+              var_list=var_list, step=0)
+names = {name: type(adapter).__name__ for name, adapter in state._adapter_of.items()}
+assert names == {"model": "ModelAdapter", "optimizer": "OptimizerAdapter", "module": "ModelAdapter",
+                 "variable": "VariableAdapter", "var_list": "VariableListAdapter", "step": "PlainAdapter"}, names
+
+
+def values(obj):
+    variables = obj.variables() if callable(getattr(obj, "variables", None)) else obj.variables
+    return [np.array(v.numpy()) for v in variables]
+
+
+def train(steps):
+    for _ in range(steps):
+        x = tf.random.normal((6, 8))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(model(x, training=True) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    module.count.assign_add(steps)
+    module.scale.assign(module.scale * 2)
+    variable.assign(variable + 1)
+    var_list[0].assign(var_list[0] * 3)
+    var_list[1].assign([0, 0])
+
+
+def snapshot():
+    return ([values(model), values(optimizer), values(module)], variable.numpy().copy(),
+            [v.numpy().copy() for v in var_list])
+
+
+def same(a, b):
+    (objs_a, var_a, list_a), (objs_b, var_b, list_b) = a, b
+    for xs, ys in zip(objs_a, objs_b):
+        assert len(xs) == len(ys) and all(x.tobytes() == y.tobytes() for x, y in zip(xs, ys))
+    assert var_a.tobytes() == var_b.tobytes()
+    assert all(x.tobytes() == y.tobytes() for x, y in zip(list_a, list_b))
+
+
+train(2)
+state.step = 2
+state.commit()
+committed = snapshot()
+train(3)
+state.step = 5
+state.restore()
+same(snapshot(), committed)
+assert state.step == 2
+# Training on from the restored state is identical to training on from the commit.
+tf.random.set_seed(7)
+train(2)
+after = snapshot()
+state.restore()
+tf.random.set_seed(7)
+train(2)
+same(snapshot(), after)
+# A model built differently is an error that says so, not silent garbage.
+other = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+try:
+    type(state._adapter_of["model"])().apply(other, state._entries["model"])
+except StateError as exc:
+    assert "variables" in str(exc) or "shape" in str(exc), exc
+else:
+    raise AssertionError("restoring into a different model did not fail")
+print("ok", len(values(optimizer)))
