@@ -1,0 +1,66 @@
+"""bench.compare worker, elastic_ext: elastic_ext.State + @elastic_ext.run + its ElasticSampler.
+
+The loop of examples/pytorch_elastic.py: commit every ``--commit-every``
+steps and at the end of each epoch, constant global batch. Launched by
+bench/compare.py under ``horovodrun`` (see there for the command).
+"""
+
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+import horovod.torch as hvd
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import compare_common as common  # noqa: E402
+
+import elastic_ext  # noqa: E402
+from elastic_ext.torch import ElasticSampler  # noqa: E402
+
+args = common.parser(__doc__.splitlines()[0]).parse_args()
+hvd.init()
+x, y = common.load_data(args.data)
+model, optimizer = common.build_model()
+sampler = ElasticSampler(common.DATASET_SIZE, global_batch_size=args.global_batch, seed=1, policy="pad")
+state = elastic_ext.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0)
+log = common.StepLog(args.out, "ext")
+
+
+@elastic_ext.run
+def train(state):
+    log.start(state.generation, sampler.epoch, sampler.cursor, state.step, hvd.rank(), hvd.size())
+    while state.epoch < args.max_epochs:
+        sampler.set_epoch(state.epoch)
+        for indices, pad in sampler.batches():
+            epoch, cursor = sampler.epoch, sampler.cursor
+            index = torch.from_numpy(indices.astype(np.int64))
+            loss = common.local_loss(model, x, y, index, torch.from_numpy(~pad), args.global_batch)
+            optimizer.zero_grad()
+            loss.backward()
+            common.compute(args.compute_ms_per_sample, int((~pad).sum()))
+            log.step(state.generation, epoch, cursor, state.step, hvd.rank(), hvd.size(), indices[~pad],
+                     int(pad.sum()))
+            handles = [hvd.allreduce_async_(param.grad, op=hvd.Sum, name=f"grad.{i}")
+                       for i, param in enumerate(model.parameters())]
+            for handle in handles:  # all in flight at once, as hvd.DistributedOptimizer does
+                hvd.synchronize(handle)
+            optimizer.step()
+            sampler.record_step()
+            state.step += 1
+            log.done(state.generation, state.step - 1, hvd.rank(), hvd.size(), int((~pad).sum()))
+            end_of_epoch = sampler.epoch_done
+            if end_of_epoch:
+                state.epoch += 1
+            if end_of_epoch or state.step % args.commit_every == 0:
+                started = time.perf_counter()
+                state.commit()
+                log.commit(state.step - 1, hvd.rank(), time.perf_counter() - started)
+                stop = log.stop_step()
+                if stop is not None and state.step >= stop:
+                    return
+
+
+train(state)

@@ -1,0 +1,71 @@
+"""bench.compare worker, plain Horovod elastic: hvd.elastic.TorchState + @hvd.elastic.run + Horovod's ElasticSampler.
+
+Written the way Horovod's elastic examples are: the sampler is part of the
+state, ``record_batch`` after every step, ``set_epoch`` at the end of the
+epoch, commit every ``--commit-every`` steps and at the end of each epoch.
+The per-rank batch is global batch / world size at start (16 on 4 workers);
+Horovod's sampler has no notion of a global batch, so after a shrink the
+global batch shrinks with the world while the job runs on the survivors.
+Loss and gradients as in Horovod's examples: each rank's mean, averaged by
+the allreduce (all gradients in flight at once, as hvd.DistributedOptimizer
+does).
+"""
+
+import os
+import sys
+import time
+
+import torch
+
+import horovod.torch as hvd
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import compare_common as common  # noqa: E402
+
+args = common.parser(__doc__.splitlines()[0]).parse_args()
+hvd.init()
+x, y = common.load_data(args.data)
+model, optimizer = common.build_model()
+batch = args.global_batch // hvd.size()
+sampler = hvd.elastic.ElasticSampler(range(common.DATASET_SIZE), shuffle=True, seed=1)
+loader = torch.utils.data.DataLoader(range(common.DATASET_SIZE), batch_size=batch, sampler=sampler)
+state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0)
+log = common.StepLog(args.out, "plain")
+
+
+@hvd.elastic.run
+def train(state):
+    # A generation id that every rank of this incarnation agrees on (Horovod has none).
+    gen = hvd.broadcast_object(time.time_ns(), root_rank=0, name="compare.gen")
+    log.start(gen, sampler.epoch, sampler.processed_num, state.step, hvd.rank(), hvd.size())
+    while state.epoch < args.max_epochs:
+        steps_in_epoch = len(loader)
+        for batch_idx, index in enumerate(loader):
+            epoch, cursor = sampler.epoch, sampler.processed_num
+            loss = torch.nn.functional.cross_entropy(model(x[index]), y[index])  # this rank's mean
+            optimizer.zero_grad()
+            loss.backward()
+            common.compute(args.compute_ms_per_sample, len(index))
+            log.step(gen, epoch, cursor, state.step, hvd.rank(), hvd.size(), index.tolist())
+            handles = [hvd.allreduce_async_(param.grad, op=hvd.Average, name=f"grad.{i}")
+                       for i, param in enumerate(model.parameters())]
+            for handle in handles:  # all in flight at once, as hvd.DistributedOptimizer does
+                hvd.synchronize(handle)
+            optimizer.step()
+            sampler.record_batch(batch_idx, batch)
+            state.step += 1
+            log.done(gen, state.step - 1, hvd.rank(), hvd.size(), len(index))
+            end_of_epoch = batch_idx == steps_in_epoch - 1
+            if end_of_epoch:
+                state.epoch += 1
+                sampler.set_epoch(state.epoch)
+            if end_of_epoch or state.step % args.commit_every == 0:
+                started = time.perf_counter()
+                state.commit()
+                log.commit(state.step - 1, hvd.rank(), time.perf_counter() - started)
+                stop = log.stop_step()
+                if stop is not None and state.step >= stop:
+                    return
+
+
+train(state)
