@@ -153,6 +153,43 @@ class FaultSchedule:
             raise RuntimeError(f"injected fault at rank {rank} step {step}")
 
 
+class CommitFaultProbe:
+    """A state entry (and its own adapter) whose copy fires the fault declared
+    for WHERE=commit: the process dies in the middle of ``commit()``.
+
+    Put it in the state as ``State(..., commit_probe=probe, adapters=[probe])``
+    and set ``probe.step`` to the step being committed just before each
+    ``commit()`` (None outside). Its committed value is that step.
+    """
+
+    name, synced = "commit_fault_probe", True
+
+    def __init__(self, faults: FaultSchedule, rank_fn) -> None:
+        self.faults = faults
+        self.rank_fn = rank_fn
+        self.step: Optional[int] = None
+
+    def handles(self, obj) -> bool:
+        return obj is self
+
+    def capture(self, obj):
+        from elastic_ext.adapters import Capture
+        probe = self
+
+        class Source:
+            shape, dtype = (1,), np.dtype(np.int64)
+
+            def copy_into(self, buffer: np.ndarray) -> None:
+                if probe.step is not None:
+                    probe.faults.maybe_fire(probe.rank_fn(), probe.step, where="commit")
+                buffer[0] = probe.step or 0
+
+        return Capture(arrays={"probe": Source()}, meta=None)
+
+    def apply(self, obj, entry):
+        return obj
+
+
 class HostFileSchedule:
     """Deterministic resizes for tests: rewrite a discovery host file at given steps.
 

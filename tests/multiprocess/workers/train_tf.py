@@ -34,10 +34,9 @@ else:
 import horovod.tensorflow as hvd  # noqa: E402
 
 import elastic_ext  # noqa: E402
-from elastic_ext.adapters import Capture  # noqa: E402
 from elastic_ext.ledger import Ledger  # noqa: E402
 from elastic_ext.tensorflow import ElasticSampler, index_dataset  # noqa: E402
-from elastic_ext.testing import FaultSchedule, HostFileSchedule  # noqa: E402
+from elastic_ext.testing import CommitFaultProbe, FaultSchedule, HostFileSchedule  # noqa: E402
 
 assert keras.__version__.startswith(args.keras), keras.__version__
 tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -57,32 +56,7 @@ book = Ledger(args.out)
 loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
 
 
-class CommitFault:
-    """State entry whose copy fires the fault declared for WHERE=commit."""
-
-    name, synced = "commit_fault", True
-
-    def __init__(self):
-        self.step = None
-
-    def handles(self, obj):
-        return obj is commit_probe
-
-    def capture(self, obj):
-        class Source:
-            shape, dtype = (1,), np.dtype(np.int64)
-
-            def copy_into(self_inner, buffer):
-                if obj.step is not None:
-                    faults.maybe_fire(hvd.rank(), obj.step, where="commit")
-                buffer[0] = obj.step or 0
-        return Capture(arrays={"probe": Source()}, meta=None)
-
-    def apply(self, obj, entry):
-        return obj
-
-
-commit_probe = CommitFault()
+commit_probe = CommitFaultProbe(faults, hvd.rank)
 
 
 def allreduce_gradients(step, grads):

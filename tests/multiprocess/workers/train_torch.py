@@ -20,9 +20,8 @@ from sklearn.datasets import load_digits
 import horovod.torch as hvd
 
 import elastic_ext
-from elastic_ext.adapters import Capture
 from elastic_ext.ledger import Ledger
-from elastic_ext.testing import FaultSchedule, HostFileSchedule
+from elastic_ext.testing import CommitFaultProbe, FaultSchedule, HostFileSchedule
 from elastic_ext.torch import ElasticSampler
 
 p = argparse.ArgumentParser()
@@ -59,32 +58,7 @@ sampler = ElasticSampler(len(X), global_batch_size=args.global_batch, seed=1, po
 book = Ledger(args.out)
 
 
-class CommitFault:
-    """Part of the state whose copy fires the fault declared for WHERE=commit."""
-
-    name, synced = "commit_fault", True
-
-    def __init__(self):
-        self.step = None
-
-    def handles(self, obj):
-        return obj is commit_probe
-
-    def capture(self, obj):
-        class Source:
-            shape, dtype = (1,), np.dtype(np.int64)
-
-            def copy_into(self_inner, buffer):
-                if obj.step is not None:
-                    faults.maybe_fire(hvd.rank(), obj.step, where="commit")
-                buffer[0] = obj.step or 0
-        return Capture(arrays={"probe": Source()}, meta=None)
-
-    def apply(self, obj, entry):
-        return obj
-
-
-commit_probe = CommitFault()
+commit_probe = CommitFaultProbe(faults, hvd.rank)
 
 
 def allreduce_gradients(step):
