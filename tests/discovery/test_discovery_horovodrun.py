@@ -24,7 +24,10 @@ def wait_for(predicate, what, timeout_s):
 
 
 def sizes_seen(out):
-    return [r["size"] for r in ledger.read(str(out)) if "gen" in r and r["rank"] == 0]
+    # In time order: ledger.read concatenates per-process files, and rank 0
+    # may be a different process in different generations.
+    steps = sorted((r for r in ledger.read(str(out)) if "gen" in r and r["rank"] == 0), key=lambda r: r["t"])
+    return [r["size"] for r in steps]
 
 
 @pytest.mark.timeout(420, method="signal")
