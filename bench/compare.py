@@ -62,7 +62,6 @@ import argparse
 import glob
 import json
 import os
-import platform
 import random
 import signal
 import socket
@@ -75,6 +74,7 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import psutil
 
+from bench.common import machine
 from elastic_ext import ledger
 from tests.multiprocess import launch
 
@@ -128,18 +128,6 @@ def local_host_names() -> List[str]:
         except OSError:
             continue
     return names
-
-
-def machine() -> Dict[str, Any]:
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as handle:
-            model = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), "")
-    except OSError:
-        pass
-    return {"cpus": os.cpu_count(), "cpu_model": model, "memory_bytes": psutil.virtual_memory().total,
-            "platform": platform.platform(), "python": platform.python_version(),
-            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def free_port() -> int:
