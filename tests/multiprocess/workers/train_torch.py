@@ -100,12 +100,6 @@ def train(state):
             faults.maybe_fire(hvd.rank(), state.step, where="step")
             book.step(state.generation, sampler.epoch, sampler.cursor, state.step, hvd.rank(), hvd.size(),
                       indices[~pad], int(pad.sum()))
-            if os.environ.get("TRAIN_DEBUG_CRC"):
-                import zlib
-                crc = zlib.crc32(b"".join(v.numpy().tobytes() for v in model.state_dict().values()))
-                ocrc = zlib.crc32(b"".join(v.numpy().tobytes() for st in optimizer.state_dict()["state"].values()
-                                           for v in st.values()))
-                print("CRC", state.step, hvd.size(), hvd.rank(), crc, ocrc, flush=True)
             train_step(state, indices, pad)
             if args.step_sleep_s:
                 time.sleep(args.step_sleep_s * slow_factor(state))
