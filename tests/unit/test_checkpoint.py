@@ -188,7 +188,7 @@ def test_inconsistent_array_table_is_refused(tmp_path):
 
 
 def test_fsspec_url_round_trip_and_corruption():
-    fsspec = pytest.importorskip("fsspec")
+    import fsspec  # a test dependency (tools/requirements.txt): never skipped
     fs = fsspec.filesystem("memory")
     root = "memory://elastic-ext-test"
     if fs.exists("/elastic-ext-test"):
@@ -386,8 +386,8 @@ def test_without_a_checkpoint_dir_nothing_changes(tmp_path):
 
 
 def test_tensorflow_keras_state_resumes_bitwise(tmp_path):
-    tf = pytest.importorskip("tensorflow")
-    tf_keras = pytest.importorskip("tf_keras")
+    import tensorflow as tf
+    import tf_keras
 
     def build(seed):
         tf.random.set_seed(seed)
