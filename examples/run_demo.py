@@ -2,19 +2,29 @@
 
 Runs examples/pytorch_elastic.py under real ``horovodrun`` with two
 pseudo-hosts (localhost and 127.0.0.1, two workers each), SIGKILLs one worker
-mid-training, adds a third pseudo-host (this machine's hostname) once the job has
-recovered, and ends with a summary: accuracy, samples processed (exactly
-once, from the sample ledger) and every recovery event with its duration.
+mid-training, adds a third pseudo-host (this machine's hostname) once the job
+has recovered, and ends with a summary: accuracy, samples processed (exactly
+once, from the sample ledger), what happened at the failure and at the
+scale-up, and a timeline picture (world size and steps over time).
 
-    .venv/bin/python examples/run_demo.py [--kill-step 30] [--epochs 6]
+    .venv/bin/python examples/run_demo.py [--kill-step 33] [--epochs 6]
 
-Full logs and event files are kept in the directory printed at the end.
+Full logs, event files and the picture are kept in the directory printed at
+the end. The exit status is 0 only if the job finished, learned, saw every
+sample exactly once, and both the failure and the scale-up happened.
+
+Words used in the summary:
+
+- *steps rolled back*: completed training steps whose updates were undone
+  by a rollback to the last commit (they are trained again). The step that
+  was in flight when the failure hit never completed and is not counted.
 """
 
 import argparse
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -27,17 +37,21 @@ sys.path.insert(0, REPO)
 
 from elastic_ext import ledger  # noqa: E402
 
-parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-parser.add_argument("--epochs", type=int, default=6)
-parser.add_argument("--kill-step", type=int, default=33, help="step at which rank 3 is SIGKILLed")
-parser.add_argument("--timeout-s", type=int, default=420)
-args = parser.parse_args()
+DATASET_SIZE = 1500  # digits minus the 297 test images held out by the example
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--kill-step", type=int, default=33, help="step at which rank 3 is SIGKILLed")
+    parser.add_argument("--timeout-s", type=int, default=420)
+    parser.add_argument("--out", default="", help="directory for logs and the picture (default: a new temp dir)")
+    return parser.parse_args(argv)
+
 
 def third_host():
     """A third name for this machine that Horovod treats as local (no ssh):
     the hostname if it resolves to a local address, else a non-loopback IPv4."""
-    import socket
-
     import psutil
     local = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET}
     try:
@@ -51,86 +65,248 @@ def third_host():
     return others[0]
 
 
-NEW_HOST = third_host()
-work = tempfile.mkdtemp(prefix="elastic_ext_demo_")
-hosts = os.path.join(work, "hosts")
-events_path = os.path.join(work, "events.jsonl")
-ledger_dir = os.path.join(work, "ledger")
-with open(hosts, "w") as handle:
-    handle.write("localhost:2\n127.0.0.1:2\n")
+class Job:
+    """The horovodrun job, its host file and the scale-up thread."""
 
-venv_bin = os.path.dirname(sys.executable)
-env = dict(os.environ, PATH=venv_bin + os.pathsep + os.environ.get("PATH", ""),
-           PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           ELASTIC_EXT_EVENTS_PATH=events_path, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
-cmd = [os.path.join(venv_bin, "horovodrun"), "-np", "4", "--min-np", "2", "--max-np", "6",
-       "--network-interfaces", "lo",
-       "--host-discovery-script", f"{os.path.join(REPO, 'host_discovery', 'static.py')} {hosts}",
-       sys.executable, os.path.join(HERE, "pytorch_elastic.py"), "--epochs", str(args.epochs),
-       "--ledger", ledger_dir, "--faults", f"3:{args.kill_step}:kill", "--step-sleep-s", "0.03"]
+    def __init__(self, args, work):
+        self.args = args
+        self.work = work
+        self.hosts = os.path.join(work, "hosts")
+        self.events_path = os.path.join(work, "events.jsonl")
+        self.ledger_dir = os.path.join(work, "ledger")
+        self.new_host = third_host()
+        self.host_added_at = None  # Unix time the third host went into the host file
+        self.accuracy = None
+        with open(self.hosts, "w") as handle:
+            handle.write("localhost:2\n127.0.0.1:2\n")
 
-print(f"elastic_ext demo: 4 workers on 2 pseudo-hosts; rank 3 is killed at step {args.kill_step}; "
-      "a third host joins after the recovery.\n", flush=True)
-started = time.time()
-log = open(os.path.join(work, "horovodrun.log"), "w")
-proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                        start_new_session=True)
+    def command(self):
+        venv_bin = os.path.dirname(sys.executable)
+        return [os.path.join(venv_bin, "horovodrun"), "-np", "4", "--min-np", "2", "--max-np", "6",
+                "--network-interfaces", "lo",
+                "--host-discovery-script", f"{os.path.join(REPO, 'host_discovery', 'static.py')} {self.hosts}",
+                sys.executable, os.path.join(HERE, "pytorch_elastic.py"), "--epochs", str(self.args.epochs),
+                "--ledger", self.ledger_dir, "--faults", f"3:{self.args.kill_step}:kill",
+                "--step-sleep-s", "0.03"]
+
+    def environment(self):
+        venv_bin = os.path.dirname(sys.executable)
+        return dict(os.environ, PATH=venv_bin + os.pathsep + os.environ.get("PATH", ""),
+                    PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                    ELASTIC_EXT_EVENTS_PATH=self.events_path, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
+
+    def _grow_after_recovery(self, proc):
+        """Adds the third pseudo-host to the host file a few seconds after the first recovery."""
+        while proc.poll() is None:
+            if os.path.exists(self.events_path) and '"recovered"' in open(self.events_path).read():
+                time.sleep(3)
+                with open(self.hosts, "a") as handle:
+                    handle.write(f"{self.new_host}:2\n")
+                self.host_added_at = time.time()
+                print(f"[demo] added host {self.new_host} (2 slots) to the host file", flush=True)
+                return
+            time.sleep(0.5)
+
+    def run(self):
+        """Runs the job to its end, echoing rank 0's output; returns the exit code."""
+        rank0 = re.compile(r"^\[0\]<stdout>:(.*)$")
+        started = time.time()
+        log = open(os.path.join(self.work, "horovodrun.log"), "w")
+        proc = subprocess.Popen(self.command(), env=self.environment(), cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        threading.Thread(target=self._grow_after_recovery, args=(proc,), daemon=True).start()
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                match = rank0.match(line.rstrip("\n"))
+                if match:
+                    text = match.group(1)
+                    print(text, flush=True)
+                    found = re.search(r"done: test accuracy ([0-9.]+)", text)
+                    if found:
+                        self.accuracy = float(found.group(1))
+                if time.time() - started > self.args.timeout_s:
+                    raise TimeoutError(f"demo exceeded {self.args.timeout_s}s")
+            return proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+            log.close()
 
 
-def grow_after_recovery():
-    """Adds a third pseudo-host to the host file once a recovery event has been written."""
-    while proc.poll() is None:
-        if os.path.exists(events_path) and '"recovered"' in open(events_path).read():
-            time.sleep(3)
-            with open(hosts, "a") as handle:
-                handle.write(f"{NEW_HOST}:2\n")
-            print(f"[demo] added host {NEW_HOST} (2 slots) to the host file", flush=True)
-            return
-        time.sleep(0.5)
+# ------------------------------------------------------------------ analysis
+
+def read_events(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as handle:
+        return sorted((json.loads(line) for line in handle if line.strip()), key=lambda e: e["time"])
 
 
-threading.Thread(target=grow_after_recovery, daemon=True).start()
-rank0 = re.compile(r"^\[0\]<stdout>:(.*)$")
-accuracy = None
-try:
-    for line in proc.stdout:
-        log.write(line)
-        match = rank0.match(line.rstrip("\n"))
-        if match:
-            text = match.group(1)
-            print(text, flush=True)
-            found = re.search(r"done: test accuracy ([0-9.]+)", text)
-            if found:
-                accuracy = float(found.group(1))
-        if time.time() - started > args.timeout_s:
-            raise TimeoutError(f"demo exceeded {args.timeout_s}s")
-    code = proc.wait(timeout=60)
-finally:
-    if proc.poll() is None:
-        os.killpg(proc.pid, 9)
-    log.close()
+def incidents(events, faults, host_added_at):
+    """One record per job transition (a failure or a resize), in time order.
 
-records = ledger.read(ledger_dir)
-epochs_seen = max((r["epoch"] for r in records if "epoch" in r), default=-1) + 1
-report = ledger.audit(records, dataset_size=1500, epochs=epochs_seen)
-events = [json.loads(line) for line in open(events_path)] if os.path.exists(events_path) else []
-recoveries = {}
-for event in events:
-    if event["event"] == "recovered":
-        recoveries.setdefault(event["generation"], event)
+    Every rank writes its own copy of an event; the earliest copy of each is
+    kept. A transition starts with a ``rollback`` (a collective failed) or a
+    ``resize`` (hosts changed) and ends with the ``recovered`` event of the
+    next generation.
+    """
+    found = []
+    current = None
+    seen_generations = set()
+    for event in events:
+        if event["event"] in ("rollback", "resize") and current is None:
+            current = {"trigger": event}
+        elif event["event"] == "recovered" and event["generation"] not in seen_generations:
+            seen_generations.add(event["generation"])
+            if current is None:
+                continue
+            current["recovered"] = event
+            found.append(current)
+            current = None
+    for incident in found:
+        trigger, recovered = incident["trigger"], incident["recovered"]
+        incident["kind"] = "failure" if trigger["event"] == "rollback" else "resize"
+        incident["resumed_at"] = recovered["time"]
+        incident["size"] = recovered["size"]
+        if incident["kind"] == "failure":
+            incident["steps_rolled_back"] = recovered.get("steps_rolled_back")
+            killed = [f for f in faults if f["time"] <= trigger["time"]]
+            incident["fault"] = killed[-1] if killed else None
+        elif host_added_at is not None and trigger["time"] >= host_added_at:
+            incident["host_added_at"] = host_added_at
+    return found
 
-print("\n=== summary ===")
-print(f"exit code {code}, wall time {time.time() - started:.0f}s")
-print(f"test accuracy: {accuracy}")
-processed = sum(e["processed"] for e in report["epochs"])
-print(f"samples processed in the committed history: {processed} over {epochs_seen} epochs; "
-      f"exactly once: {report['exactly_once']} "
-      f"(duplicated {sum(e['duplicated'] for e in report['epochs'])}, "
-      f"missing {sum(e['missing'] for e in report['epochs'])}); steps replayed after rollback: "
-      f"{report['lost_steps']}")
-print("recovery events (as seen by each worker's first report):")
-for _, event in sorted(recoveries.items()):
-    print(f"  {event['cause']:18s} world size -> {event['size']}, {event['steps_rolled_back']} steps rolled back, "
-          f"back to training {event["recovery_s"]:.1f}s after the failure was seen")
-print(f"logs: {work}")
-sys.exit(0 if code == 0 and report["exactly_once"] and accuracy is not None else 1)
+
+def describe(incident, started):
+    """Two or three plain sentences on one transition, for the summary."""
+    t = incident["trigger"]["time"] - started
+    size = incident["size"]
+    if incident["kind"] == "failure":
+        fault = incident["fault"]
+        what = (f"rank {fault['rank']} was SIGKILLed at step {fault['step']}" if fault else "a worker failed")
+        seen = incident["trigger"]["time"]
+        gap = f" ({seen - fault['time']:.1f}s later)" if fault else ""
+        return (f"t={t:5.1f}s  failure: {what}; the survivors' allreduce failed{gap}, "
+                f"{incident['steps_rolled_back']} steps rolled back to the last commit (commit "
+                f"{incident['trigger']['commit_id']}).\n"
+                f"           back to training on {size} workers "
+                f"{incident['resumed_at'] - seen:.1f}s after the failure was seen.")
+    added = incident.get("host_added_at")
+    if added is None:
+        return (f"t={t:5.1f}s  resize: hosts changed; no rollback; training resumed on {size} workers "
+                f"{incident['resumed_at'] - incident['trigger']['time']:.1f}s later.")
+    kept = incident["trigger"]["time"] - added
+    waited = incident["resumed_at"] - incident["trigger"]["time"]
+    return (f"t={added - started:5.1f}s  scale-up: a host was added; the survivors kept training for {kept:.1f}s "
+            f"until their next commit, then stopped\n"
+            f"           and waited {waited:.1f}s while the newcomers started and received the state; "
+            f"no rollback.\n"
+            f"           back to training on {size} workers {incident['resumed_at'] - added:.1f}s after the host "
+            f"was added.")
+
+
+def plot_timeline(path, records, found, started, host_added_at):
+    """World size and completed steps over time, every transition marked; returns the path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = sorted((r["t"] - started, r["step"], r["size"]) for r in records if "gen" in r and r["rank"] == 0)
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(10, 6), gridspec_kw={"height_ratios": [3, 1]})
+    if steps:
+        top.plot([s[0] for s in steps], [s[1] for s in steps], ".", markersize=3, color="tab:blue",
+                 label="step started (rank 0)")
+        bottom.step([s[0] for s in steps], [s[2] for s in steps], where="post", color="tab:green")
+    marks = []
+    for incident in found:
+        trigger = incident["trigger"]["time"] - started
+        resumed = incident["resumed_at"] - started
+        if incident["kind"] == "failure":
+            if incident.get("fault"):
+                marks.append((incident["fault"]["time"] - started, "tab:red", "-", "worker SIGKILLed"))
+            marks.append((trigger, "tab:orange", "--", "rollback"))
+        else:
+            if incident.get("host_added_at") is not None:
+                marks.append((incident["host_added_at"] - started, "tab:purple", "-", "host added"))
+            marks.append((trigger, "tab:purple", "--", "resize (at a commit)"))
+        marks.append((resumed, "black", ":", "training resumed"))
+    labelled = set()
+    for x, color, style, label in marks:
+        for axis in (top, bottom):
+            axis.axvline(x, color=color, linestyle=style, linewidth=1,
+                         label=label if axis is top and label not in labelled else None)
+        labelled.add(label)
+    top.set_ylabel("training step")
+    top.legend(loc="upper left", fontsize=8)
+    top.set_title("elastic_ext demo: a failure and a scale-up")
+    bottom.set_ylabel("workers")
+    bottom.set_xlabel("seconds since the job started")
+    sizes = [s[2] for s in steps] or [0]
+    bottom.set_ylim(0, max(sizes) + 1)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def summarize(job, code, started):
+    """Prints the summary; returns True if the demo showed everything it should."""
+    records = ledger.read(job.ledger_dir)
+    epochs_seen = max((r["epoch"] for r in records if "epoch" in r), default=-1) + 1
+    report = ledger.audit(records, dataset_size=DATASET_SIZE, epochs=epochs_seen)
+    events = read_events(job.events_path)
+    faults_dir = os.path.join(job.ledger_dir, "faults")
+    faults = []
+    if os.path.isdir(faults_dir):
+        for name in sorted(os.listdir(faults_dir)):
+            with open(os.path.join(faults_dir, name)) as handle:
+                faults.append(json.load(handle))
+    found = incidents(events, faults, job.host_added_at)
+    failures = [i for i in found if i["kind"] == "failure"]
+    scale_ups = [i for i in found if i.get("host_added_at") is not None]
+
+    print("\n=== summary ===")
+    print(f"exit code {code}, wall time {time.time() - started:.0f}s, test accuracy {job.accuracy}")
+    processed = sum(e["processed"] for e in report["epochs"])
+    print(f"samples processed in the committed history: {processed} over {epochs_seen} epochs of "
+          f"{DATASET_SIZE}; exactly once: {report['exactly_once']} "
+          f"(duplicated {sum(e['duplicated'] for e in report['epochs'])}, "
+          f"missing {sum(e['missing'] for e in report['epochs'])})")
+    print("what happened:")
+    for incident in found:
+        print("  " + describe(incident, started))
+    rolled_back = sum(i["steps_rolled_back"] or 0 for i in failures)
+    print(f"steps rolled back in all: {rolled_back} (completed steps undone and trained again)")
+    picture = plot_timeline(os.path.join(job.work, "timeline.png"), records, found, started, job.host_added_at)
+    print(f"timeline picture: {picture}")
+    print(f"logs: {job.work}")
+    problems = []
+    if code != 0:
+        problems.append(f"horovodrun exited with {code}")
+    if job.accuracy is None:
+        problems.append("rank 0 printed no final accuracy")
+    if not report["exactly_once"]:
+        problems.append("samples were not processed exactly once")
+    if not failures:
+        problems.append("no failure and recovery was seen")
+    if not scale_ups:
+        problems.append("no scale-up after the host was added was seen")
+    print("verdict: " + ("OK" if not problems else "FAILED: " + "; ".join(problems)))
+    return not problems
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    work = args.out or tempfile.mkdtemp(prefix="elastic_ext_demo_")
+    os.makedirs(work, exist_ok=True)
+    job = Job(args, work)
+    print(f"elastic_ext demo: 4 workers on 2 pseudo-hosts; rank 3 is killed at step {args.kill_step}; "
+          f"a third host ({job.new_host}) joins after the recovery.\n", flush=True)
+    started = time.time()
+    code = job.run()
+    return 0 if summarize(job, code, started) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,7 +3,7 @@
 Starts munged (as the ``munge`` user), one slurmctld and two slurmd
 (node01, node02, one port each) from the Debian packages. node03 and node04
 are configured but have no daemon, so Slurm reports them down. See
-shared/notes/slurm.md for why each setting is there. Everything is stopped
+docs/environment.md for why the settings are there. Everything is stopped
 by PID, with SIGKILL after a bound; slurmctld and slurmd also die with the
 test process (see procs.py). munged may outlive it: it is shared by every
 cluster on the machine and reused by the next run.
