@@ -48,6 +48,14 @@ class CorruptCheckpointError(CheckpointError):
     """A checkpoint failed verification (checksum, size or manifest); it is never loaded."""
 
 
+class CheckpointReadError(CheckpointError):
+    """Checkpoint storage could not be read (permission denied, I/O error, service unavailable).
+
+    Not corruption: nothing says the checkpoint is bad, so a job never falls
+    back to an older one (or to its initial state) because of it.
+    """
+
+
 class RollbackLimitError(ElasticExtError):
     """Too many consecutive rollbacks happened without a new commit."""
 
@@ -62,5 +70,6 @@ __all__ = [
     "StateDivergenceError",
     "CheckpointError",
     "CorruptCheckpointError",
+    "CheckpointReadError",
     "RollbackLimitError",
 ]
