@@ -82,6 +82,12 @@ class Adapter(Protocol):
     ``synced`` adapters are broadcast from the root at ``sync()`` and checked
     for agreement across ranks; unsynced ones (per-rank RNG streams) are only
     committed and restored locally, so each rank keeps its own stream.
+
+    An adapter may also define ``buffer_keys(obj) -> frozenset`` of array
+    keys that ranks may legitimately hold different values for (buffers a
+    rank updates from its own batch, such as BatchNorm running statistics):
+    ``sync()`` takes them from the root without calling a difference
+    divergence. Every other array and the metadata must agree.
     """
 
     name: str

@@ -18,10 +18,20 @@ Commit protocol (why it is safe under failures):
    newcomer. With ``commit_buffers=2`` the copy goes to a spare set that is
    swapped in at the end, so the previous commit survives even that.
 3. *Agree*: the commit id goes up by one, then the host-update check does a
-   max-allreduce. No rank finishes commit N+1 before every rank has captured
-   N+1, so after a failure the surviving ranks hold ids that differ by at
-   most one, and the newest is a consistent state (its step's allreduce
-   completed). ``sync()`` picks it, so nobody goes back past its own commit.
+   max-allreduce, which also carries the commit id (as max of id and of
+   -id), so ranks that disagree on it fail at that very commit. No rank
+   finishes commit N+1 before every rank has captured N+1, so after a
+   failure the surviving ranks hold ids that differ by at most one, and the
+   newest is a consistent state (its step's allreduce completed). ``sync()``
+   picks it, so nobody goes back past its own commit.
+
+What must agree across ranks (checked by ``sync()``): parameters, optimizer
+state, plain values, sampler positions: every synced array and all metadata,
+except *buffers*, which an adapter names (``buffer_keys``: torch module
+buffers such as BatchNorm running statistics, Keras non-trainable
+variables). Buffers may differ; ``sync()`` gives every rank the root's, as
+Horovod's broadcast does. Per-rank objects (RNG streams, and any object named
+in ``State(per_rank=...)``) are never compared nor broadcast.
 
 Durable checkpoints (``config.checkpoint_dir``, see :mod:`elastic_ext.checkpoint`):
 once a commit is agreed (step 3), rank 0 hands its synced buffers to a
@@ -32,11 +42,12 @@ checkpoint on the root before broadcasting it.
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import time
 import zlib
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 import numpy as np
 
@@ -47,6 +58,7 @@ from elastic_ext.binding import Binding, broadcast_arrays, broadcast_json, get_b
 from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import CheckpointError, NotCommittedError, StateDivergenceError, StateError
 from elastic_ext.events import EventLog
+from elastic_ext.tree import describe_key
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +66,8 @@ logger = logging.getLogger(__name__)
 _HOSTS_REMOVED = 1
 _HOSTS_ADDED = 2
 
-_RESERVED = {"commit", "restore", "sync", "reset", "on_reset", "on_hosts_updated", "check_host_updates",
-             "register_reset_callbacks", "commit_id", "objects", "config", "binding", "events", "save",
-             "wait_for_checkpoint"}
+# Columns of the table sync() allgathers, one row per rank.
+_ID, _PARTICIPATED, _GENERATION, _DIGEST, _FULL_DIGEST = range(5)
 
 
 class State:
@@ -74,23 +85,38 @@ class State:
         adapters: extra adapters tried before the built-in ones, for this
             instance only.
         config: an :class:`ElasticConfig`; read from the environment if None.
+        per_rank: names of objects that each rank keeps for itself (a
+            per-rank metric, a rank's own data-loader state): committed and
+            restored locally, never compared nor broadcast, not in durable
+            checkpoints, like RNG streams.
         **objects: the objects to track, by name.
 
     Raises:
-        StateError: an object has no adapter, or a name is reserved.
+        StateError: an object has no adapter, a name is reserved (a public
+            member of State, or starts with ``_``) or not an identifier, or
+            ``per_rank`` names an object that is not tracked.
         ConfigError: the framework cannot be determined.
     """
 
     def __init__(self, *, framework: Optional[str] = None, binding: Optional[Binding] = None,
                  adapters: Iterable[Adapter] = (), config: Optional[ElasticConfig] = None,
-                 **objects: Any) -> None:
+                 per_rank: Iterable[str] = (), **objects: Any) -> None:
         if not objects:
             raise StateError("State() needs at least one object to track, e.g. State(model=model, epoch=0)")
         for name in objects:
-            if name in _RESERVED or name.startswith("_"):
-                raise StateError(f"object name {name!r} is reserved; choose another keyword")
+            if name in reserved_names() or name.startswith("_"):
+                raise StateError(f"object name {name!r} is reserved (State has a member of that name, or it "
+                                 "starts with '_'); choose another keyword")
+            if not name.isidentifier():
+                raise StateError(f"object name {name!r} must be a Python identifier")
+        if isinstance(per_rank, str):
+            per_rank = (per_rank,)
+        unknown = sorted(set(per_rank) - set(objects))
+        if unknown:
+            raise StateError(f"per_rank names {unknown} that are not tracked objects (tracked: {sorted(objects)})")
         s = object.__setattr__
         s(self, "_objects", dict(objects))
+        s(self, "_per_rank", frozenset(per_rank))
         s(self, "_config", config or ElasticConfig.from_env())
         table = list(adapters)
         frameworks = set()
@@ -287,16 +313,23 @@ class State:
     # ------------------------------------------------------------------ sync
 
     def sync(self) -> None:
-        """Makes every rank hold the same commit and the same live objects.
+        """Makes every rank hold the same commit and the same live synced objects.
 
-        Ranks that went through an earlier sync (survivors) report their
-        commit id; the newest is chosen and broadcast from the lowest rank
-        that holds it. Newcomers and ranks that were one commit behind load
-        it. Synced objects only: per-rank ones (RNG streams) stay local.
+        Every rank first allgathers one row ``(commit id, survivor?,
+        generation, digest, full digest)``: the same collective whatever the
+        rank's history, so survivors of a resize and newcomers filling a freed
+        slot always meet. Survivors (ranks that went through an earlier sync)
+        may hold ids one apart; the newest is chosen and broadcast from the
+        lowest rank that holds it, and every rank not already holding exactly
+        those bytes loads it. When every rank is a survivor at that commit
+        with the same bytes (a removal-only resize, a rollback with no
+        newcomer), nothing more is sent. Per-rank objects stay local.
 
         Raises:
             StateDivergenceError: survivors' commit ids differ by more than
-                one, or survivors with the same id hold different state.
+                one, or survivors with the same id differ in something that
+                must agree (parameters, optimizer state, plain values, sampler
+                position); the message names the first differing entry.
         """
         started = time.perf_counter()
         b = self._binding
@@ -307,12 +340,24 @@ class State:
             self.save()
             self._commit_id = 0
             self._participated = False
-        digest = self._digest() if self._config.verify_sync else 0
-        mine = np.array([[self._commit_id, int(self._participated), digest]], dtype=np.int64)
+        items = self._digest_items() if self._config.verify_sync else []
+        digest, full = _combine(items, strict_only=True), _combine(items, strict_only=False)
+        mine = np.array([[self._commit_id, int(self._participated), self._generation, digest, full]],
+                        dtype=np.int64)
         table = b.allgather(mine, "elastic_ext.sync.ids")
-        root, target = _choose_root(table, self._config.verify_sync)
+        root, target = _choose_root(table)
+        if self._config.verify_sync:
+            self._check_agreement(table, root, target, items)
+        if (self._config.verify_sync and table[:, _PARTICIPATED].all() and (table[:, _ID] == target).all()
+                and (table[:, _FULL_DIGEST] == table[root, _FULL_DIGEST]).all()
+                and (table[:, _GENERATION] == table[root, _GENERATION]).all()):
+            # Everyone already holds these bytes: no broadcast (the old verify()).
+            self._generation += 1
+            self._events.emit("sync", commit_id=target, generation=self._generation, root=root, loaded=False,
+                              newcomers=0, broadcast=False, duration_s=time.perf_counter() - started)
+            return
         resume_error = None
-        if self._checkpointer is not None and not table[:, 1].any() and b.rank() == root:
+        if self._checkpointer is not None and not table[:, _PARTICIPATED].any() and b.rank() == root:
             resume_error = self._resume_from_checkpoint()
         meta = self._sync_meta()
         if self._checkpointer is not None:
@@ -323,8 +368,10 @@ class State:
         if "resume_error" in meta:
             target = int(meta["commit_id"])  # the checkpoint a fresh job resumed from, if any
         arrays = broadcast_arrays(b, self._synced_arrays(), meta["layout"], root, "elastic_ext.sync.arrays")
-        up_to_date = (self._participated and self._commit_id == target
-                      and (not self._config.verify_sync or digest == int(table[root, 2])))
+        # Buffers (BatchNorm statistics) may differ: a rank loads unless its
+        # *full* digest, buffers included, matches the root's.
+        up_to_date = (self._participated and self._commit_id == target and self._config.verify_sync
+                      and full == int(table[root, _FULL_DIGEST]))
         if b.rank() != root and not up_to_date:
             self._load_synced(meta, arrays)
         self._commit_id = target
@@ -333,26 +380,53 @@ class State:
         self._rollback_commit_id = meta["rollback_commit_id"]
         self._generation = meta["generation"] + 1
         self._participated = True
-        self._events.emit("sync", commit_id=target, generation=self._generation, root=root, loaded=bool(b.rank() != root and not up_to_date),
-                          newcomers=int((table[:, 1] == 0).sum()), duration_s=time.perf_counter() - started)
+        self._events.emit("sync", commit_id=target, generation=self._generation, root=root,
+                          loaded=bool(b.rank() != root and not up_to_date), broadcast=True,
+                          newcomers=int((table[:, _PARTICIPATED] == 0).sum()), duration_s=time.perf_counter() - started)
 
     def verify(self) -> None:
-        """Checks, with one small allgather, that all ranks hold the same commit id.
+        """The same as :meth:`sync` (kept for callers of the old name).
 
-        Used instead of :meth:`sync` after a resize that only removed hosts,
-        where Horovod skips the broadcast because every rank is a survivor.
-
-        Raises:
-            StateDivergenceError: the ids differ.
+        It used to be a separate, smaller allgather run after removal-only
+        resizes; a newcomer filling a freed slot ran ``sync()``'s collective
+        instead and the two never met (a hang). ``sync()`` now sends nothing
+        more than that one allgather when every rank already agrees.
         """
-        table = self._binding.allgather(np.array([[self._commit_id]], dtype=np.int64), "elastic_ext.verify")
-        if (table[:, 0] != self._commit_id).any():
-            detail = ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(table[:, 0]))
-            raise StateDivergenceError(f"ranks disagree on the commit id after a resize ({detail})")
-        self._generation += 1
+        self.sync()
+
+    def _check_agreement(self, table: np.ndarray, root: int, target: int,
+                         items: List[Tuple[str, int, bool]]) -> None:
+        """Raises StateDivergenceError if survivors at ``target`` differ from the root in
+        what must agree. Cheap unless they do: then one more broadcast and allgather
+        find the first differing entry, on every rank together."""
+        same = np.flatnonzero((table[:, _PARTICIPATED] == 1) & (table[:, _ID] == target))
+        bad = [int(r) for r in same if table[r, _DIGEST] != table[root, _DIGEST]]
+        if not bad:
+            return
+        b = self._binding
+        labels = broadcast_json(b, [label for label, _, strict in items if strict] if b.rank() == root else None,
+                                root, "elastic_ext.sync.diagnose.labels")
+        crcs = dict((label, crc) for label, crc, strict in items if strict)
+        row = np.array([[crcs.get(label, -1) for label in labels]], dtype=np.int64)
+        found = b.allgather(row, "elastic_ext.sync.diagnose.digests") if labels else np.zeros((b.size(), 0))
+        first, differing = None, bad
+        for column, label in enumerate(labels):
+            ranks = [r for r in bad if found[r, column] != found[root, column]]
+            if ranks:
+                first, differing = label, ranks
+                break
+        what = (f"first difference: {first}" if first is not None
+                else "the entries differ in which arrays they hold")
+        raise StateDivergenceError(
+            f"ranks {differing} hold commit {target} with different values than rank {root} in state that must "
+            f"agree across ranks ({what}; checksums {int(table[bad[0], _DIGEST]):#010x} vs "
+            f"{int(table[root, _DIGEST]):#010x}). Parameters, optimizer state, plain values and sampler "
+            "positions must agree; buffers may differ. Mark an object that is legitimately per rank with "
+            "State(..., per_rank=(name,))")
 
     def _synced_names(self) -> List[str]:
-        return [name for name in self._entries if self._find_adapter(name, self._objects[name]).synced]
+        return [name for name in self._entries
+                if name not in self._per_rank and self._find_adapter(name, self._objects[name]).synced]
 
     def _synced_arrays(self) -> Dict[str, np.ndarray]:
         return {f"{name}/{key}": array for name in self._synced_names()
@@ -394,18 +468,24 @@ class State:
             obj = self._objects[name]
             self._objects[name] = self._find_adapter(name, obj).apply(obj, self._entries[name])
 
-    def _digest(self) -> int:
-        """CRC32 of the synced part of the last commit (metadata and bytes)."""
-        import json
-        crc = 0
-        for name in sorted(self._synced_names()):
+    def _buffer_keys(self, name: str) -> FrozenSet[str]:
+        obj = self._objects[name]
+        keys = getattr(self._find_adapter(name, obj), "buffer_keys", None)
+        return frozenset(keys(obj)) if callable(keys) else frozenset()
+
+    def _digest_items(self) -> List[Tuple[str, int, bool]]:
+        """``(label, CRC32, must agree?)`` for the metadata and every array of the synced
+        part of the last commit, in commit order; buffers are the ones that need not agree."""
+        items = []
+        for name in self._synced_names():
             entry = self._entries[name]
-            crc = zlib.crc32(json.dumps([name, entry.meta], sort_keys=True).encode(), crc)
-            for key in sorted(entry.arrays):
-                array = entry.arrays[key]
-                crc = zlib.crc32(f"{key}:{array.dtype.str}:{array.shape}".encode(), crc)
+            items.append((f"{name} (metadata)", zlib.crc32(json.dumps(entry.meta, sort_keys=True).encode()), True))
+            buffers = self._buffer_keys(name)
+            for key, array in entry.arrays.items():
+                crc = zlib.crc32(f"{array.dtype.str}:{array.shape}".encode())
                 crc = zlib.crc32(np.ascontiguousarray(array).view(np.uint8).data, crc)
-        return crc
+                items.append((f"{name}{describe_key(key)}", crc, key not in buffers))
+        return items
 
     # --------------------------------------------------- durable checkpoints
 
@@ -421,9 +501,22 @@ class State:
         self._checkpointer.wait(timeout_s)
         return self._checkpointer.last_written
 
-    def _checkpoint_commit(self) -> None:
+    def checkpoint_now(self) -> None:
+        """Rank 0 starts writing the agreed commit even if it is not due (a leave, a resize).
+
+        A no-op without ``checkpoint_dir``, on other ranks, and if this commit
+        is written already. Pair with :meth:`wait_for_checkpoint` before exiting.
+        """
+        if self._checkpointer is not None and self._entries is not None:
+            self._checkpoint_commit(force=True)
+
+    def phase(self, name: str):
+        """``with state.phase("eval"):`` a long phase the stall check does not count (see watchdog.phase)."""
+        return watchdog.phase(name)
+
+    def _checkpoint_commit(self, force: bool = False) -> None:
         """Rank 0 hands the agreed commit's synced buffers to the background writer."""
-        if self._safe_rank() != 0 or not self._checkpointer.due(self._commit_id):
+        if self._safe_rank() != 0 or not (force or self._checkpointer.due(self._commit_id)):
             return
         from elastic_ext.sampler import ElasticPartitioner
         from elastic_ext.tree import join
@@ -433,7 +526,8 @@ class State:
         info = {"world_size": self._binding.size(), "written_by_rank": 0, "generation": self._generation,
                 "commit_time": self._commit_time, "data_cursor": cursors,
                 "adapters": {name: self._find_adapter(name, self._objects[name]).name for name in names}}
-        self._checkpointer.on_commit(self._commit_id, {name: self._entries[name] for name in names}, info)
+        self._checkpointer.on_commit(self._commit_id, {name: self._entries[name] for name in names}, info,
+                                     force=force)
 
     def _resume_from_checkpoint(self) -> Optional[str]:
         """On the root of a fresh job: loads the newest valid checkpoint; returns an error message or None."""
@@ -505,11 +599,20 @@ class State:
             if timestamp > self._last_updated_timestamp:
                 newest = max(newest, timestamp)
                 flags |= update
-        # The last element says that some rank was told to leave (SIGTERM):
+        # The fourth element says that some rank was told to leave (SIGTERM):
         # everyone resizes here, right after a commit, so nothing is lost.
-        vector = np.array([newest, flags & _HOSTS_REMOVED, (flags & _HOSTS_ADDED) >> 1, int(watchdog.leaving())],
-                          dtype=np.int64)
-        newest, removed, added, leaving = (int(x) for x in self._binding.allreduce_max(vector, "elastic_ext.hosts"))
+        # The last two (max of the id and of -id) catch ranks that disagree on
+        # the commit id at the commit where it happens, not at the next sync.
+        vector = np.array([newest, flags & _HOSTS_REMOVED, (flags & _HOSTS_ADDED) >> 1, int(watchdog.leaving()),
+                           self._commit_id, -self._commit_id], dtype=np.int64)
+        reduced = self._binding.allreduce_max(vector, "elastic_ext.hosts")
+        newest, removed, added, leaving, highest, negated_lowest = (int(x) for x in reduced)
+        lowest = -negated_lowest
+        if highest != lowest:
+            raise StateDivergenceError(
+                f"ranks hold different commit ids at this commit: from {lowest} to {highest} (this rank: "
+                f"{self._commit_id}); every rank must call commit() the same number of times between syncs "
+                "(save() is local and does not count for the others)")
         if newest > self._last_updated_timestamp or leaving:
             self._last_updated_timestamp = newest
             from horovod.common.exceptions import HostsUpdatedInterrupt
@@ -563,30 +666,42 @@ def _plan_copy(captures: Dict[str, Tuple[Adapter, Capture]], base: Optional[Dict
     return plan, entries
 
 
-def _choose_root(table: np.ndarray, verify: bool) -> Tuple[int, int]:
-    """Picks the sync root and commit id from the allgathered [id, survivor, digest] rows.
+def _combine(items: List[Tuple[str, int, bool]], strict_only: bool) -> int:
+    """One CRC32 over the per-entry ones (labels included, so a renamed entry counts)."""
+    crc = 0
+    for label, value, strict in items:
+        if strict or not strict_only:
+            crc = zlib.crc32(f"{label}={value};".encode(), crc)
+    return crc
+
+
+def _choose_root(table: np.ndarray) -> Tuple[int, int]:
+    """Picks the sync root and commit id from the allgathered rows (see :meth:`State.sync`).
 
     Raises:
-        StateDivergenceError: survivors disagree beyond what a failure mid-commit explains.
+        StateDivergenceError: survivors' ids differ beyond what a failure mid-commit explains.
     """
-    survivors = np.flatnonzero(table[:, 1] == 1)
+    survivors = np.flatnonzero(table[:, _PARTICIPATED] == 1)
     if survivors.size == 0:
-        return 0, int(table[0, 0])
-    ids = table[survivors, 0]
+        return 0, int(table[0, _ID])
+    ids = table[survivors, _ID]
     newest, oldest = int(ids.max()), int(ids.min())
     if newest - oldest > 1:
-        detail = ", ".join(f"rank {r}: {int(table[r, 0])}" for r in survivors)
+        detail = ", ".join(f"rank {r}: {int(table[r, _ID])}" for r in survivors)
         raise StateDivergenceError(f"surviving ranks hold commit ids {oldest}..{newest} ({detail}); "
                                    "ids may differ by at most 1 (a failure during commit)")
-    root = int(survivors[ids == newest][0])
-    if verify:
-        same = survivors[ids == newest]
-        bad = [int(r) for r in same if table[r, 2] != table[root, 2]]
-        if bad:
-            raise StateDivergenceError(
-                f"ranks {bad} hold commit {newest} with a different checksum than rank {root} "
-                f"({int(table[bad[0], 2]):#010x} vs {int(table[root, 2]):#010x}): state diverged")
-    return root, newest
+    return int(survivors[ids == newest][0]), newest
+
+
+def reserved_names() -> FrozenSet[str]:
+    """Names no tracked object may take: every public member of :class:`State`
+    (methods, properties, attributes) and its constructor's own keywords."""
+    return _RESERVED
+
+
+_RESERVED: FrozenSet[str] = frozenset(
+    {name for name in dir(State) if not name.startswith("_")}
+    | {"framework", "binding", "adapters", "config", "per_rank"})
 
 
 def _framework_adapter_loaders() -> List[Callable[[], list]]:

@@ -12,7 +12,7 @@ zero-gradient step Horovod takes, which moves weights under weight decay.
 from __future__ import annotations
 
 import sys
-from typing import Any, List
+from typing import Any, Dict, FrozenSet, List
 
 import numpy as np
 import tensorflow as tf
@@ -68,13 +68,36 @@ def variables_of(obj: Any) -> List[Any]:
     return list(variables() if callable(variables) else variables)
 
 
+def variable_key(index: int) -> str:
+    """The array key of the ``index``-th variable. Zero-padded for readability
+    only: the restore order comes from :func:`ordered_keys`, never from a text
+    sort (``"100000"`` sorts before ``"10001"``)."""
+    return f"{index:05d}"
+
+
+def ordered_keys(arrays: Dict[str, Any], what: str) -> List[str]:
+    """The committed variable keys in variable order (by their integer value).
+
+    Raises:
+        StateError: a key is not a non-negative integer, or two keys name one index.
+    """
+    indexed = {}
+    for key in arrays:
+        if not key.isdigit():
+            raise StateError(f"{what}: committed key {key!r} is not a variable index (digits only)")
+        if int(key) in indexed:
+            raise StateError(f"{what}: committed keys {indexed[int(key)]!r} and {key!r} name one variable index")
+        indexed[int(key)] = key
+    return [indexed[i] for i in sorted(indexed)]
+
+
 def _capture_variables(variables: List[Any], meta: Any) -> Capture:
-    return Capture(arrays={f"{i:05d}": VariableSource(v, f"variable {i} ({getattr(v, 'name', '?')})")
+    return Capture(arrays={variable_key(i): VariableSource(v, f"variable {i} ({getattr(v, 'name', '?')})")
                            for i, v in enumerate(variables)}, meta=meta)
 
 
 def _apply_variables(variables: List[Any], entry: Entry, what: str) -> None:
-    keys = sorted(entry.arrays)
+    keys = ordered_keys(entry.arrays, what)
     if len(keys) != len(variables):
         raise StateError(f"{what} has {len(variables)} variables but the commit holds {len(keys)}; "
                          "build the model (and the optimizer) the same way on every worker")
@@ -135,6 +158,12 @@ class ModelAdapter:
 
     def capture(self, obj: Any) -> Capture:
         return _capture_variables(variables_of(obj), None)
+
+    def buffer_keys(self, obj: Any) -> FrozenSet[str]:
+        """Non-trainable variables (BatchNormalization moving mean and variance,
+        Keras 3 seed generator states) may differ between ranks; trainable ones may not."""
+        return frozenset(variable_key(i) for i, v in enumerate(variables_of(obj))
+                         if not getattr(v, "trainable", True))
 
     def apply(self, obj: Any, entry: Entry) -> Any:
         _apply_variables(variables_of(obj), entry, f"model {getattr(obj, 'name', '')}")

@@ -4,18 +4,28 @@ Tensors are copied with ``torch.Tensor.copy_`` straight into numpy-backed
 host buffers (``torch.from_numpy``), so a commit never makes a second copy on
 the accelerator and reuses the same host memory every time. Dtypes numpy
 lacks (bfloat16, float8) travel as same-width unsigned integers.
+
+Committed entries are device-neutral: a tensor's tag holds its dtype (and
+``requires_grad``), never its device. A restored tensor goes where the live
+object keeps it on *this* rank: module parameters and buffers are copied in
+place; optimizer and other ``state_dict`` tensors go to the device of the
+live tensor at the same key, else stay on the CPU, where
+``Optimizer.load_state_dict`` moves them to their parameter's device. So two
+ranks of one host (``cuda:0`` and ``cuda:1``) commit identical entries, and
+a commit or checkpoint made on a GPU restores on a CPU and the other way
+round. A ``"device"`` field in an older tag is ignored.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, FrozenSet, Optional, Tuple
 
 import numpy as np
 import torch
 
 from elastic_ext.adapters import Capture, Entry
 from elastic_ext.errors import StateError
-from elastic_ext.tree import StatefulAdapter, join, split
+from elastic_ext.tree import StatefulAdapter, join, path_key, split
 
 # torch dtypes without a numpy twin, stored bit for bit as unsigned ints
 _BIT_VIEWS = {torch.bfloat16: np.uint16}
@@ -61,8 +71,8 @@ class TorchSource:
 
 
 def _tag(tensor: torch.Tensor) -> dict:
-    return {"dtype": str(tensor.dtype).replace("torch.", ""), "device": str(tensor.device),
-            "requires_grad": bool(tensor.requires_grad)}
+    # No device: it differs between the ranks of a host and between machines.
+    return {"dtype": str(tensor.dtype).replace("torch.", ""), "requires_grad": bool(tensor.requires_grad)}
 
 
 def tensor_leaf(value: Any) -> Optional[Tuple[TorchSource, dict]]:
@@ -80,14 +90,24 @@ def host_view(array: np.ndarray, tag: dict) -> torch.Tensor:
     return tensor.view(dtype) if dtype in _BIT_VIEWS else tensor
 
 
-def make_tensor(array: np.ndarray, tag: dict) -> torch.Tensor:
-    """tree.Make: a fresh tensor on the recorded device (never aliasing the buffer)."""
+def make_tensor(array: np.ndarray, tag: dict, key: str = "",
+                device: Optional[torch.device] = None) -> torch.Tensor:
+    """tree.Make: a fresh tensor (never aliasing the buffer) on ``device``, the CPU if None.
+
+    The tag's own ``"device"`` (written by older versions) is ignored: it
+    named the committing rank's device, not this one's.
+    """
     tensor = host_view(array, tag)
-    device = torch.device(tag["device"])
-    tensor = tensor.clone() if device.type == "cpu" else tensor.to(device)
+    tensor = tensor.clone() if device is None or device.type == "cpu" else tensor.to(device)
     if tag.get("requires_grad"):
         tensor.requires_grad_(True)
     return tensor
+
+
+def live_devices(state: Any) -> Dict[str, torch.device]:
+    """The device of every tensor in a live ``state_dict()`` tree, by array key."""
+    arrays, _ = split(state, tensor_leaf)
+    return {key: source.tensor.device for key, source in arrays.items() if isinstance(source, TorchSource)}
 
 
 class ModuleAdapter:
@@ -104,10 +124,15 @@ class ModuleAdapter:
         arrays, skeleton = split(obj.state_dict(), tensor_leaf)
         return Capture(arrays=arrays, meta=skeleton)
 
+    def buffer_keys(self, obj: torch.nn.Module) -> FrozenSet[str]:
+        """Buffers (BatchNorm running statistics...) may differ between ranks; parameters may not."""
+        return frozenset(path_key([name]) for name, _ in obj.named_buffers())
+
     def apply(self, obj: torch.nn.Module, entry: Entry) -> torch.nn.Module:
         # load_state_dict copies into the existing parameters (param.copy_),
-        # so CPU views of the buffers are enough and nothing aliases them.
-        state = join(entry.meta, entry.arrays, lambda array, tag: host_view(array, tag))
+        # on whatever device they live: CPU views of the buffers are enough
+        # and nothing aliases them.
+        state = join(entry.meta, entry.arrays, lambda array, tag, key: host_view(array, tag))
         obj.load_state_dict(state, strict=True)
         return obj
 
@@ -127,6 +152,14 @@ class TorchStatefulAdapter(StatefulAdapter):
 
     def handles(self, obj: Any) -> bool:
         return isinstance(obj, _STATEFUL_TYPES)
+
+    def apply(self, obj: Any, entry: Entry) -> Any:
+        # Where this rank's live object keeps a tensor (an optimizer's
+        # exp_avg on cuda:<local_rank>), the restored one goes there too.
+        devices = live_devices(obj.state_dict())
+        obj.load_state_dict(join(entry.meta, entry.arrays,
+                                 lambda array, tag, key: make_tensor(array, tag, key, devices.get(key))))
+        return obj
 
 
 class TensorAdapter:

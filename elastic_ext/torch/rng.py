@@ -22,7 +22,8 @@ def capture_global() -> Tuple[Dict[str, NumpySource], dict]:
 
 def apply_global(entry: Entry) -> None:
     torch.set_rng_state(torch.from_numpy(np.array(entry.arrays["cpu"], copy=True)))
-    if entry.meta["cuda_devices"]:
-        states = [torch.from_numpy(np.array(entry.arrays[f"cuda{i}"], copy=True))
-                  for i in range(entry.meta["cuda_devices"])]
-        torch.cuda.set_rng_state_all(states)
+    # Per rank and never broadcast, so the device count is this process's own;
+    # a process that has not initialised CUDA since the commit restores none.
+    count = min(int(entry.meta["cuda_devices"]), torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    for index in range(count):
+        torch.cuda.set_rng_state(torch.from_numpy(np.array(entry.arrays[f"cuda{index}"], copy=True)), index)
