@@ -1,0 +1,115 @@
+"""The model zoo under real horovodrun: models with per-rank state (BatchNorm
+statistics, dropout streams, a per-rank metric), each through a SIGKILL with
+two survivors and a scale-up, finishing with identical parameters on every
+rank; and a removal-only resize whose freed slot a newcomer fills.
+
+Pseudo-hosts: ``localhost``, ``127.0.0.1`` and this machine's own name, which
+Horovod runs locally (no ssh).
+"""
+
+import glob
+import json
+import os
+import socket
+
+import psutil
+import pytest
+
+from tests.multiprocess import analysis, launch
+
+DIGITS = 1797
+
+
+def third_host():
+    """A third name for this machine that Horovod treats as local: the hostname
+    if it resolves to a local address, else a non-loopback IPv4 address."""
+    local = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET}
+    try:
+        if socket.gethostbyname(socket.gethostname()) in local:
+            return socket.gethostname()
+    except OSError:
+        pass
+    others = sorted(a for a in local if not a.startswith("127."))
+    assert others, f"no third local host name: {socket.gethostname()} does not resolve to one of {sorted(local)}"
+    return others[0]
+
+
+def synced_records(out):
+    records = []
+    for path in glob.glob(os.path.join(out, "synced-*.jsonl")):
+        with open(path) as handle:
+            records.extend(json.loads(line) for line in handle if line.strip())
+    return records
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", ["cnn_bn", "transformer", "keras3", "keras2"])
+def test_zoo_survives_a_sigkill_and_a_scale_up_with_identical_parameters(tmp_path, model):
+    out = tmp_path / "job"
+    out.mkdir()
+    hosts = str(out / "hosts")
+    # Ranks 0 and 1 on localhost, rank 2 alone on 127.0.0.1: its SIGKILL at
+    # step 6 leaves two survivors whose BatchNorm statistics differ (each saw
+    # its own batches). At step 12 a third host joins: a full sync.
+    launch.write_hosts(hosts, ["localhost:2", "127.0.0.1:1"])
+    cmd = launch.elastic_cmd(3, 2, 3, hosts, "zoo.py", "--out", str(out), "--model", model, "--epochs", "1",
+                             "--commit-every", "4", "--faults", "2:6:kill",
+                             "--resize-at", f"12:{hosts}:localhost:2,{third_host()}:1",
+                             # rank 0 busy 5 s (progress marked) while the others wait in the
+                             # step's allreduce, in graph code for the Keras models
+                             "--busy", "0:20:5")
+    env = launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl"), ELASTIC_EXT_STALL_TIMEOUT_S="2.5")
+    code, output = launch.run(cmd, env, str(out / "horovodrun.log"), timeout_s=270)
+    assert code == 0, output[-5000:]
+    assert "StateDivergenceError" not in output, output[-5000:]
+    events = analysis.read_events(str(out / "events.jsonl"))
+    assert not [e for e in events if e["event"] == "stall"], [e for e in events if e["event"] == "stall"]
+    recovered = [e for e in events if e["event"] == "recovered"]
+    assert sorted(e["cause"] for e in recovered if e["rank"] == 0) == ["collective_failed", "hosts_updated"], \
+        recovered
+
+    # Right after every sync each rank holds the root's parameters and buffers.
+    records = synced_records(str(out))
+    by_gen = {}
+    for r in records:
+        by_gen.setdefault(r["gen"], []).append(r)
+    assert [sorted(r["rank"] for r in by_gen[g]) for g in sorted(by_gen)] == [[0, 1, 2], [0, 1], [0, 1, 2]], by_gen
+    for gen, rows in by_gen.items():
+        assert rows[0]["n_buffers"] >= (2 if model != "transformer" else 0), rows
+        assert len({(r["params"], r["buffers"]) for r in rows}) == 1, (gen, rows)
+
+    analysis.assert_exactly_once(out, DIGITS, 1)
+    finals = analysis.load_finals(out)
+    assert sorted(finals) == [0, 1, 2]
+    analysis.assert_ranks_identical(finals)
+    # The per-rank metric stayed each rank's own (never broadcast).
+    metrics = [json.load(open(path))["metric"] for path in glob.glob(str(out / "metric-*.json"))]
+    assert len(metrics) == 3 and len({tuple(m) for m in metrics}) == 3, metrics
+
+
+@pytest.mark.timeout(240)
+def test_removal_only_resize_with_a_spare_slot_finishes_exactly_once(tmp_path):
+    """Rank 1 is told to leave (SIGTERM) at step 10; it goes at the commit of
+    step 12 and Horovod's driver fills its slot from the spare third host.
+    The survivor and the newcomer must meet in the same first collective
+    (they used to wait forever in two different allgathers)."""
+    out = tmp_path / "job"
+    out.mkdir()
+    hosts = str(out / "hosts")
+    launch.write_hosts(hosts, ["localhost:1", "127.0.0.1:1", f"{third_host()}:1"])
+    cmd = launch.elastic_cmd(2, 1, 2, hosts, "train_torch.py", "--out", str(out), "--epochs", "1",
+                             "--commit-every", "4", "--faults", "1:10:term")
+    code, output = launch.run(cmd, launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl")),
+                              str(out / "horovodrun.log"), timeout_s=200)
+    assert code == 0, output[-5000:]
+    events = analysis.read_events(str(out / "events.jsonl"))
+    leaves = [e for e in events if e["event"] == "leave"]
+    assert len(leaves) == 1 and leaves[0]["rank"] == 1, leaves
+    resizes = [e for e in events if e["event"] == "resize" and e["rank"] == 0]
+    assert resizes and resizes[0]["skip_sync"] is True, resizes
+    syncs = [e for e in events if e["event"] == "sync" and e.get("newcomers")]
+    assert any(e["generation"] == 2 and e["newcomers"] == 1 for e in syncs), syncs  # the slot was filled
+    analysis.assert_exactly_once(out, DIGITS, 1)
+    finals = analysis.load_finals(out)
+    assert sorted(finals) == [0, 1]
+    analysis.assert_ranks_identical(finals)
