@@ -327,10 +327,15 @@ def read_checkpoint(path: str) -> Loaded:
     parent, name = trimmed.rpartition("/")[::2] if "://" in trimmed else os.path.split(trimmed)
     store = _io(path, "open the checkpoint directory", _Storage, parent)
     manifest_path = store.join(name, MANIFEST_FILE)
-    if not _io(path, f"look for {MANIFEST_FILE}", store.exists, manifest_path):
+    # No exists() first: some fsspec backends answer False for a 403 as for a
+    # missing key, which would pass a storage error off as a partial write.
+    try:
+        raw = _io(path, f"read {MANIFEST_FILE}", _read_all, store, manifest_path)
+    except CheckpointReadError as exc:
+        if not isinstance(exc.__cause__, FileNotFoundError):
+            raise
         raise CorruptCheckpointError(f"{path} is partial: it has no {MANIFEST_FILE} (its write was cut "
-                                     "before it finished)")
-    raw = _io(path, f"read {MANIFEST_FILE}", _read_all, store, manifest_path)
+                                     "before it finished)") from None
     manifest = _parse_manifest(path, raw)
     expected_id = _NAME.match(name)
     _check_manifest(path, manifest, None if expected_id is None else int(expected_id.group(1)))
@@ -494,9 +499,12 @@ def _read_exact(handle: Any, view: memoryview) -> int:
 def _read_arrays(store: _Storage, data_path: str, path: str, manifest: dict) -> Dict[str, Entry]:
     """Reads the arrays of a validated manifest (see _check_manifest)."""
     record = manifest["files"][DATA_FILE]
-    if not _io(path, f"look for {DATA_FILE}", store.exists, data_path):
-        raise CorruptCheckpointError(f"{path}: {DATA_FILE} is missing")
-    actual_size = _io(path, f"size {DATA_FILE}", store.size, data_path)
+    try:
+        actual_size = _io(path, f"size {DATA_FILE}", store.size, data_path)
+    except CheckpointReadError as exc:
+        if not isinstance(exc.__cause__, FileNotFoundError):
+            raise
+        raise CorruptCheckpointError(f"{path}: {DATA_FILE} is missing") from None
     if actual_size != record["bytes"]:
         raise CorruptCheckpointError(f"{path}: {DATA_FILE} has {actual_size} bytes, the manifest records "
                                      f"{record['bytes']} (truncated or replaced)")
@@ -556,12 +564,16 @@ class CheckpointStore:
     Args:
         directory: a local path or an fsspec URL.
         read_attempts: how many times a read that fails with a storage error
-            (not corruption) is tried before :meth:`load_newest` gives up.
-        retry_delay_s: the wait before the second try; it doubles after each.
+            (not corruption) is tried before :meth:`load_newest` gives up
+            (default :data:`READ_ATTEMPTS`).
+        retry_delay_s: the wait before the second try; it doubles after each
+            (default :data:`READ_RETRY_DELAY_S`).
     """
 
-    def __init__(self, directory: str, read_attempts: int = READ_ATTEMPTS,
-                 retry_delay_s: float = READ_RETRY_DELAY_S) -> None:
+    def __init__(self, directory: str, read_attempts: Optional[int] = None,
+                 retry_delay_s: Optional[float] = None) -> None:
+        read_attempts = READ_ATTEMPTS if read_attempts is None else read_attempts
+        retry_delay_s = READ_RETRY_DELAY_S if retry_delay_s is None else retry_delay_s
         if type(read_attempts) is not int or read_attempts < 1:
             raise ConfigError(f"read_attempts ({read_attempts!r}) must be an integer >= 1")
         if not retry_delay_s >= 0:
