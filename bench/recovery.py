@@ -8,8 +8,15 @@ systems interleaved, the same worker script under both (see
 bench/workers/recovery_worker.py).
 
     .venv/bin/python -m bench.recovery [--failures 10]
+    .venv/bin/python -m bench.recovery --systems ext --models mlp,cnn_bn --failures 5
 
-Writes bench/results/recovery.json and bench/results/recovery.png.
+``--models`` picks the worker's model: ``mlp`` (the default) or ``cnn_bn``, a
+small CNN with BatchNorm2d whose running statistics differ between ranks, so
+the survivors' sync must take them from the root. With several models each
+(system, model) pair is a series, all interleaved in one run.
+
+Writes bench/results/recovery.json and bench/results/recovery.png (with
+other models than mlp alone: recovery_<models>.json / .png).
 """
 
 import argparse
@@ -27,14 +34,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 
 
-def run_once(system, index, work):
-    out = os.path.join(work, f"{system}-{index:02d}")
+def run_once(system, index, work, model="mlp"):
+    out = os.path.join(work, f"{system}-{model}-{index:02d}")
     os.makedirs(out)
     hosts = os.path.join(out, "hosts")
     launch.write_hosts(hosts, ["localhost:2", "127.0.0.1:2"])
     cmd = [os.path.join(launch.VENV_BIN, "horovodrun"), "-np", "4", "--min-np", "2", "--max-np", "4",
            "--network-interfaces", "lo", "--host-discovery-script", f"{launch.STATIC} {hosts}",
-           sys.executable, os.path.join(HERE, "workers", "recovery_worker.py"), "--system", system, "--out", out]
+           sys.executable, os.path.join(HERE, "workers", "recovery_worker.py"), "--system", system, "--out", out,
+           "--model", model]
     # Fusion stays at Horovod's default here: this measures recovery, not bits.
     env = launch.base_env(HOROVOD_FUSION_THRESHOLD=str(64 * 1024 * 1024))
     started = time.time()
@@ -90,26 +98,41 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--failures", type=int, default=10)
     parser.add_argument("--systems", default="plain,ext")
+    parser.add_argument("--models", default="mlp", help="comma-separated: mlp, cnn_bn")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="bench_recovery_")
     systems = args.systems.split(",")
-    runs = {system: [] for system in systems}
+    models = args.models.split(",")
+    for model in models:
+        if model not in ("mlp", "cnn_bn"):
+            parser.error(f"model {model!r} must be one of mlp, cnn_bn")
+    series = [(system, model) for model in models for system in systems]
+
+    def label(system, model):
+        return system if models == ["mlp"] else f"{system}/{model}"
+
+    runs = {pair: [] for pair in series}
     for index in range(args.failures):
-        for system in systems:
-            runs[system].append(run_once(system, index, work))
-            print(f"{system} #{index}: recovery {runs[system][-1]['recovery_s']}", flush=True)
-    results = [summarize(system, runs[system]) for system in systems]
+        for system, model in series:
+            runs[system, model].append(run_once(system, index, work, model))
+            print(f"{label(system, model)} #{index}: recovery {runs[system, model][-1]['recovery_s']}", flush=True)
+    results = [dict(summarize(label(*pair), runs[pair]), model=pair[1]) for pair in series]
     by = {r["system"]: r for r in results}
+    command = ".venv/bin/python -m bench.recovery --failures %d" % args.failures
+    if args.systems != "plain,ext":
+        command += f" --systems {args.systems}"
+    if models != ["mlp"]:
+        command += f" --models {args.models}"
     summary = {"machine": "2 cores, CPU only, 4 workers on two pseudo-hosts (localhost, 127.0.0.1)",
-               "command": ".venv/bin/python -m bench.recovery --failures %d" % args.failures,
-               "results": results, "work_dir": work}
+               "command": command, "results": results, "work_dir": work}
     if "plain" in by and "ext" in by and by["ext"]["median_s"]:
         summary["ratio_median_plain_over_ext"] = by["plain"]["median_s"] / by["ext"]["median_s"]
         summary["ratio_worst_plain_over_ext"] = by["plain"]["worst_s"] / by["ext"]["worst_s"]
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "recovery.json"), "w") as handle:
+    stem = "recovery" if models == ["mlp"] else "recovery_" + "_".join(models)
+    with open(os.path.join(RESULTS, stem + ".json"), "w") as handle:
         json.dump(summary, handle, indent=1)
-    plot(results, os.path.join(RESULTS, "recovery.png"))
+    plot(results, os.path.join(RESULTS, stem + ".png"))
     print(f"{'system':8s} {'failures':>8s} {'recovered':>9s} {'median s':>9s} {'worst s':>8s}")
     for r in results:
         print(f"{r['system']:8s} {r['failures']:8d} {r['recovered']:9d} {r['median_s'] or float('nan'):9.2f} "

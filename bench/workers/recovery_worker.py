@@ -27,12 +27,21 @@ p.add_argument("--kill-step", type=int, default=10)
 p.add_argument("--steps-after", type=int, default=6)
 p.add_argument("--step-sleep-s", type=float, default=0.05)
 p.add_argument("--commit-every", type=int, default=4)
+p.add_argument("--model", choices=["mlp", "cnn_bn"], default="mlp",
+               help="cnn_bn: a small CNN with BatchNorm2d, whose running statistics differ between ranks")
 args = p.parse_args()
 
 torch.set_num_threads(1)
 hvd.init()
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+if args.model == "mlp":
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    shape = (32, 64)
+else:
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+                                torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+                                torch.nn.Flatten(), torch.nn.Linear(16 * 8 * 8, 10))
+    shape = (32, 1, 8, 8)
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 log = open(os.path.join(args.out, f"steps-{os.getpid()}.jsonl"), "a", buffering=1)
 kills_path = os.path.join(args.out, "kills.jsonl")
@@ -50,7 +59,7 @@ else:
 def train(state):
     killed_at = None
     while True:
-        x = torch.randn(32, 64)
+        x = torch.randn(*shape)  # a different batch on every rank: BatchNorm statistics differ
         loss = model(x).pow(2).mean()
         optimizer.zero_grad()
         loss.backward()
