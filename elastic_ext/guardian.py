@@ -2,7 +2,23 @@
 
 Run as ``python -m elastic_ext.guardian --pid PID --timeout-s T`` with the
 worker's heartbeat pipe on stdin (see :mod:`elastic_ext.watchdog`). Exits
-quietly on EOF (the worker stopped the watchdog, or died).
+quietly on EOF (the worker stopped the watchdog, or died) and when its parent
+is gone.
+
+Two rules keep it from killing the wrong process or a healthy one:
+
+- **Only its own parent.** ``PID`` must be the guardian's parent (the worker
+  starts it). A bare pid can be reused once the worker is gone (a DataLoader
+  child that inherited the pipe keeps it open, so no EOF arrives): the
+  guardian holds a pidfd of its parent (Linux >= 5.3) and signals through
+  it, which can never reach another process, and also checks
+  ``os.getppid() == PID`` before acting (the only check where pidfds do not
+  exist). When the parent is gone the guardian leaves.
+- **A suspension is not a hang.** When the whole job is stopped and
+  continued (Slurm suspend, gang scheduling, a cgroup freezer) the guardian
+  is frozen too; on waking it sees its own poll loop jump far past its period
+  and restarts the timeout instead of killing a worker that never had a
+  chance to beat.
 """
 
 from __future__ import annotations
@@ -13,6 +29,45 @@ import select
 import signal
 import sys
 import time
+from typing import Callable, Optional
+
+# A tick that comes this much later than asked (and at least JUMP_MIN_S) means
+# the guardian itself did not run: it was suspended along with its worker.
+JUMP_FACTOR = 3.0
+JUMP_MIN_S = 2.0
+
+
+def _parent_killer(pid: int) -> Optional[Callable[[], bool]]:
+    """A function that SIGKILLs ``pid`` only while it is still this process's parent.
+
+    Returns None when ``pid`` is not the parent now (nothing may ever be killed).
+    The function returns True if the signal was sent.
+    """
+    pidfd = None
+    if hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal"):
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            pidfd = None
+    # Checked after opening the pidfd: if pid is our parent now, the pidfd refers to it.
+    if os.getppid() != pid:
+        if pidfd is not None:
+            os.close(pidfd)
+        return None
+
+    def kill() -> bool:
+        if os.getppid() != pid:  # reparented: the worker is gone, the pid may belong to anyone
+            return False
+        try:
+            if pidfd is not None:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        return True
+
+    return kill
 
 
 def main(argv=None) -> int:
@@ -23,25 +78,38 @@ def main(argv=None) -> int:
     # Ignore the terminal's and the driver's SIGINT/SIGTERM aimed at the group:
     # the guardian leaves when its pipe closes, i.e. when the worker is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    kill = _parent_killer(args.pid)
+    if kill is None:
+        sys.stderr.write(f"elastic_ext guardian: --pid {args.pid} is not this guardian's parent "
+                         f"(parent is {os.getppid()}); a guardian only ever kills its own parent: exiting\n")
+        return 2
     stdin = sys.stdin.buffer.raw if hasattr(sys.stdin.buffer, "raw") else sys.stdin.buffer
     fd = stdin.fileno()
+    poll_s = max(0.05, min(1.0, args.timeout_s / 4))
     last = time.monotonic()
+    tick = last
     while True:
-        ready, _, _ = select.select([fd], [], [], max(0.05, args.timeout_s - (time.monotonic() - last)))
+        ready, _, _ = select.select([fd], [], [], poll_s)
+        now = time.monotonic()
+        gap, tick = now - tick, now
+        if gap > max(JUMP_MIN_S, JUMP_FACTOR * poll_s):
+            # We were not scheduled for `gap` seconds: suspended with the worker.
+            sys.stderr.write(f"elastic_ext guardian: clock jumped {gap:.1f}s (suspended?): "
+                             f"restarting the {args.timeout_s:.1f}s heartbeat timeout\n")
+            last = now
         if ready:
             data = os.read(fd, 4096)
             if not data:
                 return 0
-            last = time.monotonic()
+            last = now
             continue
-        if time.monotonic() - last >= args.timeout_s:
-            sys.stderr.write(f"elastic_ext guardian: worker {args.pid} sent no heartbeat for "
-                             f"{args.timeout_s:.1f}s (stopped or frozen): SIGKILL\n")
-            sys.stderr.flush()
-            try:
-                os.kill(args.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if os.getppid() != args.pid:
+            return 0  # the worker is gone (a child holding the pipe open keeps EOF away)
+        if now - last >= args.timeout_s:
+            if kill():
+                sys.stderr.write(f"elastic_ext guardian: worker {args.pid} sent no heartbeat for "
+                                 f"{args.timeout_s:.1f}s (stopped or frozen): SIGKILL\n")
+                sys.stderr.flush()
             return 0
 
 
