@@ -352,3 +352,39 @@ def test_committed_entries_carry_no_device_and_old_cuda_tags_load_on_cpu():
     for key, value in committed.items():
         assert restored[key].device.type == "cpu" and torch.equal(restored[key], value), key
     assert restored["exp_avg"].data_ptr() != state._entries["optimizer"].arrays["state[0].exp_avg"].ctypes.data
+
+
+def test_a_checkpoint_written_on_gpu_rank_3_resumes_on_cpu(tmp_path):
+    from elastic_ext.checkpoint import write_checkpoint
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(5, 3)).sum().backward()
+    optimizer.step()
+    writer = State(binding=SoloBinding(), model=model, optimizer=optimizer, step=3)
+    writer.commit()
+
+    def on_gpu(meta):  # the tags an older version wrote on cuda:3
+        if isinstance(meta, dict):
+            out = {k: on_gpu(v) for k, v in meta.items()}
+            if "dtype" in out and "requires_grad" in out:
+                out["device"] = "cuda:3"
+            return out
+        return [on_gpu(v) for v in meta] if isinstance(meta, list) else meta
+
+    entries = {name: Entry(arrays=e.arrays, meta=on_gpu(e.meta)) for name, e in writer._entries.items()}
+    write_checkpoint(str(tmp_path), 1, entries, {"world_size": 8, "generation": 1})
+
+    torch.manual_seed(1)
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    reader = State(binding=SoloBinding(), config=ElasticConfig(checkpoint_dir=str(tmp_path)), model=fresh,
+                   optimizer=fresh_opt, step=0)
+    reader.sync()
+    assert reader.step == 3 and reader.commit_id == 1
+    for key, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+    momentum = fresh_opt.state_dict()["state"][0]["momentum_buffer"]
+    assert momentum.device.type == "cpu"
+    assert torch.equal(momentum, optimizer.state_dict()["state"][0]["momentum_buffer"])
