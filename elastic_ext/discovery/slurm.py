@@ -7,6 +7,9 @@ Node health comes from one ``scontrol show node -o`` call per discovery,
 bounded by the caller's :class:`~elastic_ext.discovery.deadline.Deadline`.
 A node is dropped while any of its state words is in
 :data:`UNHEALTHY_STATES` and comes back as soon as Slurm reports it healthy.
+When no node of the allocation is healthy, :func:`discover` raises
+:class:`DiscoveryUnavailableError` (exit 3) instead of returning an empty
+list: Horovod then keeps its previous host set rather than dropping them all.
 
 Functions take the environment as a mapping instead of reading
 ``os.environ``, so the caller decides where configuration comes from.
@@ -36,18 +39,61 @@ ENV_GPUS_PER_NODE = "SLURM_GPUS_PER_NODE"
 # Default bound for one scontrol call; the overall deadline may cut it shorter.
 SCONTROL_TIMEOUT_S = 3.0
 
-# State words (base state or flag, as in scontrol's ``State=IDLE+DRAIN``)
-# that mean "do not start workers here". NOT_RESPONDING is sinfo's ``*``
-# suffix; POWER* and REBOOT_ISSUED mean the node is (going) away.
+# How Slurm writes a node's state, by version (checked against its sources,
+# src/common/slurm_protocol_defs.c and src/api/node_info.c):
+# - scontrol since 21.08: ``State=BASE+FLAG+FLAG``, base one of DOWN, IDLE,
+#   ALLOCATED, ERROR, MIXED, FUTURE, UNKNOWN, flags such as DRAIN,
+#   NOT_RESPONDING, POWERED_DOWN, POWERING_UP, MAINTENANCE, CLOUD.
+# - scontrol before 21.08: ``State=`` sinfo's long word, which carries a
+#   one-character suffix for a flag (``IDLE*``, ``DOWN~``, ``MIXED#``...),
+#   then ``+CLOUD``, ``+COMPLETING``, ``+DRAIN``, ``+FAIL`` and ``+POWER``
+#   (power saving: the node is powered down); some versions also wrote
+#   compound words such as DRAINED, DRAINING, FAILING, MAINT, REBOOT, INVAL.
+# Both are parsed: each suffix becomes the flag it stands for.
+STATE_SUFFIXES: Dict[str, str] = {
+    "*": "NOT_RESPONDING",
+    "~": "POWERED_DOWN",
+    "#": "POWERING_UP",
+    "%": "POWERING_DOWN",
+    "!": "POWER_DOWN",        # power down pending
+    "$": "MAINTENANCE",
+    "@": "REBOOT_REQUESTED",
+    "^": "REBOOT_ISSUED",
+    "-": "PLANNED",
+}
+
+# State words that mean "do not start workers here": the node is down,
+# draining, failing, not responding, powered down or changing power state,
+# rebooting now, in a maintenance reservation, or not a real node yet.
 UNHEALTHY_STATES: FrozenSet[str] = frozenset({
     "DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "NOT_RESPONDING",
-    "NO_RESPOND", "POWERED_DOWN", "POWER_DOWN", "POWERING_DOWN", "POWERING_UP",
-    "REBOOT_ISSUED", "FUTURE", "UNKNOWN", "INVAL", "END",
+    "NO_RESPOND", "POWER", "POWERED_DOWN", "POWER_DOWN", "POWERING_DOWN", "POWERING_UP",
+    "POWER_UP", "REBOOT_ISSUED", "REBOOT", "MAINTENANCE", "MAINT", "FUTURE", "UNKNOWN",
+    "INVAL", "INVALID", "INVALID_REG", "ERROR", "END",
 })
-# Base states a node can run our workers in; anything else counts as unhealthy.
+# Base states a node can run our workers in; a node without one is unhealthy.
+# (RESERVED and PLANNED are what older Slurm writes for IDLE in a reservation /
+# planned for a pending job.) Flags outside both sets (CLOUD, DYNAMIC_NORM,
+# REBOOT_REQUESTED: a reboot once the node's jobs end...) do not change health.
 HEALTHY_BASE_STATES: FrozenSet[str] = frozenset({
     "IDLE", "MIXED", "ALLOCATED", "ALLOC", "MIX", "COMPLETING", "RESERVED", "PLANNED",
 })
+
+
+def parse_state_words(text: str) -> FrozenSet[str]:
+    """The words of a ``State=`` value, upper case, suffix characters turned into flags.
+
+    ``IDLE*+POWER`` -> ``{IDLE, NOT_RESPONDING, POWER}``; ``MIXED+DRAIN`` ->
+    ``{MIXED, DRAIN}``. A word that is only suffix characters is dropped.
+    """
+    words = set()
+    for word in text.upper().split("+"):
+        while word and word[-1] in STATE_SUFFIXES:
+            words.add(STATE_SUFFIXES[word[-1]])
+            word = word[:-1]
+        if word:
+            words.add(word)
+    return frozenset(words)
 
 
 class SlotSource(str, enum.Enum):
@@ -197,7 +243,7 @@ def parse_scontrol_nodes(output: str) -> Dict[str, NodeStatus]:
                 logger.debug("ignoring scontrol line without NodeName/State: %r", line)
             continue
         name = fields["NodeName"].group(1)
-        states = frozenset(w for w in fields["State"].group(1).upper().split("+") if w)
+        states = parse_state_words(fields["State"].group(1))
         addr = fields["NodeAddr"].group(1) if fields["NodeAddr"] else None
         hostname = fields["NodeHostName"].group(1) if fields["NodeHostName"] else None
         nodes[name] = NodeStatus(name, states, addr, hostname)
@@ -236,11 +282,12 @@ def discover(environ: Mapping[str, str], deadline: Deadline, *, nodelist: Option
              health_check: bool = True, address: Address = Address.NAME,
              scontrol: str = "scontrol",
              call_timeout_s: float = SCONTROL_TIMEOUT_S) -> List[HostSlots]:
-    """The allocation's healthy hosts with their slots, in nodelist order.
+    """The allocation's healthy hosts with their slots, in nodelist order (never empty).
 
     Raises:
         DiscoveryInputError: bad nodelist/slots, or ``address`` without ``health_check``.
-        DiscoveryUnavailableError: Slurm could not be asked (includes timeouts).
+        DiscoveryUnavailableError: Slurm could not be asked (includes timeouts),
+            or it reports no node of the allocation healthy.
     """
     hosts = allocation_hosts(environ, nodelist, slots, slots_from)
     if not health_check:
@@ -250,16 +297,26 @@ def discover(environ: Mapping[str, str], deadline: Deadline, *, nodelist: Option
         return hosts
     nodes = query_nodes([h.host for h in hosts], deadline, environ, scontrol, call_timeout_s)
     healthy: List[HostSlots] = []
+    reasons: List[str] = []
     for entry in hosts:
         node = nodes.get(entry.host)
         if node is None:
             logger.warning("dropping node %r: Slurm does not know it", entry.host)
+            reasons.append(f"{entry.host} unknown to Slurm")
             continue
         reason = node.unhealthy_reason()
         if reason is not None:
             logger.info("leaving out node %r: Slurm reports %s", entry.host, reason)
+            reasons.append(f"{entry.host} {reason}")
             continue
         healthy.append(HostSlots(_address_of(node, address), entry.slots))
+    if not healthy:
+        # An allocation does not lose every node at once: this is a moment
+        # (a controller hiccup, a short NOT_RESPONDING) that an empty answer
+        # would turn into Horovod dropping every host. Unavailable keeps them.
+        raise DiscoveryUnavailableError(
+            f"no healthy node in the allocation ({'; '.join(reasons)}): an empty host set is "
+            "reported as unavailable so that Horovod keeps its previous hosts")
     return healthy
 
 
@@ -271,6 +328,7 @@ def _address_of(node: NodeStatus, address: Address) -> str:
     return node.name
 
 
-__all__ = ["SlotSource", "Address", "NodeStatus", "UNHEALTHY_STATES", "expand_nodelist",
+__all__ = ["SlotSource", "Address", "NodeStatus", "UNHEALTHY_STATES", "HEALTHY_BASE_STATES", "STATE_SUFFIXES",
+           "parse_state_words", "expand_nodelist",
            "parse_per_node", "parse_gpus_per_node", "allocation_hosts", "parse_scontrol_nodes",
            "query_nodes", "discover"]

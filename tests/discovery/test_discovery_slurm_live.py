@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ext.discovery import Deadline, DiscoveryInputError, DiscoveryTimeoutError
+from elastic_ext.discovery import (Deadline, DiscoveryInputError, DiscoveryTimeoutError,
+                                   DiscoveryUnavailableError)
 from elastic_ext.discovery import slurm
 from elastic_ext.discovery.cli import EXIT_INPUT, EXIT_OK, EXIT_TIMEOUT, EXIT_UNAVAILABLE
 
@@ -92,11 +93,42 @@ def test_node_drained_while_a_job_runs_on_it_is_left_out(slurm_cluster):
     slurm_cluster.wait_state("node02", "idle", RESUME_TIMEOUT_S)
 
 
+def test_no_healthy_node_in_the_allocation_exits_3(slurm_cluster, run_script):
+    """node03/node04 have no slurmd: Slurm reports them DOWN (and NOT_RESPONDING once it has pinged)."""
+    env = job_env(slurm_cluster, nodelist="node[03-04]", tasks="4(x2)")
+    proc = run_script("slurm", env=env)
+    assert (proc.returncode, proc.stdout) == (EXIT_UNAVAILABLE, ""), proc.stderr
+    assert "no healthy node" in proc.stderr and "Horovod keeps its previous hosts" in proc.stderr
+    assert "node03 DOWN" in proc.stderr and "node04 DOWN" in proc.stderr
+    with pytest.raises(DiscoveryUnavailableError, match="no healthy node"):
+        slurm.discover(env, Deadline(5))
+
+
+def test_the_only_node_set_down_exits_3_then_returns_when_resumed(slurm_cluster, run_script):
+    env = job_env(slurm_cluster, nodelist="node01", tasks="2")
+    assert run_script("slurm", env=env).stdout == "node01:2\n"
+    slurm_cluster.scontrol("update", "NodeName=node01", "State=DOWN", "Reason=discovery-test")
+    try:
+        slurm_cluster.wait_state("node01", "down")
+        proc = run_script("slurm", env=env)
+        assert (proc.returncode, proc.stdout) == (EXIT_UNAVAILABLE, ""), proc.stderr
+        assert "node01 DOWN" in proc.stderr
+        assert slurm.query_nodes(["node01"], Deadline(5), slurm_cluster.env)["node01"].states == {"DOWN"}
+    finally:
+        slurm_cluster.resume("node01")
+    slurm_cluster.wait_state("node01", "idle", RESUME_TIMEOUT_S)
+    proc = run_script("slurm", env=env)
+    assert (proc.returncode, proc.stdout) == (EXIT_OK, "node01:2\n"), proc.stderr
+
+
 def test_library_reports_states_and_addresses(slurm_cluster):
     nodes = slurm.query_nodes(["node01", "node03"], Deadline(5), slurm_cluster.env)
     assert nodes["node01"].unhealthy_reason() is None
     assert nodes["node01"].addr == "localhost"
     assert "DOWN" in nodes["node03"].unhealthy_reason()
+    # Slurm 22.05 writes base+flags; the live words parse to exactly these.
+    assert nodes["node01"].states == {"IDLE"}
+    assert "DOWN" in nodes["node03"].states and nodes["node03"].states <= {"DOWN", "NOT_RESPONDING"}
     hosts = slurm.discover(job_env(slurm_cluster, "node[01-02]", "3,1"), Deadline(5),
                            address=slurm.Address.ADDR)
     # Two distinct local addresses, so horovodrun can treat them as two hosts.

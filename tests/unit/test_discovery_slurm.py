@@ -82,3 +82,62 @@ def test_healthy_states(state):
 def test_unhealthy_states(state):
     assert slurm.parse_scontrol_nodes(SCONTROL_LINE.format(name="n", state=state))[
         "n"].unhealthy_reason()
+
+
+# State words a live cluster of this Slurm (22.05) cannot show: those of older
+# scontrol (suffix characters, +POWER before 21.08), power saving, maintenance
+# reservations, cloud nodes. Spellings from Slurm's node_state_string() and
+# node_state_string_complete().
+@pytest.mark.parametrize("text, words", [
+    ("IDLE", {"IDLE"}),
+    ("IDLE*", {"IDLE", "NOT_RESPONDING"}),
+    ("IDLE*+POWER", {"IDLE", "NOT_RESPONDING", "POWER"}),
+    ("DOWN*+DRAIN", {"DOWN", "NOT_RESPONDING", "DRAIN"}),
+    ("IDLE~+CLOUD+POWER", {"IDLE", "POWERED_DOWN", "CLOUD", "POWER"}),
+    ("MIXED#", {"MIXED", "POWERING_UP"}),
+    ("ALLOCATED+", {"ALLOCATED"}),
+    ("mixed-", {"MIXED", "PLANNED"}),
+    ("DRAINING@", {"DRAINING", "REBOOT_REQUESTED"}),
+    ("IDLE+CLOUD+POWERED_DOWN", {"IDLE", "CLOUD", "POWERED_DOWN"}),
+])
+def test_state_words_with_suffixes_and_flags(text, words):
+    assert slurm.parse_state_words(text) == words
+
+
+@pytest.mark.parametrize("state", [
+    "IDLE+CLOUD", "MIXED+CLOUD+COMPLETING", "ALLOCATED+", "IDLE+DYNAMIC_NORM",
+    "MIXED@", "ALLOCATED+REBOOT_REQUESTED", "MIXED-", "RESERVED", "PLANNED",
+])
+def test_more_healthy_states(state):
+    assert slurm.parse_scontrol_nodes(SCONTROL_LINE.format(name="n", state=state))[
+        "n"].unhealthy_reason() is None
+
+
+@pytest.mark.parametrize("state, why", [
+    ("IDLE+POWER", "POWER"),                     # Slurm < 21.08: powered down by power saving
+    ("IDLE*+POWER", "NOT_RESPONDING"),
+    ("IDLE*", "NOT_RESPONDING"),
+    ("MIXED*", "NOT_RESPONDING"),
+    ("IDLE~", "POWERED_DOWN"),
+    ("IDLE#", "POWERING_UP"),
+    ("IDLE%", "POWERING_DOWN"),
+    ("IDLE!", "POWER_DOWN"),
+    ("ALLOCATED$", "MAINTENANCE"),
+    ("IDLE^", "REBOOT_ISSUED"),
+    ("DRAINED*", "DRAINED"),
+    ("MAINT", "MAINT"),
+    ("REBOOT", "REBOOT"),
+    ("INVAL", "INVAL"),
+    ("IDLE+POWERED_DOWN", "POWERED_DOWN"),
+    ("IDLE+CLOUD+POWERED_DOWN", "POWERED_DOWN"),
+    ("IDLE+POWERING_UP", "POWERING_UP"),
+    ("IDLE+POWER_UP", "POWER_UP"),
+    ("ALLOCATED+POWER_DOWN", "POWER_DOWN"),
+    ("MIXED+MAINTENANCE", "MAINTENANCE"),
+    ("IDLE+INVALID_REG", "INVALID_REG"),
+    ("ERROR", "ERROR"),
+    ("FUTURE+CLOUD", "FUTURE"),
+])
+def test_more_unhealthy_states(state, why):
+    reason = slurm.parse_scontrol_nodes(SCONTROL_LINE.format(name="n", state=state))["n"].unhealthy_reason()
+    assert reason is not None and why in reason
