@@ -1,10 +1,12 @@
 """Hosts of an AWS EC2 (spot) pool, selected by tags or an Auto Scaling group.
 
-One discovery makes at most three kinds of API calls, all with socket
-timeouts and no retries (Horovod calls again a second later anyway):
-``autoscaling:DescribeAutoScalingGroups`` (only with an ASG),
+One discovery makes at most three kinds of API calls, each with its own
+socket timeout (the per-call bound or what is left of the overall deadline,
+whichever is smaller) and no retries (Horovod calls again a second later
+anyway): ``autoscaling:DescribeAutoScalingGroups`` (only with an ASG),
 ``ec2:DescribeInstances`` filtered to running instances, and
-``ec2:DescribeSpotInstanceRequests`` for those instances. An instance is
+``ec2:DescribeSpotInstanceRequests`` for those instances; every page of the
+last two is read (``NextToken``). An instance is
 left out when it is not ``running`` (stopping, shutting-down, stopped,
 terminated, pending), when its ASG lifecycle state is not ``InService`` or
 its ASG health is not ``Healthy``, or when its spot request's status code is
@@ -20,7 +22,7 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from elastic_ext.discovery.deadline import Deadline
 from elastic_ext.discovery.errors import (DiscoveryInputError, DiscoveryTimeoutError,
@@ -150,72 +152,112 @@ def _chunks(items: Sequence[str]) -> Iterable[List[str]]:
 
 
 class Ec2Pool:
-    """The live API side: boto3 clients with bounded timeouts and no retries."""
+    """The live API side: boto3 clients with bounded timeouts and no retries.
+
+    Each API call gets its own timeout, ``call_timeout_s`` or what is left of
+    the deadline, whichever is smaller. botocore fixes a client's timeouts
+    when the client is made, so a call near the deadline gets a client made
+    for its shorter bound (clients with the full ``call_timeout_s`` are
+    reused).
+
+    Args:
+        page_size: ``MaxResults`` for the paginated calls; None lets AWS
+            choose. Every ``NextToken`` is followed either way.
+    """
 
     def __init__(self, deadline: Deadline, region: Optional[str] = None,
                  endpoint_url: Optional[str] = None, profile: Optional[str] = None,
-                 call_timeout_s: float = API_TIMEOUT_S) -> None:
+                 call_timeout_s: float = API_TIMEOUT_S, page_size: Optional[int] = None) -> None:
         try:
             import boto3
             from botocore.config import Config
         except ImportError as exc:
             raise DiscoveryInputError(f"boto3 is needed for AWS discovery: {exc}") from exc
+        if page_size is not None and not (type(page_size) is int and 5 <= page_size <= 1000):
+            raise DiscoveryInputError(f"page_size ({page_size!r}) must be an integer from 5 to 1000 "
+                                      "(the range AWS accepts for MaxResults)")
         self._deadline = deadline
-        timeout_s = deadline.call_timeout_s(call_timeout_s, "AWS API calls")
-        config = Config(connect_timeout=timeout_s, read_timeout=timeout_s,
-                        retries={"total_max_attempts": 1, "mode": "standard"})
+        self._cap_s = call_timeout_s
+        self._endpoint_url = endpoint_url
+        self._page_size = page_size
+        self._config = Config
+        self._clients: Dict[Tuple[str, float], Any] = {}
+        self.call_timeouts_s: List[Tuple[str, float]] = []  # (operation, timeout) of each call made
         with _api_errors("AWS configuration"):
-            session = boto3.session.Session(profile_name=profile, region_name=region)
-            self._ec2 = session.client("ec2", endpoint_url=endpoint_url, config=config)
-            self._asg = session.client("autoscaling", endpoint_url=endpoint_url, config=config)
+            self._session = boto3.session.Session(profile_name=profile, region_name=region)
+
+    def _client(self, service: str, what: str) -> Tuple[Any, float]:
+        """A client whose connect and read timeouts are this call's bound."""
+        timeout_s = self._deadline.call_timeout_s(self._cap_s, what)
+        client = self._clients.get((service, timeout_s))
+        if client is None:
+            config = self._config(connect_timeout=timeout_s, read_timeout=timeout_s,
+                                  retries={"total_max_attempts": 1, "mode": "standard"})
+            with _api_errors("AWS configuration"):
+                client = self._session.client(service, endpoint_url=self._endpoint_url, config=config)
+            if timeout_s == self._cap_s:  # the common case; shorter bounds are one-offs
+                self._clients[(service, timeout_s)] = client
+        self.call_timeouts_s.append((what, timeout_s))
+        return client, timeout_s
+
+    def _pages(self, service: str, operation: str, method: str, kwargs: Dict[str, Any]) -> Iterable[Dict[str, Any]]:
+        """Every page of a paginated call, each call with its own timeout."""
+        token: Optional[str] = None
+        seen: Set[str] = set()
+        while True:
+            call = dict(kwargs)
+            if self._page_size is not None:
+                call["MaxResults"] = self._page_size
+            if token:
+                call["NextToken"] = token
+            client, timeout_s = self._client(service, operation)
+            with _api_errors(operation, timeout_s):
+                page = getattr(client, method)(**call)
+            yield page
+            token = page.get("NextToken")
+            if not token:
+                return
+            if token in seen:
+                raise DiscoveryUnavailableError(f"{operation} returned the NextToken {token!r} twice; "
+                                                "giving up instead of looping")
+            seen.add(token)
 
     def asg_in_service(self, group: str) -> Set[str]:
         """IDs of the group's instances that are InService and Healthy."""
-        self._deadline.call_timeout_s(None, "DescribeAutoScalingGroups")
-        with _api_errors("DescribeAutoScalingGroups"):
-            groups = self._asg.describe_auto_scaling_groups(
-                AutoScalingGroupNames=[group])["AutoScalingGroups"]
+        client, timeout_s = self._client("autoscaling", "DescribeAutoScalingGroups")
+        with _api_errors("DescribeAutoScalingGroups", timeout_s):
+            groups = client.describe_auto_scaling_groups(AutoScalingGroupNames=[group])["AutoScalingGroups"]
         if not groups:
             raise DiscoveryInputError(f"Auto Scaling group {group!r} does not exist")
         return {i["InstanceId"] for i in groups[0].get("Instances", [])
                 if i.get("LifecycleState") == "InService" and i.get("HealthStatus") == "Healthy"}
 
     def running_instances(self, tags: Mapping[str, List[str]]) -> List[Dict[str, Any]]:
-        """Running instances carrying all ``tags`` (any listed value per key)."""
+        """Running instances carrying all ``tags`` (any listed value per key), from every page."""
         filters = [{"Name": "instance-state-name", "Values": ["running"]}]
         filters += [{"Name": f"tag:{k}", "Values": list(v)} for k, v in tags.items()]
         instances: List[Dict[str, Any]] = []
-        token: Optional[str] = None
-        while True:
-            self._deadline.call_timeout_s(None, "DescribeInstances")
-            kwargs: Dict[str, Any] = {"Filters": filters}
-            if token:
-                kwargs["NextToken"] = token
-            with _api_errors("DescribeInstances"):
-                page = self._ec2.describe_instances(**kwargs)
+        for page in self._pages("ec2", "DescribeInstances", "describe_instances", {"Filters": filters}):
             for reservation in page.get("Reservations", []):
                 instances.extend(reservation.get("Instances", []))
-            token = page.get("NextToken")
-            if not token:
-                return instances
+        return instances
 
     def spot_requests(self, instance_ids: Sequence[str]) -> List[Dict[str, Any]]:
-        """The spot requests behind ``instance_ids`` (on-demand ones have none)."""
+        """The spot requests behind ``instance_ids`` (on-demand ones have none), from every page."""
         requests: List[Dict[str, Any]] = []
         for chunk in _chunks(instance_ids):
-            self._deadline.call_timeout_s(None, "DescribeSpotInstanceRequests")
-            with _api_errors("DescribeSpotInstanceRequests"):
-                page = self._ec2.describe_spot_instance_requests(
-                    Filters=[{"Name": "instance-id", "Values": chunk}])
-            requests.extend(page.get("SpotInstanceRequests", []))
+            for page in self._pages("ec2", "DescribeSpotInstanceRequests", "describe_spot_instance_requests",
+                                    {"Filters": [{"Name": "instance-id", "Values": chunk}]}):
+                requests.extend(page.get("SpotInstanceRequests", []))
         return requests
 
 
 class _api_errors:
     """Map botocore's exceptions onto the discovery error kinds (exit codes)."""
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, timeout_s: Optional[float] = None) -> None:
         self.what = what
+        self.timeout_s = timeout_s
 
     def __enter__(self) -> None:
         return None
@@ -227,7 +269,8 @@ class _api_errors:
 
         msg = f"{self.what}: {exc}"
         if isinstance(exc, (bex.ConnectTimeoutError, bex.ReadTimeoutError)):
-            raise DiscoveryTimeoutError(msg) from exc
+            bound = f" (timeout {self.timeout_s:.2f} s)" if self.timeout_s is not None else ""
+            raise DiscoveryTimeoutError(msg + bound) from exc
         if isinstance(exc, (bex.NoRegionError, bex.NoCredentialsError,
                             bex.PartialCredentialsError, bex.ProfileNotFound)):
             raise DiscoveryInputError(
@@ -246,7 +289,8 @@ def discover(deadline: Deadline, *, tags: Mapping[str, List[str]] = {},
              address: Address = Address.PRIVATE_IP, spot_check: bool = True,
              region: Optional[str] = None, endpoint_url: Optional[str] = None,
              profile: Optional[str] = None,
-             call_timeout_s: float = API_TIMEOUT_S) -> List[HostSlots]:
+             call_timeout_s: float = API_TIMEOUT_S,
+             page_size: Optional[int] = None) -> List[HostSlots]:
     """The pool's usable instances with their slots, oldest first.
 
     Raises:
@@ -256,7 +300,7 @@ def discover(deadline: Deadline, *, tags: Mapping[str, List[str]] = {},
     """
     if not tags and not asg:
         raise DiscoveryInputError("select the pool with --tag KEY=VALUE and/or --asg NAME")
-    pool = Ec2Pool(deadline, region, endpoint_url, profile, call_timeout_s)
+    pool = Ec2Pool(deadline, region, endpoint_url, profile, call_timeout_s, page_size)
     in_service: Optional[Set[str]] = None
     filters = dict(tags)
     if asg:

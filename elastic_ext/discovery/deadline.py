@@ -13,7 +13,7 @@ import os
 import signal
 import subprocess
 import time
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from elastic_ext.discovery.errors import (DiscoveryInputError, DiscoveryTimeoutError,
                                           DiscoveryUnavailableError)
@@ -29,17 +29,24 @@ MAX_QUOTED_STDERR = 500
 
 
 class Deadline:
-    """A point in (monotonic) time after which discovery must have answered."""
+    """A point in (monotonic) time after which discovery must have answered.
 
-    def __init__(self, timeout_s: float) -> None:
+    Args:
+        timeout_s: seconds from now.
+        clock: the time source (tests pass their own to reach a given
+            remaining time without waiting for it).
+    """
+
+    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         if not timeout_s > 0:
             raise DiscoveryInputError(f"timeout_s ({timeout_s!r}) must be > 0")
         self.timeout_s = float(timeout_s)
-        self._end = time.monotonic() + self.timeout_s
+        self._clock = clock
+        self._end = clock() + self.timeout_s
 
     def remaining_s(self) -> float:
         """Seconds left, never negative."""
-        return max(0.0, self._end - time.monotonic())
+        return max(0.0, self._end - self._clock())
 
     def call_timeout_s(self, cap_s: Optional[float], what: str) -> float:
         """The timeout for one call: ``cap_s`` or what is left, whichever is smaller.

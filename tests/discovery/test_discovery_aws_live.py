@@ -145,8 +145,9 @@ def test_unreachable_endpoint_exits_3(run_script, moto):
     assert "Could not connect" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_hung_endpoint_is_bounded_by_the_timeout(run_script, moto, aws_env):
-    """A server that accepts connections and never answers (a stuck proxy)."""
+@pytest.fixture
+def hung_endpoint():
+    """A server that accepts connections and never answers (a stuck proxy); yields its URL."""
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(16)
@@ -163,23 +164,54 @@ def test_hung_endpoint_is_bounded_by_the_timeout(run_script, moto, aws_env):
 
         thread = threading.Thread(target=accept, daemon=True)
         thread.start()
-        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
         try:
-            start = time.monotonic()
-            proc = run_script("aws_spot", "--endpoint-url", url, "--tag", "pool=p",
-                              "--timeout-s", "1.5", env=moto.env())
-            elapsed = time.monotonic() - start
-            with pytest.raises(DiscoveryTimeoutError):
-                aws.discover(Deadline(0.5), tags={"pool": ["p"]}, endpoint_url=url,
-                             region="us-east-1")
+            yield f"http://127.0.0.1:{listener.getsockname()[1]}"
         finally:
             stop.set()
             thread.join(2)
             for conn in held:
                 conn.close()
+
+
+def test_hung_endpoint_is_bounded_by_the_timeout(run_script, moto, aws_env, hung_endpoint):
+    start = time.monotonic()
+    proc = run_script("aws_spot", "--endpoint-url", hung_endpoint, "--tag", "pool=p",
+                      "--timeout-s", "1.5", env=moto.env())
+    elapsed = time.monotonic() - start
+    with pytest.raises(DiscoveryTimeoutError):
+        aws.discover(Deadline(0.5), tags={"pool": ["p"]}, endpoint_url=hung_endpoint, region="us-east-1")
     assert (proc.returncode, proc.stdout) == (EXIT_TIMEOUT, ""), proc.stderr
     assert "timeout" in proc.stderr.lower()
     assert elapsed < 8, elapsed
+
+
+def test_each_call_gets_the_time_left_not_the_time_left_when_the_client_was_made(aws_env, hung_endpoint):
+    """Before, the timeout was fixed when the pool made its clients: here 3 s, past the deadline."""
+    now = [0.0]
+    deadline = Deadline(10, clock=lambda: now[0])
+    pool = aws.Ec2Pool(deadline, region="us-east-1", endpoint_url=hung_endpoint, call_timeout_s=3.0)
+    now[0] = 9.7  # an earlier call (or page) used up most of the deadline
+    with pytest.raises(DiscoveryTimeoutError, match=r"DescribeInstances.*\(timeout 0\.30 s\)") as caught:
+        pool.running_instances({"pool": ["p"]})
+    # What urllib3 itself was told, under botocore's ReadTimeoutError.
+    assert "read timeout=0.3" in str(caught.value.__cause__.kwargs["error"])
+    assert pool.call_timeouts_s == [("DescribeInstances", pytest.approx(0.3))]
+
+
+def test_every_page_is_read(moto, aws_env):
+    """DescribeInstances pages (moto honours MaxResults); DescribeSpotInstanceRequests with MaxResults."""
+    ec2, _ = clients(moto)
+    ids = spot_pool(ec2, 7, "g5.xlarge", {"pool": "big"})
+    pool = aws.Ec2Pool(Deadline(30), region=FAKE_AWS_ENV["AWS_REGION"], endpoint_url=moto.url, page_size=5)
+    instances = pool.running_instances({"pool": ["big"]})
+    assert sorted(i["InstanceId"] for i in instances) == sorted(ids)
+    assert [op for op, _ in pool.call_timeouts_s] == ["DescribeInstances"] * 2, "7 instances, 5 a page"
+    requests = pool.spot_requests(ids)
+    assert sorted(r["InstanceId"] for r in requests) == sorted(ids)
+    hosts = aws.discover(Deadline(30), tags={"pool": ["big"]}, endpoint_url=moto.url,
+                         region=FAKE_AWS_ENV["AWS_REGION"], page_size=5)
+    ip = private_ips(ec2, ids)
+    assert sorted(h.host for h in hosts) == sorted(ip.values())
 
 
 def test_missing_region_exits_2(run_script, moto):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_ext.discovery import Deadline, DiscoveryInputError, HostSlots
+from elastic_ext.discovery import Deadline, DiscoveryInputError, DiscoveryUnavailableError, HostSlots
 from elastic_ext.discovery import aws
 from elastic_ext.discovery.commands import parse_type_slots
 
@@ -75,3 +75,54 @@ def test_tag_and_type_slot_specs():
 def test_no_pool_selector_is_input_error():
     with pytest.raises(DiscoveryInputError, match="--tag"):
         aws.discover(Deadline(1))
+
+
+# moto's server ignores MaxResults and never returns a NextToken for
+# DescribeSpotInstanceRequests (moto 5.2), so following its pages is pinned
+# here with botocore's own Stubber, which checks every request and response
+# against the EC2 service model. The same paging loop reads DescribeInstances
+# pages from moto in tests/discovery/test_discovery_aws_live.py.
+def test_spot_request_pages_are_all_read_and_a_reclaim_on_page_two_counts(monkeypatch):
+    from botocore.stub import Stubber
+
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_CONFIG_FILE": "/dev/null", "AWS_SHARED_CREDENTIALS_FILE": "/dev/null"}.items():
+        monkeypatch.setenv(key, value)
+    pool = aws.Ec2Pool(Deadline(60), region="us-east-1", endpoint_url="http://127.0.0.1:9",
+                       call_timeout_s=3.0, page_size=5)
+    client, _ = pool._client("ec2", "setup")  # the client every call within the bound reuses
+    ids = [f"i-{n}" for n in range(1, 8)]
+    query = {"Filters": [{"Name": "instance-id", "Values": ids}], "MaxResults": 5}
+    with Stubber(client) as stub:
+        stub.add_response("describe_spot_instance_requests",
+                          {"SpotInstanceRequests": [spot(i, "fulfilled") for i in ids[:5]],
+                           "NextToken": "page-2"}, query)
+        stub.add_response("describe_spot_instance_requests",
+                          {"SpotInstanceRequests": [spot("i-6", "fulfilled"),
+                                                    spot("i-7", "marked-for-termination")]},
+                          dict(query, NextToken="page-2"))
+        requests = pool.spot_requests(ids)
+        stub.assert_no_pending_responses()
+    assert [r["InstanceId"] for r in requests] == ids
+    hosts = aws.select_hosts([inst(i) for i in ids], requests, aws.SlotPolicy(slots=1))
+    assert "10.0.0.7" not in [h.host for h in hosts] and len(hosts) == 6
+
+
+def test_a_repeated_next_token_ends_the_paging(monkeypatch):
+    from botocore.stub import Stubber
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    pool = aws.Ec2Pool(Deadline(60), region="us-east-1", endpoint_url="http://127.0.0.1:9")
+    client, _ = pool._client("ec2", "setup")
+    with Stubber(client) as stub:
+        for _ in range(2):
+            stub.add_response("describe_spot_instance_requests",
+                              {"SpotInstanceRequests": [], "NextToken": "same"})
+        with pytest.raises(DiscoveryUnavailableError, match="NextToken 'same' twice"):
+            pool.spot_requests(["i-1"])
+
+
+def test_page_size_outside_what_aws_accepts_is_an_input_error():
+    with pytest.raises(DiscoveryInputError, match=r"page_size \(2\) must be an integer from 5 to 1000"):
+        aws.Ec2Pool(Deadline(5), region="us-east-1", page_size=2)
