@@ -35,7 +35,8 @@ EXIT_CODES = {
     EXIT_OK: "hosts printed (possibly none: an empty list means no usable host right now)",
     EXIT_INTERNAL: "internal error (a bug); details with --log-level DEBUG",
     EXIT_INPUT: "usage or bad input: flags, nodelist, host file, slot count, AWS config",
-    EXIT_UNAVAILABLE: "scheduler or cloud API unreachable, missing, or answered an error",
+    EXIT_UNAVAILABLE: ("scheduler or cloud API unreachable, missing, or answered an error; "
+                       "or Slurm reports no node of the allocation healthy"),
     EXIT_TIMEOUT: "a scheduler/API call or the whole run exceeded its time bound",
 }
 
