@@ -150,14 +150,34 @@ class _Storage:
             self.sync_dir(os.path.dirname(directory))
 
     def list_names(self) -> List[str]:
-        if self.remote:
-            if not self.fs.exists(self.base):
-                return []
-            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.base, detail=False)]
-        return os.listdir(self.base) if os.path.isdir(self.base) else []
+        """Names in the root; none if it does not exist yet.
+
+        No exists()/isdir() first: both answer False for a permission or I/O
+        error (fsspec's generic exists() swallows any exception), which would
+        pass an unreadable directory off as an empty one: a fresh start.
+        """
+        try:
+            if self.remote:
+                return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.base, detail=False)]
+            return os.listdir(self.base)
+        except FileNotFoundError:
+            return []
 
     def exists(self, path: str) -> bool:
-        return self.fs.exists(path) if self.remote else os.path.exists(path)
+        """True if ``path`` exists, False only if it does not; any other error is raised.
+
+        (``os.path.exists`` and fsspec's generic ``exists`` answer False for a
+        permission or I/O error too: retention would then take a complete
+        checkpoint for a partial one and delete it.)
+        """
+        try:
+            if self.remote:
+                self.fs.info(path)
+            else:
+                os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return True
 
     def size(self, path: str) -> int:
         return int(self.fs.size(path)) if self.remote else os.path.getsize(path)

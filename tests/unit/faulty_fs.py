@@ -34,6 +34,9 @@ def denied(path: str) -> PermissionError:
 class Fault:
     """``method`` on a path containing ``match`` raises ``error(path)``, ``times`` times (None: always).
 
+    Note that fsspec's generic ``exists()`` calls ``info()`` and answers False
+    on any exception: an ``info`` fault shows what such backends do with a 403.
+
     ``mode`` restricts ``open`` faults to reads ("r") or writes ("w").
     """
 
@@ -42,6 +45,7 @@ class Fault:
     error: Callable[[str], BaseException]
     times: Optional[int] = None
     mode: Optional[str] = None
+    exact: bool = False  # the path must be ``match`` itself, not merely contain it
     fired: int = 0
 
 
@@ -54,7 +58,7 @@ class FaultyFileSystem(LocalFileSystem):
         path = str(path)
         FaultyFileSystem.calls.append((method, path, mode))
         for fault in FaultyFileSystem.faults:
-            if fault.method != method or fault.match not in path:
+            if fault.method != method or fault.match not in path or (fault.exact and fault.match != path):
                 continue
             if fault.mode is not None and fault.mode not in mode:
                 continue

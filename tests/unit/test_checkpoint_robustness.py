@@ -332,6 +332,14 @@ def test_listing_error_is_a_read_error(three):
         CheckpointStore(faulty_fs.url(three)).load_newest()
 
 
+def test_an_unreadable_root_is_not_taken_for_an_empty_one(three):
+    """Only a missing root means no checkpoint; exists()-style checks would hide a 403 (see faulty_fs)."""
+    faulty_fs.install(Fault("ls", str(three), faulty_fs.denied, exact=True))
+    with pytest.raises(CheckpointReadError, match="Access Denied"):
+        CheckpointStore(faulty_fs.url(three)).load_newest()
+    assert CheckpointStore(faulty_fs.url(three / "not-yet")).load_newest() is None
+
+
 def test_a_transient_read_error_is_retried_and_the_newest_checkpoint_loads(three, caplog):
     fault = Fault("open", f"{NAME(3)}/arrays.bin", faulty_fs.eio, times=2, mode="r")
     faulty_fs.install(fault)
@@ -405,6 +413,18 @@ def test_retention_permission_errors_are_logged_once_each_and_keep_the_cadence(t
     warned = [r.getMessage() for r in caplog.records if "retention cannot delete" in r.getMessage()]
     assert len(warned) == 3 and all("Access Denied" in w for w in warned)
     assert sorted(os.listdir(tmp_path)) == [NAME(2), NAME(4), NAME(6), NAME(8)]
+
+
+def test_retention_never_takes_an_unreadable_checkpoint_for_a_partial_one(three, caplog):
+    """Before, exists() answered False for the 403 and retention deleted the complete ckpt-2."""
+    faulty_fs.install(Fault("info", f"{NAME(2)}/manifest.json", faulty_fs.denied))
+    store = CheckpointStore(faulty_fs.url(three))
+    with caplog.at_level(logging.WARNING, logger="elastic_ext.checkpoint"):
+        assert store.apply_retention(3, keep_last=2) == []
+    assert store.commit_ids() == [3, 2, 1]
+    assert any("Access Denied" in r.getMessage() for r in caplog.records)
+    faulty_fs.install()
+    assert store.apply_retention(3, keep_last=2) == [1]
 
 
 def test_retention_deletes_again_once_storage_allows_it(tmp_path):
