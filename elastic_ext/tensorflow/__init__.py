@@ -1,10 +1,14 @@
 """TensorFlow support: adapters for tf.Variable, tf.Module and Keras 2 (tf_keras)
-and Keras 3 models and optimizers, the Horovod binding, and a ``tf.data``
-source driven by the elastic cursor.
+and Keras 3 models and optimizers, the Horovod binding, a ``tf.data``
+source driven by the elastic cursor, Horovod's gradient API for Keras 2 and
+Keras 3 variables, and the callback that makes ``model.fit`` elastic.
 
 The only package of elastic_ext that imports tensorflow.
 """
 
+from elastic_ext.tensorflow.callbacks import ElasticCallback, FitStep
 from elastic_ext.tensorflow.data import ElasticSampler, index_dataset
+from elastic_ext.tensorflow.gradients import DistributedGradientTape, DistributedOptimizer
 
-__all__ = ["ElasticSampler", "index_dataset"]
+__all__ = ["ElasticSampler", "index_dataset", "DistributedGradientTape", "DistributedOptimizer",
+           "ElasticCallback", "FitStep"]

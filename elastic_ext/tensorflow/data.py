@@ -6,6 +6,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from elastic_ext import partition
 from elastic_ext.sampler import ElasticPartitioner
 
 
@@ -34,3 +35,22 @@ def index_dataset(sampler: ElasticPartitioner) -> tf.data.Dataset:
 
     return tf.data.Dataset.from_generator(
         generate, output_signature=(tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.bool)))
+
+
+def plan_at(sampler: ElasticPartitioner, epoch: int, cursor: int) -> partition.Plan:
+    """This rank's steps of ``epoch`` from ``cursor``, at the current world size.
+
+    Unlike :meth:`ElasticPartitioner.plan` this does not read or move the
+    sampler's own position, so a stream can plan the epochs after the current
+    one ahead of time.
+    """
+    rank, size = sampler.world()
+    # Not sampler.order(): its cache follows the sampler's epoch, which the
+    # training thread moves while a tf.data thread plans ahead.
+    order = partition.epoch_order(sampler.size, sampler.seed, epoch, sampler.shuffle)
+    return partition.plan(order, cursor, sampler.global_batch, size, rank, sampler.policy)
+
+
+def steps_in_epoch(sampler: ElasticPartitioner, cursor: int = 0) -> int:
+    """Global steps from ``cursor`` to the end of an epoch, at the current world size."""
+    return partition.steps_left(sampler.size, cursor, sampler.global_batch, sampler.policy)

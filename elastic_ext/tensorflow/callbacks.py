@@ -1,0 +1,319 @@
+"""``model.fit`` made elastic: a Keras callback that commits, and fit calls that resume.
+
+Keras 2 (tf_keras) and Keras 3::
+
+    model.compile(optimizer=elastic_ext.tensorflow.DistributedOptimizer(keras.optimizers.Adam(1e-3)),
+                  loss=...)
+    sampler = elastic_ext.tensorflow.ElasticSampler(len(y), global_batch_size=64, policy="pad")
+    state = elastic_ext.State(model=model, optimizer=model.optimizer, sampler=sampler, epoch=0, batch=0)
+    elastic = elastic_ext.tensorflow.ElasticCallback(
+        state, load=lambda idx, pad: (tf.gather(x, idx), tf.gather(y, idx), 1.0 - tf.cast(pad, tf.float32)),
+        commit_every=10)
+
+    @elastic_ext.run
+    def train(state):
+        return elastic.fit(model, epochs=10, callbacks=[tensorboard], verbose=0)
+
+How it works. The committed state holds the epoch, the batch within the
+epoch and the sampler's cursor. :meth:`ElasticCallback.fit` calls
+``model.fit`` from there: if the committed position is inside an epoch (a
+rollback or a resize happened mid-epoch), one call finishes that epoch
+(``initial_epoch=epoch, epochs=epoch + 1`` and ``steps_per_epoch`` the steps
+left), then one call runs the remaining epochs with the steps of a full
+epoch *at the current world size* (the global batch is constant, so the
+steps per epoch follow the world size). Keras keeps ``steps_per_epoch``
+fixed within a call, and calls after a reset are new calls, so both are
+right. The data is a ``tf.data`` stream of ``load(indices, pad)`` over this
+rank's share of each global step from the committed cursor on
+(:mod:`elastic_ext.partition`), so the samples of rolled-back steps are
+handed out again, once.
+
+The callback, at the end of every batch, checks that the batch Keras
+trained on is the one at the committed cursor (it raises ``StateError``
+otherwise: data and state disagree), advances the cursor and the counters,
+and commits every ``commit_every`` batches; at the end of every epoch it
+moves the state to the start of the next epoch and commits. A
+``HostsUpdatedInterrupt`` from that commit, and a failed collective in the
+training step (a TensorFlow op error that ``@elastic_ext.run`` recognises as
+Horovod's), leave ``model.fit`` as exceptions: Keras does not catch them.
+
+Order with other callbacks: :meth:`ElasticCallback.fit` puts the elastic
+callback last, so that what the others do at the end of a batch or an epoch
+happens before the commit that follows it; it never changes ``logs``. Callbacks that save or log per epoch (``ModelCheckpoint``,
+``TensorBoard``, ``CSVLogger``) work as usual; give them to rank 0 only if
+they write to a shared place.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import sys
+from typing import Any, Callable, Deque, Dict, Iterable, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from elastic_ext.errors import ConfigError, StateError
+from elastic_ext.sampler import ElasticPartitioner
+from elastic_ext.tensorflow.data import plan_at, steps_in_epoch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ElasticCallback", "FitStep"]
+
+# model.fit arguments that ElasticCallback.fit sets itself.
+_OWN_FIT_ARGUMENTS = ("x", "y", "batch_size", "epochs", "initial_epoch", "steps_per_epoch", "shuffle")
+
+
+@dataclasses.dataclass(frozen=True)
+class FitStep:
+    """One global step as fed to ``model.fit``: where it starts and this rank's share."""
+
+    epoch: int
+    cursor: int
+    indices: np.ndarray
+    pad: np.ndarray
+
+
+class _Stream:
+    """The steps from a start position to the end of ``end_epoch - 1``, as a tf.data source.
+
+    Every iterator Keras makes runs the generator again from the start
+    position (Keras 3 takes one batch from a throw-away iterator to build the
+    model); the steps the newest iterator handed out wait in ``handed_out``
+    until the callback pairs them with the batches Keras trained on.
+    """
+
+    def __init__(self, sampler: ElasticPartitioner, epoch: int, cursor: int, end_epoch: int) -> None:
+        self.sampler = sampler
+        self.start = (epoch, cursor)
+        self.end_epoch = end_epoch
+        self.handed_out: Deque[FitStep] = collections.deque()
+
+    def generate(self):
+        handed_out: Deque[FitStep] = collections.deque()
+        self.handed_out = handed_out
+        epoch, cursor = self.start
+        while epoch < self.end_epoch:
+            plan = plan_at(self.sampler, epoch, cursor)
+            advance = plan.advance
+            for step, (indices, pad) in enumerate(plan.batches()):
+                handed_out.append(FitStep(epoch, cursor, np.array(indices), np.array(pad, dtype=bool)))
+                yield np.asarray(indices, dtype=np.int64), np.asarray(pad, dtype=bool)
+                cursor += int(advance[step])
+            epoch, cursor = epoch + 1, 0
+
+
+class _ElasticCallbackMixin:
+    """The logic of :func:`ElasticCallback`; mixed into the Keras flavour's ``Callback``."""
+
+    def __init__(self, state: Any, load: Callable[[tf.Tensor, tf.Tensor], Any], commit_every: int,
+                 sampler: Optional[ElasticPartitioner], lr_for_size: Optional[Callable[[int], float]],
+                 on_step: Optional[Callable[[FitStep], None]]) -> None:
+        super().__init__()
+        if not isinstance(commit_every, int) or isinstance(commit_every, bool) or commit_every < 1:
+            raise ConfigError(f"commit_every ({commit_every!r}) must be an integer >= 1")
+        if not callable(load):
+            raise ConfigError(f"load ({load!r}) must be a function (indices, pad) -> a batch for model.fit")
+        objects = state.objects
+        for name in ("epoch", "batch"):
+            if not isinstance(objects.get(name), int) or isinstance(objects.get(name), bool):
+                raise StateError(f"the State needs an integer {name!r} entry for model.fit "
+                                 f"(got {objects.get(name)!r}): State(..., epoch=0, batch=0)")
+        if sampler is None:
+            found = [obj for obj in objects.values() if isinstance(obj, ElasticPartitioner)]
+            if len(found) != 1:
+                raise StateError(f"the State holds {len(found)} elastic samplers; pass sampler= to choose "
+                                 "the one that feeds model.fit (it must be in the State)")
+            sampler = found[0]
+        elif not any(obj is sampler for obj in objects.values()):
+            raise StateError("sampler must be in the State, so that its cursor is committed with the weights")
+        self.elastic_state = state
+        self.sampler = sampler
+        self.load = load
+        self.commit_every = commit_every
+        self.lr_for_size = lr_for_size
+        self.on_step = on_step
+        self._stream: Optional[_Stream] = None
+
+    # ------------------------------------------------------------- fit calls
+
+    def dataset(self, end_epoch: int) -> tf.data.Dataset:
+        """The batches from the committed position to the end of epoch ``end_epoch - 1``."""
+        stream = _Stream(self.sampler, self.sampler.epoch, self.sampler.cursor, end_epoch)
+        self._stream = stream
+        source = tf.data.Dataset.from_generator(
+            stream.generate, output_signature=(tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.bool)))
+        return source.map(self.load)
+
+    def fit_arguments(self, epochs: int) -> Optional[Dict[str, Any]]:
+        """Arguments of the next ``model.fit`` call towards ``epochs``, or None when there are none.
+
+        Raises:
+            StateError: the sampler's epoch is not the committed epoch.
+        """
+        state, sampler = self.elastic_state, self.sampler
+        self._check_position()
+        while state.epoch < epochs and sampler.epoch_done:
+            # Only reachable if a commit was made at an epoch's last batch
+            # outside this callback: that epoch is complete.
+            self._next_epoch(state.epoch)
+        if state.epoch >= epochs:
+            return None
+        epoch, cursor = sampler.epoch, sampler.cursor
+        end = epoch + 1 if cursor > 0 else epochs
+        return {"x": self.dataset(end), "initial_epoch": epoch, "epochs": end,
+                "steps_per_epoch": steps_in_epoch(self.sampler, cursor)}
+
+    def fit(self, model: Any, epochs: int, callbacks: Iterable[Any] = (), **fit_kwargs: Any) -> Any:
+        """``model.fit`` from the committed position to ``epochs``; returns the last call's History.
+
+        Takes ``model.fit``'s other arguments (``verbose``,
+        ``validation_data``...); the data, epochs and steps are set here.
+
+        Raises:
+            ConfigError: an argument that this method sets was given.
+        """
+        own = sorted(set(fit_kwargs) & set(_OWN_FIT_ARGUMENTS))
+        if own:
+            raise ConfigError(f"fit() sets {own} itself (the data comes from load(), the epochs from the state)")
+        history = None
+        while True:
+            arguments = self.fit_arguments(epochs)
+            if arguments is None:
+                return history
+            history = model.fit(**arguments, callbacks=[*callbacks, self], **fit_kwargs)
+            if getattr(model, "stop_training", False):
+                return history
+
+    # ------------------------------------------------------------- Keras hooks
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        model = self.model
+        steps = getattr(model, "steps_per_execution", None)
+        if steps is None:
+            variable = getattr(model, "_steps_per_execution", None)
+            steps = int(variable.numpy()) if variable is not None else 1
+        if int(steps) != 1:
+            raise ConfigError(f"steps_per_execution ({int(steps)}) must be 1 with ElasticCallback: "
+                              "it commits and checks the data position after every batch")
+        if getattr(model, "jit_compile", False) is True:
+            raise ConfigError("model.jit_compile is True: Horovod's collectives have no XLA kernel; "
+                              "compile with jit_compile=False")
+        if self._stream is None:
+            raise StateError("model.fit was not fed by this callback's dataset(); use ElasticCallback.fit "
+                             "or the arguments from fit_arguments()")
+        if self.lr_for_size is not None:
+            size = self.elastic_state.binding.size()
+            value = float(self.lr_for_size(size))
+            model.optimizer.learning_rate = value
+            logger.info("learning rate set to %g for %d workers", value, size)
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        if epoch != self.elastic_state.epoch or epoch != self.sampler.epoch:
+            raise StateError(f"model.fit starts epoch {epoch} but the committed state is at epoch "
+                             f"{self.elastic_state.epoch} (sampler epoch {self.sampler.epoch}): call fit with "
+                             "initial_epoch=state.epoch, or use ElasticCallback.fit")
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        state, sampler = self.elastic_state, self.sampler
+        stream = self._stream
+        if stream is None or not stream.handed_out:
+            raise StateError(f"batch {batch} ended but this callback's dataset handed out no step for it: "
+                             "feed model.fit from ElasticCallback.dataset()")
+        step = stream.handed_out.popleft()
+        if (step.epoch, step.cursor) != (sampler.epoch, sampler.cursor):
+            raise StateError(f"the batch trained on starts at epoch {step.epoch} cursor {step.cursor} but the "
+                             f"committed position is epoch {sampler.epoch} cursor {sampler.cursor}")
+        if self.on_step is not None:
+            self.on_step(step)
+        sampler.record_step()
+        state.batch += 1
+        if isinstance(state.objects.get("step"), int):
+            state.step += 1
+        # Not at the epoch's last batch: the epoch-end commit follows at once.
+        if state.batch % self.commit_every == 0 and not sampler.epoch_done:
+            state.commit()
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        if not self.sampler.epoch_done:
+            raise StateError(f"epoch {epoch} ended at cursor {self.sampler.cursor} of {self.sampler.size} with "
+                             "steps left: steps_per_epoch must be the steps from the committed cursor")
+        self._next_epoch(epoch)
+        self.elastic_state.commit()
+
+    # ------------------------------------------------------------- helpers
+
+    def _next_epoch(self, epoch: int) -> None:
+        state = self.elastic_state
+        state.epoch = epoch + 1
+        state.batch = 0
+        self.sampler.set_epoch(epoch + 1)
+
+    def _check_position(self) -> None:
+        if self.sampler.epoch != self.elastic_state.epoch:
+            raise StateError(f"the sampler is at epoch {self.sampler.epoch} but the state at epoch "
+                             f"{self.elastic_state.epoch}; commit them together (both in the State)")
+
+
+_CALLBACK_CLASSES: Dict[type, type] = {}
+
+
+def _callback_base(model: Any) -> type:
+    for cls in type(model).__mro__:
+        module = cls.__module__ or ""
+        if module.startswith("tf_keras"):
+            import tf_keras
+            return tf_keras.callbacks.Callback
+        if module == "keras" or module.startswith("keras."):
+            return sys.modules["keras"].callbacks.Callback
+    raise ConfigError(f"model ({type(model).__name__}) must be a Keras 3 or tf_keras (Keras 2) model")
+
+
+def ElasticCallback(state: Any, load: Callable[[tf.Tensor, tf.Tensor], Any], *, commit_every: int = 10,
+                    model: Any = None, sampler: Optional[ElasticPartitioner] = None,
+                    lr_for_size: Optional[Callable[[int], float]] = None,
+                    on_step: Optional[Callable[[FitStep], None]] = None) -> Any:
+    """A Keras callback (of the model's Keras, 2 or 3) that makes ``model.fit`` elastic.
+
+    Args:
+        state: the :class:`elastic_ext.State`, with integer ``epoch`` and
+            ``batch`` entries (and optionally ``step``, counted too), the
+            model, its optimizer and the sampler.
+        load: ``load(indices, pad)`` -> the batch ``model.fit`` trains on,
+            e.g. ``(x, y, sample_weight)`` with zero weight where ``pad``;
+            runs in a ``tf.data`` map (graph mode).
+        commit_every: batches between commits (and one at every epoch end).
+        model: the Keras model (default: the State's only Keras model).
+        sampler: the elastic sampler (default: the State's only one).
+        lr_for_size: ``lr_for_size(world_size)`` -> the learning rate, set
+            at the start of every ``fit`` call, so after every reset.
+        on_step: called with each :class:`FitStep` after Keras trained on it
+            (e.g. a sample ledger).
+
+    Raises:
+        ConfigError: bad ``commit_every`` or ``load``, or no Keras model.
+        StateError: the State lacks ``epoch``/``batch`` or the sampler.
+    """
+    if model is None:
+        found = [obj for obj in state.objects.values() if _is_keras_model(obj)]
+        if len(found) != 1:
+            raise ConfigError(f"the State holds {len(found)} Keras models; pass model=")
+        model = found[0]
+    base = _callback_base(model)
+    cls = _CALLBACK_CLASSES.get(base)
+    if cls is None:
+        cls = type("ElasticCallback", (_ElasticCallbackMixin, base), {"__module__": __name__})
+        _CALLBACK_CLASSES[base] = cls
+    return cls(state, load, commit_every, sampler, lr_for_size, on_step)
+
+
+def _is_keras_model(obj: Any) -> bool:
+    for module_name in ("keras", "tf_keras"):
+        module = sys.modules.get(module_name)
+        cls = getattr(module, "Model", None) if module is not None else None
+        if cls is not None and isinstance(obj, cls):
+            return True
+    return False
