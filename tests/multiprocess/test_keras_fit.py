@@ -1,0 +1,111 @@
+"""Keras under real horovodrun, Keras 2 (tf_keras) and Keras 3: the gradient API
+against Horovod's numbers, and ``model.fit`` made elastic by ElasticCallback.
+
+The fit job goes through every kind of world change in one run (cheaper than
+one job each): a host added mid-epoch, a SIGKILL mid-epoch (rollback, the
+victim's host is blacklisted), another host added, and a SIGTERMed worker
+that leaves at its next commit. It must finish with identical weights on
+every rank, every sample exactly once per epoch in the committed history, and
+the same bits as a failure-free run whose host file follows the same world
+sizes at the same steps.
+"""
+
+import json
+import os
+import socket
+
+import pytest
+
+from elastic_ext import ledger
+from tests.multiprocess import analysis, launch
+
+DIGITS = 1797
+COMMIT_EVERY = 4
+GLOBAL_BATCH = 128  # 15 steps per epoch (the last one padded), whatever the world size
+EPOCHS = 2
+BASE = "localhost:2"
+OTHER = "127.0.0.1:1"
+THIRD = f"{socket.gethostname()}:1"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("keras", ["2", "3"])
+def test_gradient_api_gives_horovods_numbers(tmp_path, keras):
+    code, output = launch.run(launch.static_cmd(2, "keras_grads.py", "--out", str(tmp_path), "--keras", keras),
+                              launch.base_env(), str(tmp_path / "log"), timeout_s=240)
+    assert code == 0, output[-5000:]
+    results = [json.load(open(tmp_path / f"grads-{rank}.json")) for rank in (0, 1)]
+    for rank, result in enumerate(results):
+        for name, outcome in result.items():
+            if name == "fit_weights_sha256":
+                continue
+            if name == "fit_without_reduction":
+                # Training without the reduction must give other weights, or
+                # the comparisons above could not tell reduced from local.
+                assert outcome["max_abs_diff"] > 1e-3, (rank, name, outcome)
+            else:
+                # Same Horovod collectives with the same op and scale factors
+                # on the same tensors: nothing may differ, not even the last bit.
+                assert outcome["bitwise"], (rank, name, outcome)
+    assert results[0]["fit_weights_sha256"] == results[1]["fit_weights_sha256"], "ranks trained apart"
+    # The checksums of reduced gradients agree between ranks (they were reduced).
+    assert results[0]["tape_average"]["checksum"] == results[1]["tape_average"]["checksum"]
+
+
+def run_fit(tmp_path, name, keras, *worker_args, timeout_s=300):
+    out = tmp_path / name
+    out.mkdir()
+    hosts = str(out / "hosts")
+    launch.write_hosts(hosts, [BASE])
+    cmd = launch.elastic_cmd(2, 1, 4, hosts, "keras_fit.py", "--out", str(out), "--keras", keras,
+                             "--epochs", str(EPOCHS), "--global-batch", str(GLOBAL_BATCH),
+                             "--commit-every", str(COMMIT_EVERY), *worker_args)
+    code, output = launch.run(cmd, launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl")),
+                              str(out / "horovodrun.log"), timeout_s)
+    assert code == 0, output[-5000:]
+    return out, hosts
+
+
+def sizes_by_generation(records):
+    by_gen = {}
+    for r in records:
+        if "gen" in r and r["rank"] == 0:
+            by_gen.setdefault(r["gen"], set()).add(r["size"])
+    return [sorted(by_gen[g]) for g in sorted(by_gen)]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("keras", ["2", "3"])
+def test_fit_survives_kill_grow_and_leave_exactly_once_and_bitwise(tmp_path, keras):
+    # 15 steps per epoch; commits after steps 4, 8, 12, 15 (epoch end), 19,
+    # 23, 27, 30. Steps 0-7 on 2 workers; at the commit of step 8 a host
+    # joins (3); rank 2 is SIGKILLed at the start of step 13 (rollback to 12,
+    # its host blacklisted: 2); at 19 another host joins (3); its worker gets
+    # SIGTERM at step 22 and leaves at the commit of step 23 (2).
+    failed_hosts = str(tmp_path / "failed" / "hosts")
+    failed, _ = run_fit(tmp_path, "failed", keras, "--side-callbacks", "--faults", "2:13:kill,2:22:term",
+                        "--resize-at", f"8:{failed_hosts}:{BASE},{OTHER};19:{failed_hosts}:{BASE},{THIRD}")
+    records = ledger.read(str(failed))
+    assert sizes_by_generation(records) == [[2], [3], [2], [3], [2]], sizes_by_generation(records)
+    starts = ledger.starts(records)
+    assert [starts[g][2] for g in sorted(starts)] == [0, 8, 12, 19, 23], starts
+    events = analysis.read_events(str(failed / "events.jsonl"))
+    assert len([e for e in events if e["event"] == "rollback"]) == 1, "exactly one rollback (the SIGKILL)"
+    assert len([e for e in events if e["event"] == "leave"]) == 1, "the SIGTERMed worker must leave"
+    report = analysis.assert_exactly_once(failed, DIGITS, EPOCHS)
+    assert report["lost_steps"] >= 1, "the step the SIGKILL interrupted must have been thrown away"
+    finals = analysis.load_finals(failed)
+    assert sorted(finals) == [0, 1]
+    analysis.assert_ranks_identical(finals)
+    # The side callbacks of rank 0 ran alongside: one checkpoint per epoch, TensorBoard events.
+    names = sorted(os.listdir(failed))
+    assert [n for n in names if n.startswith("ckpt-")] and "tensorboard" in names, names
+
+    reference_hosts = str(tmp_path / "reference" / "hosts")
+    reference, _ = run_fit(
+        tmp_path, "reference", keras,
+        "--resize-at", f"8:{reference_hosts}:{BASE},{OTHER};12:{reference_hosts}:{BASE};"
+                       f"19:{reference_hosts}:{BASE},{THIRD};23:{reference_hosts}:{BASE}")
+    reference_records = ledger.read(str(reference))
+    assert sizes_by_generation(reference_records) == [[2], [3], [2], [3], [2]]
+    analysis.assert_bitwise_equal(finals[0], analysis.load_finals(reference)[0], "failed run vs reference")
