@@ -13,11 +13,12 @@ from elastic_ext.errors import (CheckpointError, ConfigError, CorruptCheckpointE
 from elastic_ext.run import run
 from elastic_ext.sampler import ElasticPartitioner
 from elastic_ext.state import State
+from elastic_ext.watchdog import phase, progress
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Adapter", "Capture", "Entry", "GlobalRNG", "ElasticConfig", "ElasticPartitioner", "State", "run",
+    "Adapter", "Capture", "Entry", "GlobalRNG", "ElasticConfig", "ElasticPartitioner", "State", "run", "phase", "progress",
     "ElasticExtError", "ConfigError", "DiscoveryError", "PartitionError", "StateError", "NotCommittedError",
     "StateDivergenceError", "CheckpointError", "CorruptCheckpointError", "RollbackLimitError",
 ]

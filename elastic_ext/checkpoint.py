@@ -803,13 +803,20 @@ class Checkpointer:
         return ((commit_id % self._config.checkpoint_every == 0 or self._owed)
                 and commit_id != self.last_written)
 
-    def on_commit(self, commit_id: int, entries: Dict[str, Entry], info: Dict[str, Any]) -> None:
-        """Starts the background write of ``commit_id`` if one is due (called after the commit is agreed)."""
+    def on_commit(self, commit_id: int, entries: Dict[str, Entry], info: Dict[str, Any],
+                  force: bool = False) -> None:
+        """Starts the background write of ``commit_id`` if one is due (called after the commit is agreed).
+
+        ``force`` writes it even if not due (a leave or a resize makes the
+        agreed commit durable), waiting for a running write first however long.
+        """
         self._collect()
-        if not self.due(commit_id):
+        if commit_id == self.last_written or (self._thread is not None and commit_id == self._result_id):
+            return
+        if not force and not self.due(commit_id):
             return
         if self._thread is not None:
-            self.wait(self._config.checkpoint_wait_s)
+            self.wait(None if force else self._config.checkpoint_wait_s)
             if self._thread is not None:
                 self._owed = True
                 logger.warning("checkpoint of commit %d skipped: the write of commit %d is still running after "

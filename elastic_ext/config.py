@@ -28,6 +28,7 @@ ENV_HEARTBEAT_PERIOD_S = "ELASTIC_EXT_HEARTBEAT_PERIOD_S"
 ENV_HANG_TIMEOUT_S = "ELASTIC_EXT_HANG_TIMEOUT_S"
 ENV_STALL_TIMEOUT_S = "ELASTIC_EXT_STALL_TIMEOUT_S"
 ENV_TERM_GRACE_S = "ELASTIC_EXT_TERM_GRACE_S"
+ENV_FIRST_STEP_TIMEOUT_S = "ELASTIC_EXT_FIRST_STEP_TIMEOUT_S"
 # Set by horovodrun for every elastic worker: where its rendezvous server listens.
 ENV_HOROVOD_RENDEZVOUS_ADDR = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
 ENV_HOROVOD_RENDEZVOUS_PORT = "HOROVOD_GLOO_RENDEZVOUS_PORT"
@@ -105,7 +106,12 @@ class ElasticConfig:
             Horovod collective is the one holding everybody up: it kills
             itself. Waiting ranks never fire, so a slow but healthy worker is
             never declared dead as long as one of its steps takes less than
-            this. 0 turns it off.
+            this. 0 turns it off. An open ``elastic_ext.phase(...)`` (evaluation,
+            validation) and a suspension of the whole process (the heartbeat
+            thread sees its own clock jump) are never counted as idle time.
+        first_step_timeout_s: the stall limit before the first step of each
+            training span completes (the first step compiles, warms caches,
+            or waits for newcomers); 0 means no stall check until then.
         term_grace_s: after SIGTERM, how long a worker keeps training to reach
             the next commit and leave without a rollback; after that it exits.
 
@@ -129,6 +135,7 @@ class ElasticConfig:
     hang_timeout_s: float = 10.0
     stall_timeout_s: float = 600.0
     term_grace_s: float = 30.0
+    first_step_timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.rollback_limit, int) or self.rollback_limit < 0:
@@ -141,7 +148,8 @@ class ElasticConfig:
         self._validate_detection()
 
     def _validate_detection(self) -> None:
-        for name in ("heartbeat_period_s", "hang_timeout_s", "stall_timeout_s", "term_grace_s"):
+        for name in ("heartbeat_period_s", "hang_timeout_s", "stall_timeout_s", "term_grace_s",
+                     "first_step_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
                 raise ConfigError(f"{name} ({value!r}) must be a finite number >= 0")
@@ -194,7 +202,8 @@ class ElasticConfig:
         if ENV_ABORT_CONNECTIONS in env:
             values["abort_connections"] = _parse_bool(ENV_ABORT_CONNECTIONS, env[ENV_ABORT_CONNECTIONS])
         for field, var in (("heartbeat_period_s", ENV_HEARTBEAT_PERIOD_S), ("hang_timeout_s", ENV_HANG_TIMEOUT_S),
-                           ("stall_timeout_s", ENV_STALL_TIMEOUT_S), ("term_grace_s", ENV_TERM_GRACE_S)):
+                           ("stall_timeout_s", ENV_STALL_TIMEOUT_S), ("term_grace_s", ENV_TERM_GRACE_S),
+                           ("first_step_timeout_s", ENV_FIRST_STEP_TIMEOUT_S)):
             if var in env:
                 values[field] = _parse_float(var, env[var])
         values.update({k: v for k, v in overrides.items() if v is not None})

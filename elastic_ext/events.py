@@ -4,7 +4,11 @@ Events are what benchmarks and users read to learn what a job went through:
 ``sync`` (state brought in line across ranks), ``rollback`` (a collective
 failed and the state went back to the last commit), ``resize`` (hosts were
 added or removed, no rollback), ``reset`` (Horovod re-initialised after
-either), ``commit`` (only with ``log_commits``) and ``finish``.
+either), ``commit`` (only with ``log_commits``), ``finish``, ``stall`` (this worker
+declared itself stuck), ``suspended`` (the process did not run for
+``gap_s`` seconds: the job was suspended; the stall clock restarted) and
+``leave`` (a SIGTERMed worker, or every rank under MPI, leaves at a commit;
+``durable_commit_id`` is the newest checkpoint rank 0 made durable first).
 Every event carries ``event``, ``time`` (Unix seconds), ``rank`` and
 ``size`` as seen when it was written.
 """

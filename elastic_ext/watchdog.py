@@ -6,15 +6,15 @@ in their collective for Gloo's timeout (30 s): the neighbour that failed
 keeps its sockets open until it re-initialises, which needs the driver's
 barrier, which needs the waiting survivors. Three mechanisms break that:
 
-1. **Abort on failure** (:func:`abort_collective_connections`): the rank that
-   sees a collective fail shuts down (``shutdown(2)``, not close) every
-   established TCP connection of its process except those to horovodrun's
-   rendezvous server. Its peers' pending reads then fail at once with
-   "connection closed", they abort theirs, and the failure reaches every rank
-   in milliseconds. Gloo still owns and closes the descriptors. Failure mode:
-   other TCP connections the training process holds (rare: data loaders use
-   pipes and shared memory) are cut too; turn it off with
-   ``abort_connections=False``.
+1. **Abort on failure** (:class:`elastic_ext.connections.CollectiveConnections`):
+   the rank that sees a collective fail shuts down (``shutdown(2)``, not
+   close) its collective library's TCP connections, and only those (found by
+   matching them with the other ranks' connections, see
+   :mod:`elastic_ext.connections`). Its peers' pending reads then fail at once
+   with "connection closed", they abort theirs, and the failure reaches every
+   rank in milliseconds. Gloo still owns and closes the descriptors. Other
+   connections of the process (an upload, a metrics logger) are untouched.
+   Never under an MPI controller. Off with ``abort_connections=False``.
 2. **Guardian** (:class:`Watchdog` + ``python -m elastic_ext.guardian``): a
    small sidecar process per worker reads a heartbeat byte from a pipe every
    ``heartbeat_period_s``. If none arrives for ``hang_timeout_s`` (the worker
@@ -24,11 +24,19 @@ barrier, which needs the waiting survivors. Three mechanisms break that:
    not run for ``hang_timeout_s`` is declared hung; keep it well above the
    longest scheduling stall you expect.
 3. **Stall check** (in the heartbeat thread): if the training loop reports no
-   progress (commit or ``record_step``) for ``stall_timeout_s`` while its main
-   thread is *not* inside a Horovod call, this worker is the one everybody
-   waits for (a step that never ends), and it kills itself. Ranks waiting in
-   a collective never fire, so a slow but healthy worker is never declared
-   dead unless one of its steps exceeds ``stall_timeout_s``.
+   progress (commit, ``record_step`` or :func:`progress`) for
+   ``stall_timeout_s`` while its main thread is *not* inside a Horovod call
+   and no :func:`phase` is open, this worker is the one everybody waits for
+   (a step that never ends), and it kills itself. Ranks waiting in a
+   collective never fire, so a slow but healthy worker is never declared dead
+   unless one of its steps exceeds ``stall_timeout_s``. Three things a
+   healthy worker does are not stalls: a long phase the user opened
+   (``with elastic_ext.phase("eval"):``, evaluation, a rank-0-only
+   validation, a user checkpoint), the first step of a training span
+   (compilation; bounded by ``first_step_timeout_s`` instead), and a
+   suspension of the whole job (Slurm suspend, a cgroup freezer): the
+   heartbeat thread sees its own tick arrive far later than its period and
+   restarts the idle clock instead of counting the frozen time as idle.
 
 And a worker told to go (SIGTERM) keeps training to its next commit, where
 every rank learns of it through the commit's host-update allreduce; the job
@@ -40,28 +48,96 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from typing import Optional
+from contextlib import contextmanager
+from typing import Callable, Iterator, List, Optional
 
-from elastic_ext.config import ElasticConfig, horovod_rendezvous
+from elastic_ext.config import ElasticConfig
 
 logger = logging.getLogger(__name__)
 
 LEAVE_EXIT_CODE = 143  # 128 + SIGTERM: non-zero, so Horovod's driver shrinks instead of ending the job
+# A heartbeat tick this many periods late (and at least JUMP_MIN_S) means the
+# whole process was not running (suspended), not that training stalled.
+JUMP_FACTOR = 3.0
+JUMP_MIN_S = 2.0
 
 _last_progress = time.monotonic()
+_first_step_pending = False  # no progress yet in this training span (compilation, warm-up)
+_phases: List[str] = []
+_phases_lock = threading.Lock()
 _leaving = threading.Event()
 _in_training = threading.Event()
 
 
 def progress() -> None:
-    """Marks that training moved forward (called by commit and ``record_step``)."""
-    global _last_progress
+    """Marks that training moved forward (called by commit and ``record_step``).
+
+    Call it from a long loop of your own (e.g. every evaluation batch) so
+    that the stall check sees a healthy worker.
+    """
+    global _last_progress, _first_step_pending
     _last_progress = time.monotonic()
+    _first_step_pending = False
+
+
+@contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Opens a long phase in which the stall check does not fire.
+
+    ``with elastic_ext.phase("eval"): evaluate()`` (or ``state.phase``): an
+    evaluation pass, a rank-0-only validation or a user checkpoint may take
+    longer than ``stall_timeout_s``. The guardian still kills a worker that
+    stops beating (SIGSTOP, frozen with the GIL held), and peers waiting in
+    a collective are unaffected. Phases nest; leaving one counts as progress.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"phase name ({name!r}) must be a non-empty string")
+    with _phases_lock:
+        _phases.append(name)
+    progress()
+    try:
+        yield
+    finally:
+        with _phases_lock:
+            # Remove this phase (the newest with that name): phases nest.
+            for i in range(len(_phases) - 1, -1, -1):
+                if _phases[i] == name:
+                    del _phases[i]
+                    break
+        progress()
+
+
+def open_phases() -> List[str]:
+    """The phases open now, outermost first."""
+    with _phases_lock:
+        return list(_phases)
+
+
+def stall_verdict(idle_s: float, stall_timeout_s: float, first_step_timeout_s: float, first_step_pending: bool,
+                  phases: List[str], in_training: bool, in_collective: bool) -> Optional[str]:
+    """Why this worker is stuck, or None if it is not (a pure function, for tests).
+
+    Args:
+        idle_s: seconds since the last progress.
+        stall_timeout_s: the limit once a step has completed (0: off).
+        first_step_timeout_s: the limit before the first step of a training
+            span completed (0: no limit then).
+        first_step_pending: no progress yet since training (re)started.
+        phases: open phases (none may be open for a stall).
+        in_training: inside ``@elastic_ext.run``'s training function.
+        in_collective: the main thread waits in a Horovod call.
+    """
+    if not in_training or in_collective or phases:
+        return None
+    limit, what = ((first_step_timeout_s, "first_step_timeout_s") if first_step_pending
+                   else (stall_timeout_s, "stall_timeout_s"))
+    if not limit or idle_s <= limit:
+        return None
+    return f"no training progress for {idle_s:.1f}s ({what}={limit}) outside any collective and any phase"
 
 
 def leaving() -> bool:
@@ -69,44 +145,14 @@ def leaving() -> bool:
     return _leaving.is_set()
 
 
-# ------------------------------------------------------------------ aborting
+_leave_deadline: Optional[float] = None
 
-def abort_collective_connections(reason: str) -> int:
-    """Shuts down this process's TCP connections (not the rendezvous ones).
 
-    Returns how many were shut down. Never raises: detection must not turn
-    into a second failure.
-    """
-    try:
-        import psutil
-        rendezvous = horovod_rendezvous()
-        skip_ports = {rendezvous[1]} if rendezvous else set()
-        count = 0
-        process = psutil.Process()
-        # psutil >= 6 calls it net_connections; older releases only have connections.
-        list_connections = getattr(process, "net_connections", None) or process.connections
-        for conn in list_connections(kind="tcp"):
-            if conn.status != psutil.CONN_ESTABLISHED or conn.fd < 0 or not conn.raddr:
-                continue
-            if conn.raddr.port in skip_ports:
-                continue
-            try:
-                dup = socket.socket(fileno=os.dup(conn.fd))
-            except OSError:
-                continue
-            try:
-                dup.shutdown(socket.SHUT_RDWR)
-                count += 1
-            except OSError:
-                pass
-            finally:
-                dup.close()
-        logger.warning("collective failed (%s): shut down %d connection(s) so that every peer fails now",
-                       reason[:200], count)
-        return count
-    except Exception:  # noqa: BLE001 - best effort; the failure is being handled already
-        logger.exception("could not abort collective connections")
-        return 0
+def leave_time_left() -> Optional[float]:
+    """Seconds left of ``term_grace_s`` since this worker's SIGTERM, or None without one."""
+    if _leave_deadline is None:
+        return None
+    return max(0.0, _leave_deadline - time.monotonic())
 
 
 # ----------------------------------------------------------------- watchdog
@@ -126,8 +172,10 @@ class Watchdog:
     Started by ``@elastic_ext.run`` for the duration of training.
     """
 
-    def __init__(self, config: ElasticConfig, on_stall=None) -> None:
+    def __init__(self, config: ElasticConfig, on_stall: Optional[Callable[[float], None]] = None,
+                 on_suspend: Optional[Callable[[float], None]] = None) -> None:
         self._config = config
+        self._on_suspend = on_suspend
         self._stop = threading.Event()
         self._guardian: Optional[subprocess.Popen] = None
         self._thread: Optional[threading.Thread] = None
@@ -158,9 +206,20 @@ class Watchdog:
                 self._guardian.kill()
 
     def _beat(self) -> None:
+        global _last_progress
         period = self._config.heartbeat_period_s
-        stall = self._config.stall_timeout_s
+        tick = time.monotonic()
         while not self._stop.wait(period):
+            now = time.monotonic()
+            gap, tick = now - tick, now
+            if gap > max(JUMP_MIN_S, JUMP_FACTOR * period):
+                # This thread did not run for `gap` seconds: the process was
+                # suspended (or the machine starved it), not stuck in a step.
+                logger.warning("heartbeat thread did not run for %.1fs (heartbeat_period_s=%s): the process was "
+                               "suspended; restarting the stall clock", gap, period)
+                _last_progress = max(_last_progress, now)
+                if self._on_suspend is not None:
+                    self._on_suspend(gap)
             if self._guardian is not None:
                 try:
                     self._guardian.stdin.write(b".")
@@ -169,9 +228,11 @@ class Watchdog:
                     logger.error("guardian process is gone; hang detection is off for this worker")
                     self._guardian = None
             idle = time.monotonic() - _last_progress
-            if stall and idle > stall and _in_training.is_set() and not _main_thread_in_horovod():
-                logger.critical("no training progress for %.1fs (stall_timeout_s=%s) outside any collective: "
-                                "this worker is stuck; killing it so the job can recover", idle, stall)
+            verdict = stall_verdict(idle, self._config.stall_timeout_s, self._config.first_step_timeout_s,
+                                    _first_step_pending, open_phases(), _in_training.is_set(),
+                                    _in_training.is_set() and _main_thread_in_horovod())
+            if verdict is not None:
+                logger.critical("%s: this worker is stuck; killing it so the job can recover", verdict)
                 if self._on_stall is not None:
                     self._on_stall(idle)
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -195,6 +256,8 @@ def install_sigterm(config: ElasticConfig):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             return
+        global _leave_deadline
+        _leave_deadline = time.monotonic() + config.term_grace_s
         _leaving.set()
         logger.warning("SIGTERM: leaving at the next commit (at most %.0fs from now)", config.term_grace_s)
 
@@ -213,7 +276,9 @@ class training:
     """Context marking the span in which SIGTERM and the stall check apply."""
 
     def __enter__(self) -> "training":
+        global _first_step_pending
         progress()
+        _first_step_pending = True  # the first step may compile: first_step_timeout_s applies
         _in_training.set()
         return self
 

@@ -26,3 +26,10 @@ def test_bad_values_are_named(env, message):
 def test_unknown_override_is_rejected():
     with pytest.raises(ConfigError, match="unknown ElasticConfig fields"):
         ElasticConfig.from_env({}, rollbak_limit=1)
+
+
+def test_first_step_timeout_comes_from_the_environment_and_is_validated():
+    assert ElasticConfig.from_env({"ELASTIC_EXT_FIRST_STEP_TIMEOUT_S": "90"}).first_step_timeout_s == 90.0
+    assert ElasticConfig().first_step_timeout_s > ElasticConfig().stall_timeout_s
+    with pytest.raises(ConfigError, match=r"first_step_timeout_s \(-1.0\) must be a finite number >= 0"):
+        ElasticConfig.from_env({"ELASTIC_EXT_FIRST_STEP_TIMEOUT_S": "-1"})

@@ -1,0 +1,195 @@
+"""Lifecycle on a real cluster, with real horovodrun: no false stall kills (a long
+phase, a whole-job suspension), a SIGTERM leave that leaves its commit durable,
+and an abort that cuts only the collective library's connections.
+"""
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import psutil
+import pytest
+
+from elastic_ext import ledger
+from elastic_ext.checkpoint import CheckpointStore, checkpoint_name
+from tests.multiprocess import analysis, launch
+
+DIGITS = 1797
+COMMIT_EVERY = 4
+HOSTS = ["localhost:2", "127.0.0.1:2"]
+
+
+def command(out, *worker_args, epochs=1):
+    hosts_file = str(out / "hosts")
+    launch.write_hosts(hosts_file, HOSTS)
+    return launch.elastic_cmd(4, 2, 4, hosts_file, "lifecycle.py", "--out", str(out), "--epochs", str(epochs),
+                              "--commit-every", str(COMMIT_EVERY), *worker_args)
+
+
+def environment(out, **extra):
+    return launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl"), **extra)
+
+
+def run_job(tmp_path, *worker_args, env=None, timeout_s=240, epochs=1):
+    out = tmp_path / "job"
+    out.mkdir()
+    code, output = launch.run(command(out, *worker_args, epochs=epochs), environment(out, **(env or {})),
+                              str(out / "horovodrun.log"), timeout_s)
+    assert code == 0, output[-5000:]
+    return out, output
+
+
+def kinds(out):
+    return [e["event"] for e in analysis.read_events(str(out / "events.jsonl"))]
+
+
+# ------------------------------------------------------------ 18.3 stalls
+
+@pytest.mark.timeout(300)
+def test_an_eval_phase_longer_than_the_stall_timeout_does_not_kill(tmp_path):
+    # Rank 1 evaluates for 3 x stall_timeout_s at step 9; the others wait in the next allreduce.
+    out, output = run_job(tmp_path, "--phase", "1:9:9", "--step-sleep-s", "0.02",
+                          env={"ELASTIC_EXT_STALL_TIMEOUT_S": "3", "ELASTIC_EXT_HANG_TIMEOUT_S": "5"})
+    seen = kinds(out)
+    assert not {"stall", "rollback", "resize"} & set(seen), seen
+    assert "guardian" not in output
+    records = ledger.read(str(out))
+    assert {r["gen"] for r in records if "gen" in r} == {1}, "the job was re-formed: someone died"
+    analysis.assert_exactly_once(out, DIGITS, 1)
+    analysis.assert_ranks_identical(analysis.load_finals(out))
+
+
+def steps_done(out):
+    try:
+        return len([r for r in ledger.read(str(out)) if "gen" in r])
+    except (OSError, ValueError):
+        return 0
+
+
+@pytest.mark.timeout(300)
+def test_a_whole_job_suspended_and_resumed_kills_nobody(tmp_path):
+    # Like a Slurm suspend: every process of the job (driver, workers,
+    # guardians) is stopped for longer than both timeouts, then continued.
+    out = tmp_path / "job"
+    out.mkdir()
+    stall_s, hang_s = 3.0, 3.0
+    job = launch.Job(command(out, "--step-sleep-s", "0.1", epochs=2),
+                     environment(out, ELASTIC_EXT_STALL_TIMEOUT_S=stall_s, ELASTIC_EXT_HANG_TIMEOUT_S=hang_s),
+                     str(out / "horovodrun.log"))
+    deadline = time.monotonic() + 180
+    while steps_done(out) < 4 * 8:  # 8 steps on each of the 4 workers
+        assert job.proc.poll() is None, open(job.log_path).read()[-5000:]
+        assert time.monotonic() < deadline, "the job made no progress"
+        time.sleep(0.1)
+    root = psutil.Process(job.proc.pid)
+    procs = [root] + root.children(recursive=True)
+    assert sum("elastic_ext.guardian" in " ".join(p.cmdline()) for p in procs) == 4, "expected 4 guardians"
+    for proc in procs:
+        proc.send_signal(signal.SIGSTOP)
+    time.sleep(3 * max(stall_s, hang_s))
+    for proc in procs:
+        proc.send_signal(signal.SIGCONT)
+    code, output = job.wait(240)
+    assert code == 0, output[-5000:]
+    seen = kinds(out)
+    assert "sent no heartbeat" not in output, "a guardian killed its worker after the suspension"
+    assert not {"stall", "rollback", "resize"} & set(seen), seen
+    assert "suspended" in seen, "no worker noticed the suspension"
+    records = ledger.read(str(out))
+    assert {r["gen"] for r in records if "gen" in r} == {1}
+    analysis.assert_exactly_once(out, DIGITS, 2)
+    analysis.assert_ranks_identical(analysis.load_finals(out))
+
+
+# ------------------------------------------------------------- 18.2 leave
+
+def durable_commit_ids(directory):
+    if not directory.is_dir():
+        return []
+    return [i for i in CheckpointStore(str(directory)).commit_ids()
+            if (directory / checkpoint_name(i) / "manifest.json").exists()]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("leaver", [3, 0])
+def test_a_sigterm_leave_makes_its_commit_durable_even_when_not_due(tmp_path, leaver):
+    # checkpoint_every is far above the job's 8 commits: no checkpoint is ever
+    # due, so the only durable one can come from the leave (at step 12: commit 3).
+    out, output = run_job(tmp_path, "--faults", f"{leaver}:10:term", "--step-sleep-s", "0.02",
+                          env={"ELASTIC_EXT_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+                               "ELASTIC_EXT_CHECKPOINT_EVERY": "1000", "ELASTIC_EXT_CHECKPOINT_KEEP_LAST": "20"})
+    events = analysis.read_events(str(out / "events.jsonl"))
+    leaves = [e for e in events if e["event"] == "leave"]
+    leave_commit = 12 // COMMIT_EVERY
+    assert [e["commit_id"] for e in leaves] == [leave_commit], leaves
+    durable = durable_commit_ids(tmp_path / "ckpt")
+    assert leave_commit in durable, f"the leave commit {leave_commit} is not durable; on disk: {durable}"
+    assert min(durable) == leave_commit, durable
+    if leaver == 0:
+        assert leaves[0]["durable_commit_id"] == leave_commit, leaves
+    loaded = CheckpointStore(str(tmp_path / "ckpt")).load_newest()
+    assert loaded is not None and loaded.commit_id >= leave_commit
+    analysis.assert_exactly_once(out, DIGITS, 1)
+    analysis.assert_ranks_identical(analysis.load_finals(out))
+
+
+# ------------------------------------------------------ 18.4 connections
+
+class EchoServer:
+    """A TCP echo server in the test process: a stand-in for an upload or a metrics endpoint."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _echo(conn):
+        with conn:
+            while True:
+                try:
+                    data = conn.recv(4096)
+                except OSError:
+                    return
+                if not data:
+                    return
+                conn.sendall(data)
+
+    def close(self):
+        self.sock.close()
+
+
+@pytest.mark.timeout(300)
+def test_the_abort_cuts_only_the_collective_connections(tmp_path):
+    server = EchoServer()
+    try:
+        # Rank 3 is SIGKILLed mid-allreduce: survivors abort their Gloo connections.
+        out, output = run_job(tmp_path, "--faults", "3:10:kill:allreduce", "--side", f"127.0.0.1:{server.port}")
+    finally:
+        server.close()
+    events = analysis.read_events(str(out / "events.jsonl"))
+    rollbacks = [e for e in events if e["event"] == "rollback"]
+    assert rollbacks, "the kill caused no recovery"
+    assert "shut down" in output and "collective connection(s)" in output, "no rank aborted its connections"
+    sides = [json.load(open(out / name)) for name in os.listdir(out) if name.startswith("side-")]
+    finals = analysis.load_finals(out)
+    assert len(sides) == len(finals) >= 2, (sides, sorted(finals))
+    broken = [s for s in sides if not s["ok"]]
+    assert not broken, f"the abort cut an unrelated connection: {broken}"
+    analysis.assert_exactly_once(out, DIGITS, 1)
+    analysis.assert_ranks_identical(finals)

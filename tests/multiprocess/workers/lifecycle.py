@@ -1,0 +1,158 @@
+"""Test worker for lifecycle cases: elastic PyTorch training on scikit-learn's digits.
+
+Like train_torch.py (ledger steps-<pid>.jsonl, final-<rank>.npz, events via
+ELASTIC_EXT_EVENTS_PATH, checkpoints via ELASTIC_EXT_CHECKPOINT_*), plus:
+
+--faults "RANK:STEP:HOW[:WHERE]"   injected faults (elastic_ext.testing), once each
+--phase "RANK:STEP:SECONDS"        at STEP, RANK spends SECONDS in ``state.phase("eval")``
+--bare-phase                       the same time without opening a phase (the old behaviour)
+--side "HOST:PORT"                 after hvd.init, open a TCP connection to an echo server and
+                                   use it after training: side-<pid>.json says if it still works
+--resize-at                        as in train_torch.py (elastic_ext.testing.HostFileSchedule)
+--stop-file PATH                   end after the first epoch at whose end PATH exists (all ranks agree)
+"""
+
+import argparse
+import json
+import os
+import socket
+import time
+
+import numpy as np
+import torch
+from sklearn.datasets import load_digits
+
+import horovod.torch as hvd
+
+import elastic_ext
+from elastic_ext.ledger import Ledger
+from elastic_ext.testing import CommitFaultProbe, FaultSchedule, HostFileSchedule
+from elastic_ext.torch import ElasticSampler
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--epochs", type=int, default=1)
+p.add_argument("--global-batch", type=int, default=64)
+p.add_argument("--commit-every", type=int, default=4)
+p.add_argument("--step-sleep-s", type=float, default=0.0)
+p.add_argument("--faults", default="")
+p.add_argument("--phase", default="")
+p.add_argument("--bare-phase", action="store_true")
+p.add_argument("--side", default="")
+p.add_argument("--resize-at", default="")
+p.add_argument("--stop-file", default="")
+p.add_argument("--fusion", action="store_true", help="one fused allreduce per step (grouped)")
+args = p.parse_args()
+
+torch.set_num_threads(1)
+hvd.init()
+faults = FaultSchedule.parse(args.faults, os.path.join(args.out, "faults"))
+resizes = HostFileSchedule(args.resize_at)
+
+side = None
+if args.side:
+    host, port = args.side.rsplit(":", 1)
+    side = socket.create_connection((host, int(port)), timeout=30)
+
+digits = load_digits()
+X = torch.tensor(digits.data / 16.0, dtype=torch.float32)
+Y = torch.tensor(digits.target, dtype=torch.int64)
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+sampler = ElasticSampler(len(X), global_batch_size=args.global_batch, seed=1, policy="pad")
+book = Ledger(args.out)
+commit_probe = CommitFaultProbe(faults, hvd.rank)
+
+
+def long_phase(state):
+    if not args.phase:
+        return
+    rank, step, seconds = args.phase.split(":")
+    if hvd.rank() != int(rank) or state.step != int(step):
+        return
+    if args.bare_phase:
+        time.sleep(float(seconds))
+    else:
+        with state.phase("eval"):
+            time.sleep(float(seconds))
+
+
+def train_step(state, indices, pad):
+    keep = torch.tensor(~pad)
+    rows = torch.from_numpy(indices.astype(np.int64))
+    losses = torch.nn.functional.cross_entropy(model(X[rows]), Y[rows], reduction="none")
+    loss = (losses * keep).sum() / args.global_batch  # the global mean whatever the world size
+    optimizer.zero_grad()
+    loss.backward()
+    grads = [q.grad for q in model.parameters()]
+    if args.fusion:
+        handle = hvd.grouped_allreduce_async_(grads, name="grads", op=hvd.Sum)
+        faults.maybe_fire(hvd.rank(), state.step, where="allreduce")
+        hvd.synchronize(handle)
+    else:
+        handles = [hvd.allreduce_async_(g, name=f"grad.{i}", op=hvd.Sum) for i, g in enumerate(grads)]
+        faults.maybe_fire(hvd.rank(), state.step, where="allreduce")  # a collective is in flight here
+        for handle in handles:
+            hvd.synchronize(handle)
+    optimizer.step()
+
+
+def train(state):
+    book.start(state.generation, sampler.epoch, sampler.cursor, state.step, hvd.rank(), hvd.size())
+    while state.epoch < args.epochs:
+        sampler.set_epoch(state.epoch)
+        for indices, pad in sampler.batches():
+            faults.maybe_fire(hvd.rank(), state.step, where="step")
+            book.step(state.generation, sampler.epoch, sampler.cursor, state.step, hvd.rank(), hvd.size(),
+                      indices[~pad], int(pad.sum()))
+            long_phase(state)
+            train_step(state, indices, pad)
+            if args.step_sleep_s:
+                time.sleep(args.step_sleep_s)
+            sampler.record_step()
+            state.step += 1
+            if state.step % args.commit_every == 0:
+                commit_probe.step = state.step
+                resizes.maybe_apply(state, hvd.rank(), state.step)
+                state.commit()
+                commit_probe.step = None
+        state.epoch += 1
+        if args.stop_file:
+            stop = hvd.allreduce(torch.tensor([float(os.path.exists(args.stop_file))]), op=hvd.Max,
+                                 name="stop_file")
+            if stop.item() > 0:
+                break
+    state.commit()
+    state.wait_for_checkpoint()
+
+
+state = elastic_ext.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0,
+                          commit_probe=commit_probe, adapters=[commit_probe])
+elastic_ext.run(train)(state)
+
+arrays = {f"model/{k}": v.numpy() for k, v in model.state_dict().items()}
+for pid, st in optimizer.state_dict()["state"].items():
+    for k, v in st.items():
+        arrays[f"opt/{pid}/{k}"] = v.numpy() if torch.is_tensor(v) else np.asarray(v)
+np.savez(os.path.join(args.out, f"final-{hvd.rank()}.npz"), **arrays)
+with open(os.path.join(args.out, f"final-{hvd.rank()}.json"), "w") as handle:
+    json.dump({"step": state.step, "size": hvd.size(), "epoch": sampler.epoch, "commit_id": state.commit_id},
+              handle)
+if side is not None:
+    message = f"ping-{os.getpid()}\n".encode()
+    try:
+        side.sendall(message)
+        echoed = b""
+        while not echoed.endswith(b"\n"):
+            chunk = side.recv(4096)
+            if not chunk:
+                break
+            echoed += chunk
+        result = {"ok": echoed == message, "echoed": echoed.decode(errors="replace")}
+    except OSError as exc:
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    with open(os.path.join(args.out, f"side-{os.getpid()}.json"), "w") as handle:
+        json.dump({"rank": hvd.rank(), **result}, handle)
+book.end(state.step, hvd.rank(), hvd.size())

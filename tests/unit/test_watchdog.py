@@ -1,0 +1,54 @@
+"""The stall check's decision and the phase API, in one process."""
+
+import threading
+
+import pytest
+
+from elastic_ext import watchdog
+
+
+def verdict(idle_s, *, stall=3.0, first=30.0, first_pending=False, phases=(), training=True, collective=False):
+    return watchdog.stall_verdict(idle_s, stall, first, first_pending, list(phases), training, collective)
+
+
+def test_a_step_longer_than_the_stall_timeout_is_a_stall():
+    assert "stall_timeout_s=3.0" in verdict(3.5)
+    assert verdict(2.5) is None
+
+
+@pytest.mark.parametrize("kwargs", [dict(phases=["eval"]), dict(training=False), dict(collective=True)])
+def test_no_stall_in_a_phase_outside_training_or_in_a_collective(kwargs):
+    assert verdict(1000.0, **kwargs) is None
+
+
+def test_the_first_step_has_its_own_limit():
+    assert verdict(10.0, first_pending=True) is None
+    assert "first_step_timeout_s=30.0" in verdict(31.0, first_pending=True)
+    assert verdict(1e6, first=0.0, first_pending=True) is None  # 0: no limit before the first step
+    assert verdict(1e6, stall=0.0) is None                       # 0: stall check off
+
+
+def test_phases_nest_and_close_on_error():
+    assert watchdog.open_phases() == []
+    with watchdog.phase("eval"):
+        with watchdog.phase("checkpoint"):
+            assert watchdog.open_phases() == ["eval", "checkpoint"]
+        assert watchdog.open_phases() == ["eval"]
+    with pytest.raises(RuntimeError):
+        with watchdog.phase("eval"):
+            raise RuntimeError("boom")
+    assert watchdog.open_phases() == []
+
+
+def test_a_phase_needs_a_name():
+    with pytest.raises(ValueError, match=r"phase name \(''\) must be a non-empty string"):
+        with watchdog.phase(""):
+            pass
+
+
+def test_leaving_a_phase_counts_as_progress():
+    watchdog._last_progress = 0.0
+    with watchdog.phase("eval"):
+        pass
+    assert watchdog._last_progress > 0.0
+    assert threading.current_thread() is threading.main_thread()
