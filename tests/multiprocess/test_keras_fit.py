@@ -90,7 +90,8 @@ def test_fit_survives_kill_grow_and_leave_exactly_once_and_bitwise(tmp_path, ker
     starts = ledger.starts(records)
     assert [starts[g][2] for g in sorted(starts)] == [0, 8, 12, 19, 23], starts
     events = analysis.read_events(str(failed / "events.jsonl"))
-    assert len([e for e in events if e["event"] == "rollback"]) == 1, "exactly one rollback (the SIGKILL)"
+    # Every surviving rank writes its own events: count rollbacks by the commit they went back to.
+    assert len({e["commit_id"] for e in events if e["event"] == "rollback"}) == 1, "one rollback (the SIGKILL)"
     assert len([e for e in events if e["event"] == "leave"]) == 1, "the SIGTERMed worker must leave"
     report = analysis.assert_exactly_once(failed, DIGITS, EPOCHS)
     assert report["lost_steps"] >= 1, "the step the SIGKILL interrupted must have been thrown away"
