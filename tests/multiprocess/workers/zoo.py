@@ -243,7 +243,7 @@ def tf_job():
     def step_fn(state, indices, pad):
         faults.maybe_fire(hvd.rank(), state.step, where="allreduce")
         loss = train_step(tf.cast(indices, tf.int64), pad)
-        state.metric += [float(loss.detach()), 1.0]
+        state.metric += [float(loss), 1.0]
 
     def finals():
         arrays = {f"model/{i:03d}": np.asarray(v.numpy()) for i, v in enumerate(model.variables)
