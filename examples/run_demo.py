@@ -231,6 +231,8 @@ def plot_timeline(path, records, found, started, host_added_at):
                 marks.append((incident["host_added_at"] - started, "tab:purple", "-", "host added"))
             marks.append((trigger, "tab:purple", "--", "resize (at a commit)"))
         marks.append((resumed, "black", ":", "training resumed"))
+    if host_added_at is not None and not any(i.get("host_added_at") for i in found):
+        marks.append((host_added_at - started, "tab:purple", "-", "host added"))
     labelled = set()
     for x, color, style, label in marks:
         for axis in (top, bottom):
