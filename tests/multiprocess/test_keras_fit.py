@@ -60,8 +60,11 @@ def run_fit(tmp_path, name, keras, *worker_args, timeout_s=300):
     cmd = launch.elastic_cmd(2, 1, 4, hosts, "keras_fit.py", "--out", str(out), "--keras", keras,
                              "--epochs", str(EPOCHS), "--global-batch", str(GLOBAL_BATCH),
                              "--commit-every", str(COMMIT_EVERY), *worker_args)
-    code, output = launch.run(cmd, launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl")),
-                              str(out / "horovodrun.log"), timeout_s)
+    # A joining worker imports TF and Keras before its first rendezvous; on a
+    # loaded 2-core machine that took over Gloo's default 30 s store wait and
+    # aborted the job. Failures are detected by elastic_ext, not this timeout.
+    env = launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl"), HOROVOD_GLOO_TIMEOUT_SECONDS=120)
+    code, output = launch.run(cmd, env, str(out / "horovodrun.log"), timeout_s)
     assert code == 0, output[-5000:]
     return out, hosts
 
