@@ -133,7 +133,7 @@ def soak(out: str, count: int, seed: int, gap_s=(5.0, 9.0), timeout_s: float = 1
            "--faults", ",".join(spec)]
     env = launch.base_env(ELASTIC_EXT_EVENTS_PATH=os.path.join(out, "events.jsonl"),
                           ELASTIC_EXT_CHECKPOINT_DIR=os.path.join(out, "ckpt"), ELASTIC_EXT_CHECKPOINT_EVERY=1,
-                          ELASTIC_EXT_CHECKPOINT_KEEP_LAST=3, ELASTIC_EXT_HANG_TIMEOUT_S=4,
+                          ELASTIC_EXT_CHECKPOINT_KEEP_LAST=3, ELASTIC_EXT_HANG_TIMEOUT_S=10,
                           ELASTIC_EXT_TERM_GRACE_S=20, ELASTIC_EXT_ROLLBACK_LIMIT=20)
     env.pop("HOROVOD_FUSION_THRESHOLD", None)  # Horovod's default: fused allreduces
     started = time.time()

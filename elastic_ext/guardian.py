@@ -106,10 +106,12 @@ def main(argv=None) -> int:
         if os.getppid() != args.pid:
             return 0  # the worker is gone (a child holding the pipe open keeps EOF away)
         if now - last >= args.timeout_s:
-            if kill():
+            if os.getppid() == args.pid:
+                # Before the kill: once the worker is dead its launcher may stop reading this stream.
                 sys.stderr.write(f"elastic_ext guardian: worker {args.pid} sent no heartbeat for "
                                  f"{args.timeout_s:.1f}s (stopped or frozen): SIGKILL\n")
                 sys.stderr.flush()
+            kill()
             return 0
 
 
