@@ -17,6 +17,9 @@ _HOROVOD_OP = re.compile(r"Horovod(Allreduce|GroupedAllreduce|Allgather|GroupedA
                          r"Reducescatter|GroupedReducescatter|Join|Barrier)")
 
 
+_SHUT_DOWN = "Horovod has been shut down"
+
+
 class TensorFlowBinding:
     """:class:`elastic_ext.binding.Binding` for ``horovod.tensorflow``."""
 
@@ -54,6 +57,9 @@ class TensorFlowBinding:
         hvd.init()
 
     def as_internal_error(self, exc: BaseException) -> Optional[BaseException]:
-        if isinstance(exc, tf.errors.OpError) and _HOROVOD_OP.search(str(exc)):
+        # Inside @tf.function the message names the graph node (the op's
+        # name= argument, e.g. "grad_5"), not the op type: Horovod's own
+        # shutdown text identifies those.
+        if isinstance(exc, tf.errors.OpError) and (_HOROVOD_OP.search(str(exc)) or _SHUT_DOWN in str(exc)):
             return HorovodInternalError(str(exc))
         return None
