@@ -1,0 +1,182 @@
+"""Test worker for Horovod's elastic scenarios, with elastic_ext's State and run.
+
+Three flavours of the same job (--flavour): a PyTorch loop, a TF2 loop with
+``elastic_ext.tensorflow.DistributedGradientTape`` on a Keras 3 model, and
+Keras 3 ``model.fit`` with ``ElasticCallback``. Each trains --epochs epochs of
+--batches batches on digits, commits every --commit-every batches and at
+every epoch end, and rank 0 appends one JSON line per finished epoch to
+--logfile: epoch, rank, start_rank (the rank this process had at its start),
+size, hostname and the State's generation (+1 per reset). The discovery
+script (schedule_discovery.py) reads the number of lines of that file to
+pick the hosts, as in Horovod's own integration tests.
+
+--exit-schedule '{"EPOCH,BATCH": [RANKS]}' makes those ranks fail at the
+start of that batch, in the job's first generation only (the ranks are
+those of the original world, as in Horovod's tests): --exit-mode exception raises an error
+(the worker exits 1), kill SIGKILLs itself. The sample ledger goes to --out.
+"""
+
+import argparse
+import json
+import os
+import signal
+import time
+
+p = argparse.ArgumentParser()
+p.add_argument("--flavour", choices=["torch", "tf", "keras"], required=True)
+p.add_argument("--logfile", required=True)
+p.add_argument("--out", required=True)
+p.add_argument("--epochs", type=int, default=3)
+p.add_argument("--batches", type=int, default=6, help="global steps per epoch")
+p.add_argument("--commit-every", type=int, default=2)
+p.add_argument("--exit-schedule", default="{}")
+p.add_argument("--exit-mode", choices=["exception", "kill"], default="exception")
+p.add_argument("--epoch-wait-s", type=float, default=0.0, help="pause after each epoch, for discovery to act")
+args = p.parse_args()
+
+import numpy as np  # noqa: E402
+from sklearn.datasets import load_digits  # noqa: E402
+
+import elastic_ext  # noqa: E402
+from elastic_ext.ledger import Ledger  # noqa: E402
+
+GLOBAL_BATCH = 32
+digits = load_digits()
+SIZE = args.batches * GLOBAL_BATCH
+features = (digits.data[:SIZE] / 16.0).astype(np.float32)
+labels = digits.target[:SIZE].astype(np.int64)
+exits = {tuple(int(x) for x in key.split(",")): set(ranks) for key, ranks in json.loads(args.exit_schedule).items()}
+book = Ledger(args.out)
+hostname = os.environ.get("HOROVOD_HOSTNAME", "?")
+
+if args.flavour == "torch":
+    import torch
+    import horovod.torch as hvd
+    from elastic_ext.torch import ElasticSampler
+    torch.set_num_threads(1)
+else:
+    import tensorflow as tf
+    import keras
+    import horovod.tensorflow as hvd
+    import elastic_ext.tensorflow as etf
+    from elastic_ext.tensorflow import ElasticSampler
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+
+hvd.init()
+start_rank = hvd.rank()
+fired = set()
+
+
+def maybe_exit(state, epoch, batch):
+    """Fails here if the schedule says so for this rank of the original world."""
+    if state.generation != 1 or (epoch, batch) in fired or hvd.rank() not in exits.get((epoch, batch), ()):
+        return
+    fired.add((epoch, batch))
+    if args.exit_mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError(f"scheduled exit of rank {hvd.rank()} at epoch {epoch} batch {batch}")
+
+
+def log_epoch(state, epoch):
+    if hvd.rank() == 0:
+        with open(args.logfile, "a") as handle:
+            handle.write(json.dumps({"epoch": epoch, "rank": hvd.rank(), "start_rank": start_rank,
+                                     "size": hvd.size(), "hostname": hostname,
+                                     "generation": state.generation}) + "\n")
+    if args.epoch_wait_s:
+        time.sleep(args.epoch_wait_s)
+
+
+def record(state, epoch, cursor, indices, pad):
+    book.step(state.generation, epoch, cursor, state.step, hvd.rank(), hvd.size(), indices[~pad], int(pad.sum()))
+
+
+sampler = ElasticSampler(SIZE, global_batch_size=GLOBAL_BATCH, seed=1, policy="drop")
+
+if args.flavour == "torch":
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    X, Y = torch.from_numpy(features), torch.from_numpy(labels)
+    state = elastic_ext.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0, batch=0, step=0)
+
+    @elastic_ext.run
+    def train(state):
+        book.start(state.generation, sampler.epoch, sampler.cursor, state.step, hvd.rank(), hvd.size())
+        while state.epoch < args.epochs:
+            sampler.set_epoch(state.epoch)
+            for indices in sampler:
+                maybe_exit(state, state.epoch, state.batch)
+                record(state, sampler.epoch, sampler.cursor, np.asarray(indices), np.zeros(len(indices), bool))
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(model(X[indices]), Y[indices]).backward()
+                optimizer.step()
+                sampler.record_step()
+                state.batch += 1
+                state.step += 1
+                if state.batch % args.commit_every == 0:
+                    state.commit()
+            log_epoch(state, state.epoch)
+            state.epoch += 1
+            state.batch = 0
+            state.commit()
+
+elif args.flavour == "tf":
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(10)])
+    optimizer = keras.optimizers.SGD(0.05)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    X, Y = tf.constant(features), tf.constant(labels)
+    state = elastic_ext.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0, batch=0, step=0)
+
+    @elastic_ext.run
+    def train(state):
+        book.start(state.generation, sampler.epoch, sampler.cursor, state.step, hvd.rank(), hvd.size())
+        while state.epoch < args.epochs:
+            sampler.set_epoch(state.epoch)
+            for indices, pad in etf.index_dataset(sampler):
+                maybe_exit(state, state.epoch, state.batch)
+                record(state, sampler.epoch, sampler.cursor, indices.numpy(), pad.numpy())
+                with tf.GradientTape() as tape:
+                    loss = loss_fn(tf.gather(Y, indices), model(tf.gather(X, indices), training=True))
+                tape = etf.DistributedGradientTape(tape)
+                grads = tape.gradient(loss, model.trainable_variables)
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+                sampler.record_step()
+                state.batch += 1
+                state.step += 1
+                if state.batch % args.commit_every == 0:
+                    state.commit()
+            log_epoch(state, state.epoch)
+            state.epoch += 1
+            state.batch = 0
+            state.commit()
+
+else:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(10)])
+    model.compile(optimizer=etf.DistributedOptimizer(keras.optimizers.SGD(0.05)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
+    X, Y = tf.constant(features), tf.constant(labels)
+    state = elastic_ext.State(model=model, optimizer=model.optimizer, sampler=sampler, epoch=0, batch=0, step=0)
+
+    class Scenario(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            maybe_exit(state, state.epoch, state.batch)
+
+        def on_epoch_end(self, epoch, logs=None):
+            log_epoch(state, epoch)
+
+    elastic = etf.ElasticCallback(
+        state, lambda indices, pad: (tf.gather(X, indices), tf.gather(Y, indices)),
+        commit_every=args.commit_every, on_step=lambda s: record(state, s.epoch, s.cursor, s.indices, s.pad))
+
+    @elastic_ext.run
+    def train(state):
+        book.start(state.generation, sampler.epoch, sampler.cursor, state.step, hvd.rank(), hvd.size())
+        elastic.fit(model, epochs=args.epochs, callbacks=[Scenario()], verbose=0)
+
+train(state)
+book.end(state.step, hvd.rank(), hvd.size())
