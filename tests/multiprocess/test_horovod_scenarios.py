@@ -68,7 +68,10 @@ def test_single_rank_failure_continues_on_the_other_host(tmp_path, flavour, exit
     # Rank 0's host is blacklisted; the job goes on with the two workers of 127.0.0.1.
     assert [e["size"] for e in epochs] == [4, 2, 2], epochs
     assert [e["start_rank"] for e in epochs] == [0, 2, 2], epochs
-    assert [e["hostname"] for e in epochs] == ["localhost", "127.0.0.1", "127.0.0.1"], epochs
+    # Which host Horovod ranks first varies; the survivors are the other host's.
+    first, *rest = [e["hostname"] for e in epochs]
+    assert first in ("localhost", "127.0.0.1") and rest == [{"localhost": "127.0.0.1"}.get(first, "localhost")] * 2, \
+        epochs
     assert_exactly_once(out, 3)
 
 
