@@ -72,7 +72,7 @@ class ElasticPartitioner:
         self._world = world
         self.epoch = 0
         self.cursor = 0
-        self._order: Optional[np.ndarray] = None
+        self._order: Optional[partition.EpochOrder] = None
         self._order_key: Optional[tuple] = None
 
     # ------------------------------------------------------------- position
@@ -135,8 +135,9 @@ class ElasticPartitioner:
 
     # ------------------------------------------------------------- batches
 
-    def order(self) -> np.ndarray:
-        """This epoch's order, computed once per epoch and cached."""
+    def order(self) -> partition.EpochOrder:
+        """This epoch's order: a virtual permutation (entries computed when
+        indexed, nothing of the dataset's size held), cached per epoch."""
         key = (self.size, self.seed, self.epoch, self.shuffle)
         if self._order_key != key:
             self._order = partition.epoch_order(self.size, self.seed, self.epoch, self.shuffle)
@@ -149,10 +150,9 @@ class ElasticPartitioner:
         return partition.plan(self.order(), self.cursor, self.global_batch, size, rank, self.policy)
 
     def batches(self) -> Iterator[Tuple[np.ndarray, np.ndarray]]:
-        """Yields ``(indices, pad_mask)`` per step from the cursor on (planned once, at the start)."""
-        current = self.plan()
-        for step in range(current.steps):
-            yield current.batch(step)
+        """Yields ``(indices, pad_mask)`` per step from the cursor on (planned once, at the start;
+        indices computed step by step, the first one alone so it comes at once)."""
+        yield from self.plan().batches()
 
     def __len__(self) -> int:
         """Steps left in this epoch at the current world size."""

@@ -11,12 +11,58 @@ from elastic_ext.sampler import ElasticPartitioner
 
 
 def test_order_is_a_seeded_permutation():
-    a = partition.epoch_order(1000, seed=3, epoch=1)
+    a = partition.epoch_order(1000, seed=3, epoch=1)[:]
     assert sorted(a.tolist()) == list(range(1000))
-    assert np.array_equal(a, partition.epoch_order(1000, seed=3, epoch=1))
-    assert not np.array_equal(a, partition.epoch_order(1000, seed=3, epoch=2))
-    assert np.array_equal(partition.epoch_order(10, 0, 0, shuffle=False), np.arange(10))
-    assert partition.epoch_order(10, 0, 0).dtype == np.int32
+    assert np.array_equal(a, partition.epoch_order(1000, seed=3, epoch=1)[:])
+    assert not np.array_equal(a, partition.epoch_order(1000, seed=3, epoch=2)[:])
+    assert np.array_equal(partition.epoch_order(10, 0, 0, shuffle=False)[:], np.arange(10))
+    assert partition.epoch_order(10, 0, 0)[:].dtype == np.int32
+    assert partition.epoch_order(2 ** 31, 0, 0)[:2].dtype == np.int64
+
+
+@pytest.mark.parametrize("size, cursor, global_batch, world, policy", [
+    (1000, 0, 24, 4, "drop"), (1000, 37, 24, 5, "pad"), (10, 0, 4, 2, "pad"), (5, 0, 12, 3, "pad"),
+    (0, 0, 4, 2, "pad"), (97, 97, 8, 8, "pad"), (10 ** 6 + 3, 5 * 10 ** 5, 960, 6, "pad"),
+])
+def test_plan_steps_read_the_order_at_consecutive_positions(size, cursor, global_batch, world, policy):
+    order = partition.epoch_order(size, 4, 1)
+    explicit = order[:]
+    for rank in range(world):
+        plan = partition.plan(order, cursor, global_batch, world, rank, policy)
+        start, count = partition.share(global_batch, world, rank)
+        assert plan.steps == partition.steps_left(size, cursor, global_batch, policy)
+        one_by_one = [plan.batch(step) for step in range(plan.steps)]
+        for block in (1, count, 3 * count + 1, partition.BLOCK_ELEMENTS):
+            streamed = list(plan.batches(block_elements=block))
+            assert len(streamed) == plan.steps
+            assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+                       for a, b in zip(streamed, one_by_one))
+        for step in sorted(set(range(min(50, plan.steps))) | set(range(max(0, plan.steps - 2), plan.steps))):
+            indices, pad = one_by_one[step]
+            positions = cursor + step * global_batch + start + np.arange(count)
+            assert np.array_equal(indices, explicit[positions % size]) and np.array_equal(pad, positions >= size)
+        # An explicit array gives the same plan as the virtual order.
+        same = partition.plan(explicit, cursor, global_batch, world, rank, policy)
+        assert same.steps == plan.steps
+        if plan.steps and size <= 1000:
+            assert np.array_equal(same.indices, plan.indices) and np.array_equal(same.pad, plan.pad)
+
+
+def test_a_plan_holds_no_indices():
+    plan = partition.plan(partition.epoch_order(10 ** 12, 0, 0), 12345, 4096, 16, 5, "pad")
+    assert not any(isinstance(value, np.ndarray) for value in vars(plan).values())
+    assert plan.steps == (10 ** 12 - 12345) // 4096 + 1
+    indices, pad = plan.batch(plan.steps - 1)
+    assert indices.shape == (256,) and pad.tolist() == [False] * 256
+
+
+def test_the_padded_step_wraps_to_the_start_of_a_virtual_order():
+    order = partition.epoch_order(5, 2, 0)
+    plans = [partition.plan(order, 0, 12, 3, r, policy="pad") for r in range(3)]
+    last = np.concatenate([p.indices[-1] for p in plans])
+    pads = np.concatenate([p.pad[-1] for p in plans])
+    assert last.tolist() == (order[:].tolist() * 3)[:12] and pads.tolist() == [False] * 5 + [True] * 7
+    assert plans[0].advance.tolist() == [5]
 
 
 def test_shares_are_balanced_and_cover_the_batch():
