@@ -164,9 +164,17 @@ class Job:
         plans = self.ranks()
         assert len(self.sampler) == plans[0].steps, "the arithmetic step count must match the plan"
         for plan in plans:
-            for step in range(plan.steps):
+            # Every step as the sampler streams it (blocks), and batch() at both ends;
+            # batch() at every step is checked by test_plan_steps_read_the_order_at_consecutive_positions
+            # (computing each step alone here made this test take hours).
+            all_indices, all_pad = plan.indices, plan.pad
+            streamed = list(plan.batches())
+            assert len(streamed) == plan.steps
+            for step, (indices, pad) in enumerate(streamed):
+                assert np.array_equal(indices, all_indices[step]) and np.array_equal(pad, all_pad[step])
+            for step in {0, plan.steps - 1}:
                 indices, pad = plan.batch(step)
-                assert np.array_equal(indices, plan.indices[step]) and np.array_equal(pad, plan.pad[step])
+                assert np.array_equal(indices, all_indices[step]) and np.array_equal(pad, all_pad[step])
         taken = np.concatenate([p.indices[0][~p.pad[0]] for p in plans])
         padded = np.concatenate([p.indices[0][p.pad[0]] for p in plans])
         assert all(p.advance[0] == plans[0].advance[0] for p in plans)
