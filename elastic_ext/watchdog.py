@@ -157,10 +157,24 @@ def leave_time_left() -> Optional[float]:
 
 # ----------------------------------------------------------------- watchdog
 
+# Where a main thread waits inside TensorFlow's executor: a ``@tf.function``
+# step (or an eager op) whose Horovod allreduce runs as a graph node leaves no
+# Python frame of Horovod on the stack, only these.
+_TF_EXECUTOR_FRAMES = {("execute.py", "quick_execute"), ("context.py", "call_function")}
+_TF_EAGER_DIR = f"{os.sep}tensorflow{os.sep}python{os.sep}eager{os.sep}"
+
+
 def _main_thread_in_horovod() -> bool:
+    """True if the main thread may be waiting in a collective: in a Python frame
+    of Horovod, or inside TensorFlow's executor (graph code can hold a Horovod
+    op; the stall check then leaves the decision to the guardian and to the
+    other ranks, rather than kill a rank that only waits for a slow peer)."""
     frame = sys._current_frames().get(threading.main_thread().ident)
     while frame is not None:
-        if f"{os.sep}horovod{os.sep}" in frame.f_code.co_filename:
+        filename = frame.f_code.co_filename
+        if f"{os.sep}horovod{os.sep}" in filename:
+            return True
+        if _TF_EAGER_DIR in filename and (os.path.basename(filename), frame.f_code.co_name) in _TF_EXECUTOR_FRAMES:
             return True
         frame = frame.f_back
     return False
