@@ -8,7 +8,7 @@ Control flow, per worker (the same on every rank)::
       │          │     restore last commit, count the rollback, reset Horovod
       │          └─ HostsUpdatedInterrupt (hosts added or removed, raised by commit):
       │                no rollback; reset Horovod
-      └──────────┘  (after a removal-only resize, verify ids instead of a full sync)
+      └──────────┘  (sync sends no state when every rank already holds the agreed commit)
 
 Differences from ``hvd.elastic.run``: one decorator for both frameworks;
 TensorFlow op errors that come from a Horovod collective become
@@ -122,7 +122,6 @@ def run(func: Optional[F] = None) -> Any:
         previous_sigterm = watchdog.install_sigterm(config)
         links = CollectiveConnections()
         cut_links = config.abort_connections and kind == "gloo"
-        skip_sync = False
         pending: Optional[dict] = None
         started = time.perf_counter()
         try:
@@ -130,10 +129,7 @@ def run(func: Optional[F] = None) -> Any:
                 try:
                     if cut_links:
                         links.learn_from_peers(binding)
-                    if skip_sync:
-                        state.verify()
-                    else:
-                        state.sync()
+                    state.sync()
                     if pending is not None:
                         pending["size"] = binding.size()
                         pending["generation"] = state.generation
@@ -179,7 +175,6 @@ def run(func: Optional[F] = None) -> Any:
                                "commit_id": state.commit_id, "rollbacks_in_a_row": count,
                                "steps_rolled_back": steps_back, "lost_work_s": lost_s}
                     events.emit("rollback", **{k: v for k, v in pending.items() if k != "_t0"})
-                    skip_sync = False
                 except HostsUpdatedInterrupt as exc:
                     # The commit is agreed on every rank: rank 0 makes it durable now,
                     # whether or not it was due (a leaver may be rank 0 itself).
@@ -189,7 +184,6 @@ def run(func: Optional[F] = None) -> Any:
                     pending = {"cause": "hosts_updated", "skip_sync": bool(exc.skip_sync),
                                "commit_id": state.commit_id, "steps_rolled_back": 0, "_t0": time.perf_counter()}
                     events.emit("resize", skip_sync=bool(exc.skip_sync), commit_id=state.commit_id)
-                    skip_sync = exc.skip_sync
                 reset_started = time.perf_counter()
                 links.before_init()
                 binding.reset()
