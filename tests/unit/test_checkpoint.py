@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from elastic_ext import GlobalRNG, State, checkpoint
+from elastic_ext import GlobalRNG, State, checkpoint, tree
 from elastic_ext.adapters import Entry
 from elastic_ext.checkpoint import CheckpointStore, read_checkpoint, write_checkpoint
 from elastic_ext.config import ElasticConfig
@@ -361,7 +361,8 @@ def test_a_slow_write_reads_its_own_commit_while_training_commits_on(tmp_path, m
     gate.set()
     assert job.state.wait_for_checkpoint() == 1
     loaded = read_checkpoint(str(tmp_path / checkpoint.checkpoint_name(1)))
-    got = {f"m/{k}": v for k, v in loaded.entries["model"].arrays.items()}
+    # Entry keys are tree paths: a state_dict name such as "0.bias" is one escaped component.
+    got = {f"m/{'.'.join(map(str, tree.parse_key(k)))}": v for k, v in loaded.entries["model"].arrays.items()}
     assert_same({k: v for k, v in expected.items() if k.startswith("m/")}, got)
     assert job.state.step == 4
     job.state.restore()  # the in-memory commit (4) is intact too
@@ -373,7 +374,7 @@ def test_a_slow_write_reads_its_own_commit_while_training_commits_on(tmp_path, m
     for _ in range(6):
         job.steps(1)
         job.state.wait_for_checkpoint()
-        ids.add(id(job.state._entries["model"].arrays["0.weight"]))
+        ids.add(id(job.state._entries["model"].arrays[tree.path_key(["0.weight"])]))
     assert len(ids) <= commit_buffers + 1
 
 
