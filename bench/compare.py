@@ -75,8 +75,7 @@ import numpy as np
 import psutil
 
 from bench.common import machine
-from elastic_ext import ledger
-from tests.multiprocess import launch
+from elastic_ext.testing import launch, ledger
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")

@@ -19,8 +19,7 @@ import statistics
 import sys
 import tempfile
 
-from elastic_ext import ledger
-from tests.multiprocess import launch
+from elastic_ext.testing import launch, ledger
 
 EXAMPLE = os.path.join(launch.REPO, "examples", "keras_fit_elastic.py")
 

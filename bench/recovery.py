@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-from tests.multiprocess import launch
+from elastic_ext.testing import launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")

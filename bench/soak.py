@@ -38,8 +38,7 @@ from typing import Any, Dict, List, Optional
 
 import psutil
 
-from elastic_ext import ledger
-from tests.multiprocess import analysis, launch
+from elastic_ext.testing import analysis, launch, ledger
 
 DIGITS = 1797
 STEPS_PER_EPOCH = 29  # 1797 samples, global batch 64, policy "pad"

@@ -71,6 +71,12 @@ class EventLog:
 
 
 def read_events(path: str) -> list[dict]:
-    """Reads a JSON-lines event file written by :class:`EventLog`."""
+    """Reads a JSON-lines event file written by :class:`EventLog`.
+
+    A missing file reads as no events: a worker that never emitted one
+    never opened its file.
+    """
+    if not os.path.exists(path):
+        return []
     with open(path, encoding="utf-8") as handle:
         return [json.loads(line) for line in handle if line.strip()]

@@ -59,7 +59,7 @@ import horovod.tensorflow as hvd  # noqa: E402
 
 import elastic_ext  # noqa: E402
 import elastic_ext.tensorflow as etf  # noqa: E402
-from elastic_ext.ledger import Ledger  # noqa: E402
+from elastic_ext.testing.ledger import Ledger  # noqa: E402
 from elastic_ext.testing import FaultSchedule  # noqa: E402
 
 logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")

@@ -35,7 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
-from elastic_ext import ledger  # noqa: E402
+from elastic_ext.testing import ledger  # noqa: E402
 
 DATASET_SIZE = 1500  # digits minus the 297 test images held out by the example
 

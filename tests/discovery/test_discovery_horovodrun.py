@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from elastic_ext import ledger
+from elastic_ext.testing import ledger
 from tests.multiprocess import analysis, launch
 
 DIGITS = 1797

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from elastic_ext import ledger
+from elastic_ext.testing import ledger
 from tests.multiprocess import launch
 
 DEMO = os.path.join(launch.REPO, "examples", "run_demo.py")

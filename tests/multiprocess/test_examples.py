@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from elastic_ext import ledger
+from elastic_ext.testing import ledger
 from tests.multiprocess import analysis, launch
 
 EXAMPLES = os.path.join(launch.REPO, "examples")

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from elastic_ext import ledger
+from elastic_ext.testing import ledger
 from tests.multiprocess import launch
 
 DISCOVERY = os.path.join(launch.WORKERS, "schedule_discovery.py")

@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from elastic_ext import ledger
+from elastic_ext.testing import ledger
 from elastic_ext.checkpoint import CheckpointStore, checkpoint_name
 from tests.multiprocess import analysis, launch
 

@@ -5,7 +5,7 @@ given step and waits for Horovod's notice (elastic_ext.testing.HostFileSchedule)
 
 import pytest
 
-from elastic_ext import ledger
+from elastic_ext.testing import ledger
 from tests.multiprocess import analysis, launch
 
 DIGITS = 1797

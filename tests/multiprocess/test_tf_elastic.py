@@ -2,7 +2,7 @@
 
 import pytest
 
-from elastic_ext import ledger
+from elastic_ext.testing import ledger
 from tests.multiprocess import analysis, launch
 
 DIGITS = 1797

@@ -25,7 +25,7 @@ from sklearn.datasets import load_digits
 import horovod.torch as hvd
 
 import elastic_ext
-from elastic_ext.ledger import Ledger
+from elastic_ext.testing.ledger import Ledger
 from elastic_ext.testing import CommitFaultProbe, FaultSchedule, HostFileSchedule
 from elastic_ext.torch import ElasticSampler
 

@@ -34,7 +34,7 @@ else:
 import horovod.tensorflow as hvd  # noqa: E402
 
 import elastic_ext  # noqa: E402
-from elastic_ext.ledger import Ledger  # noqa: E402
+from elastic_ext.testing.ledger import Ledger  # noqa: E402
 from elastic_ext.tensorflow import ElasticSampler, index_dataset  # noqa: E402
 from elastic_ext.testing import CommitFaultProbe, FaultSchedule, HostFileSchedule  # noqa: E402
 

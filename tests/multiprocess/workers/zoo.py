@@ -46,7 +46,7 @@ from sklearn.datasets import load_digits  # noqa: E402
 
 import elastic_ext  # noqa: E402
 from elastic_ext import watchdog  # noqa: E402
-from elastic_ext.ledger import Ledger  # noqa: E402
+from elastic_ext.testing.ledger import Ledger  # noqa: E402
 from elastic_ext.testing import CommitFaultProbe, FaultSchedule, HostFileSchedule  # noqa: E402
 
 digits = load_digits()

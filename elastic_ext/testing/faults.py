@@ -1,9 +1,4 @@
-"""Public seams for tests: a one-process binding and declared fault schedules.
-
-Nothing here fakes Horovod's behaviour for more than one process: the
-multi-process tests run the real ``horovodrun``. :class:`SoloBinding` is the
-exact semantics of every collective in a world of one rank, which lets unit
-tests drive ``State.sync`` and ``commit`` without launching Horovod.
+"""Declared fault injection: faults, their schedule, a commit probe, resizes.
 
 :class:`FaultSchedule` declares injected faults up front: which rank (or
 pid-stable slot) dies, at which step, and how (SIGKILL, SIGSTOP, SIGTERM,
@@ -25,39 +20,7 @@ import numpy as np
 from elastic_ext.errors import ConfigError
 
 
-class SoloBinding:
-    """Collectives of a world with a single rank (all are identities)."""
-
-    framework = "solo"
-
-    def __init__(self) -> None:
-        self.resets = 0
-
-    def rank(self) -> int:
-        return 0
-
-    def size(self) -> int:
-        return 1
-
-    def broadcast(self, array: np.ndarray, root_rank: int, name: str) -> np.ndarray:
-        return np.array(array, copy=True)
-
-    def allgather(self, array: np.ndarray, name: str) -> np.ndarray:
-        return np.array(array, copy=True)
-
-    def allreduce_max(self, array: np.ndarray, name: str) -> np.ndarray:
-        return np.array(array, copy=True)
-
-    def reset(self) -> None:
-        self.resets += 1
-
-    def as_internal_error(self, exc: BaseException) -> Optional[BaseException]:
-        return None
-
-
 HOW = ("kill", "stop", "term", "exit", "raise", "hang")
-
-
 WHERE = ("step", "allreduce", "commit")
 
 
