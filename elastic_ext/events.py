@@ -1,16 +1,56 @@
 """Structured recovery events: one JSON object per line, plus a log line.
 
-Events are what benchmarks and users read to learn what a job went through:
-``sync`` (state brought in line across ranks), ``rollback`` (a collective
-failed and the state went back to the last commit), ``resize`` (hosts were
-added or removed, no rollback), ``reset`` (Horovod re-initialised after
-either), ``commit`` (only with ``log_commits``), ``finish``, ``stall`` (this worker
-declared itself stuck), ``suspended`` (the process did not run for
-``gap_s`` seconds: the job was suspended; the stall clock restarted) and
-``leave`` (a SIGTERMed worker, or every rank under MPI, leaves at a commit;
-``durable_commit_id`` is the newest checkpoint rank 0 made durable first).
-Every event carries ``event``, ``time`` (Unix seconds), ``rank`` and
-``size`` as seen when it was written.
+Events are what benchmarks and users read to learn what a job went through.
+Every event carries ``event`` (its name), ``time`` (Unix seconds), ``rank``,
+``size`` (as seen when it was written) and ``pid``; the names below are the
+only ones elastic_ext emits, each a constant of this module, with the fields
+it adds:
+
+State (``state.py``):
+
+- ``commit`` (:data:`COMMIT`, only with ``log_commits``): ``commit_id``,
+  ``duration_s``.
+- ``sync`` (:data:`SYNC`): state brought in line across ranks; ``commit_id``,
+  ``generation``, ``root``, ``loaded`` (this rank received bytes),
+  ``broadcast``, ``newcomers``, ``duration_s``.
+
+The run loop (``run.py``):
+
+- ``rollback`` (:data:`ROLLBACK`): a collective failed and the state went
+  back to the last commit; ``cause``, ``detail``, ``commit_id``,
+  ``rollbacks_in_a_row``, ``steps_rolled_back``, ``lost_work_s``.
+- ``rollback_limit`` (:data:`ROLLBACK_LIMIT`): too many rollbacks in a row,
+  the job ends with :class:`~elastic_ext.errors.RollbackLimitError`;
+  ``commit_id``, ``rollbacks``, ``limit``, ``cause``.
+- ``resize`` (:data:`RESIZE`): hosts were added or removed, no rollback;
+  ``skip_sync``, ``commit_id``.
+- ``reset`` (:data:`RESET`): Horovod re-initialised after a rollback or a
+  resize; ``duration_s``, ``cause``.
+- ``recovered`` (:data:`RECOVERED`): the first sync after a rollback or
+  resize is done; the fields of that ``rollback``/``resize`` plus ``size``,
+  ``generation`` and ``recovery_s``.
+- ``finish`` (:data:`FINISH`): the training function returned; ``commit_id``,
+  ``duration_s``.
+- ``stall`` (:data:`STALL`): this worker declared itself stuck; ``idle_s``.
+- ``suspended`` (:data:`SUSPENDED`): the process did not run for ``gap_s``
+  seconds (the job was suspended); the stall clock restarted.
+- ``leave`` (:data:`LEAVE`): a SIGTERMed worker, or every rank under MPI,
+  leaves at a commit; ``commit_id``, ``cause``, ``durable_commit_id`` (the
+  newest checkpoint rank 0 made durable first).
+
+Durable checkpoints (the checkpoint writer, and State on resume):
+
+- ``checkpoint`` (:data:`CHECKPOINT`): a checkpoint is durable;
+  ``commit_id``, ``path``, ``bytes``, ``deleted``, ``not_deleted``,
+  ``duration_s``.
+- ``checkpoint_skipped`` (:data:`CHECKPOINT_SKIPPED`): the previous write
+  still ran after ``checkpoint_wait_s``; ``commit_id``, ``running``,
+  ``wait_s``.
+- ``checkpoint_failed`` (:data:`CHECKPOINT_FAILED`): a write failed,
+  training goes on; ``commit_id``, ``error``.
+- ``checkpoint_resumed`` (:data:`CHECKPOINT_RESUMED`): a new job started
+  from a checkpoint; ``commit_id``, ``path``, ``world_size``,
+  ``data_cursor``.
 """
 
 from __future__ import annotations
@@ -23,6 +63,26 @@ import time
 from typing import Any, Callable, Optional
 
 logger = logging.getLogger(__name__)
+
+COMMIT = "commit"
+SYNC = "sync"
+ROLLBACK = "rollback"
+ROLLBACK_LIMIT = "rollback_limit"
+RESIZE = "resize"
+RESET = "reset"
+RECOVERED = "recovered"
+FINISH = "finish"
+STALL = "stall"
+SUSPENDED = "suspended"
+LEAVE = "leave"
+CHECKPOINT = "checkpoint"
+CHECKPOINT_SKIPPED = "checkpoint_skipped"
+CHECKPOINT_FAILED = "checkpoint_failed"
+CHECKPOINT_RESUMED = "checkpoint_resumed"
+
+#: Every event name elastic_ext emits (the module docstring says what each means).
+ALL_EVENTS = (COMMIT, SYNC, ROLLBACK, ROLLBACK_LIMIT, RESIZE, RESET, RECOVERED, FINISH, STALL, SUSPENDED,
+              LEAVE, CHECKPOINT, CHECKPOINT_SKIPPED, CHECKPOINT_FAILED, CHECKPOINT_RESUMED)
 
 
 class EventLog:
@@ -51,6 +111,7 @@ class EventLog:
             return -1
 
     def emit(self, event: str, **fields: Any) -> dict:
+        """Writes one event (a name from :data:`ALL_EVENTS`) and returns its record."""
         record = {"event": event, "time": time.time(), "rank": self._safe(self._rank_fn),
                   "size": self._safe(self._size_fn), "pid": os.getpid()}
         record.update(fields)
