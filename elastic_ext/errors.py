@@ -1,7 +1,8 @@
-"""The whole exception hierarchy of elastic_ext.
+"""The whole exception hierarchy of elastic_ext, discovery's included.
 
 Every error raised on purpose by this package derives from
-:class:`ElasticExtError`. Horovod's own control-flow exceptions
+:class:`ElasticExtError`. The discovery kinds below each map to one
+documented exit code of the discovery scripts (``elastic_ext.discovery.cli``). Horovod's own control-flow exceptions
 (``HorovodInternalError``, ``HostsUpdatedInterrupt``) are not wrapped: they
 are signals that drive rollback and resize, not errors.
 
@@ -22,6 +23,19 @@ class ConfigError(ElasticExtError, ValueError):
 
 class DiscoveryError(ElasticExtError):
     """Host discovery could not produce a host list (scheduler, cloud or file)."""
+
+
+class DiscoveryInputError(DiscoveryError, ValueError):
+    """Bad input or configuration: a malformed nodelist, host file or slot value,
+    a missing region, a missing Python dependency. Retrying will not help."""
+
+
+class DiscoveryUnavailableError(DiscoveryError):
+    """The scheduler or cloud API is unreachable, missing, or answered with an error."""
+
+
+class DiscoveryTimeoutError(DiscoveryUnavailableError):
+    """A scheduler or cloud call, or the whole discovery run, exceeded its time bound."""
 
 
 class PartitionError(ElasticExtError, ValueError):
@@ -64,6 +78,9 @@ __all__ = [
     "ElasticExtError",
     "ConfigError",
     "DiscoveryError",
+    "DiscoveryInputError",
+    "DiscoveryUnavailableError",
+    "DiscoveryTimeoutError",
     "PartitionError",
     "StateError",
     "NotCommittedError",

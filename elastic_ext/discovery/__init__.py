@@ -13,9 +13,8 @@ provider needs python-hostlist and the AWS provider boto3 when they run.
 from elastic_ext.discovery.cli import (EXIT_CODES, EXIT_INPUT, EXIT_INTERNAL, EXIT_OK,
                                        EXIT_TIMEOUT, EXIT_UNAVAILABLE)
 from elastic_ext.discovery.deadline import Deadline
-from elastic_ext.discovery.errors import (DiscoveryInputError, DiscoveryTimeoutError,
-                                          DiscoveryUnavailableError)
 from elastic_ext.discovery.hosts import HostSlots, host_error, is_valid_host, render, usable_hosts
+from elastic_ext.errors import DiscoveryInputError, DiscoveryTimeoutError, DiscoveryUnavailableError
 
 __all__ = [
     "HostSlots", "host_error", "is_valid_host", "render", "usable_hosts", "Deadline",

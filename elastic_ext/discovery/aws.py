@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from elastic_ext.discovery.deadline import Deadline
-from elastic_ext.discovery.errors import (DiscoveryInputError, DiscoveryTimeoutError,
-                                          DiscoveryUnavailableError)
 from elastic_ext.discovery.hosts import HostSlots, parse_slots
+from elastic_ext.errors import DiscoveryInputError, DiscoveryTimeoutError, DiscoveryUnavailableError
 
 logger = logging.getLogger(__name__)
 

@@ -20,10 +20,9 @@ import threading
 from typing import Callable, List, Optional, Sequence
 
 from elastic_ext.discovery.deadline import Deadline
-from elastic_ext.discovery.errors import (DiscoveryInputError, DiscoveryTimeoutError,
-                                          DiscoveryUnavailableError)
 from elastic_ext.discovery.hosts import HostSlots, render, usable_hosts
-from elastic_ext.errors import DiscoveryError
+from elastic_ext.errors import (DiscoveryError, DiscoveryInputError, DiscoveryTimeoutError,
+                                DiscoveryUnavailableError)
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1

@@ -13,8 +13,8 @@ from typing import Dict, List, Mapping, Optional, Sequence
 from elastic_ext.discovery import aws, slurm, static
 from elastic_ext.discovery.cli import main, make_parser, positive_float, positive_int
 from elastic_ext.discovery.deadline import Deadline
-from elastic_ext.discovery.errors import DiscoveryInputError
 from elastic_ext.discovery.hosts import HostSlots, parse_slots
+from elastic_ext.errors import DiscoveryInputError
 
 
 def slurm_parser() -> argparse.ArgumentParser:

@@ -15,8 +15,7 @@ import subprocess
 import time
 from typing import Callable, Mapping, Optional, Sequence
 
-from elastic_ext.discovery.errors import (DiscoveryInputError, DiscoveryTimeoutError,
-                                          DiscoveryUnavailableError)
+from elastic_ext.errors import DiscoveryInputError, DiscoveryTimeoutError, DiscoveryUnavailableError
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, List, Optional
 
-from elastic_ext.discovery.errors import DiscoveryInputError
+from elastic_ext.errors import DiscoveryInputError
 
 logger = logging.getLogger(__name__)
 

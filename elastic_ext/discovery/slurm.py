@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, FrozenSet, List, Mapping, Optional
 
 from elastic_ext.discovery.deadline import Deadline, command_failure, run_command
-from elastic_ext.discovery.errors import DiscoveryInputError, DiscoveryUnavailableError
 from elastic_ext.discovery.hosts import HostSlots, parse_slots
+from elastic_ext.errors import DiscoveryInputError, DiscoveryUnavailableError
 
 logger = logging.getLogger(__name__)
 

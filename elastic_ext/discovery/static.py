@@ -19,8 +19,8 @@ import re
 from pathlib import Path
 from typing import Iterable, List, Optional, Set, Union
 
-from elastic_ext.discovery.errors import DiscoveryInputError
 from elastic_ext.discovery.hosts import HostSlots, parse_slots
+from elastic_ext.errors import DiscoveryInputError
 
 logger = logging.getLogger(__name__)
 
