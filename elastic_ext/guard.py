@@ -1,0 +1,374 @@
+"""Numeric faults (NaN/Inf, loss spikes) as agreed decisions: the framework-neutral core.
+
+A bad batch or flaky hardware can leave a step with a non-finite loss or
+gradient, or a loss far above its recent level, without any collective
+failing. This module decides whether a step is such a *numeric fault*; the
+``run`` decorator then treats it like a failed collective: every rank rolls
+back to the last commit together and skips the offending step's samples.
+
+Agreement without an extra vote: the decision is a pure function of values
+that every rank already holds bit for bit,
+
+- the step's :class:`GlobalSignal`, built by :func:`agree` from ONE small
+  allgather (``Binding.allgather``) of each rank's :class:`LocalSignal`
+  (a 5-number float64 row), which every rank then reduces in rank order; and
+- the :class:`LossWindow` of accepted global losses, which is committed state
+  (restored on rollback, sent to newcomers by ``sync``).
+
+So :meth:`NumericGuard.judge` returns the same :class:`Verdict` on every rank.
+The allgather (rather than a sum allreduce) also says *which* ranks saw the
+non-finite values, for the event. ``elastic_ext.torch.guard`` and
+``elastic_ext.tensorflow.guard`` compute the local row from a framework's
+loss and gradients.
+
+The spike rule: after ``min_history`` accepted steps, a finite loss is a
+spike when ``loss > median + spike_k * scale`` over the last ``window``
+accepted losses, where ``scale = max(1.4826 * MAD, min_spread * |median|)``.
+The median absolute deviation (MAD) ignores a few outliers in the window
+(unlike a mean and standard deviation), the factor 1.4826 makes ``spike_k``
+read as standard deviations for Gaussian noise, and the ``min_spread``
+floor keeps a flat window (MAD near 0) from calling every wiggle a spike.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Any, Deque, Iterable, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from elastic_ext.errors import ConfigError, ElasticExtError, RollbackLimitError
+
+NONFINITE_LOSS = "nonfinite_loss"
+NONFINITE_GRADIENT = "nonfinite_gradient"
+LOSS_SPIKE = "loss_spike"
+REASONS = (NONFINITE_LOSS, NONFINITE_GRADIENT, LOSS_SPIKE)
+
+#: Makes the MAD a consistent estimator of the standard deviation for Gaussian noise.
+MAD_TO_SIGMA = 1.4826
+#: Keeps the threshold above the median when the window is exactly flat at 0.
+_ABS_FLOOR = 1e-12
+#: Columns of a local signal row (see :class:`LocalSignal`).
+SIGNAL_WIDTH = 5
+
+
+class NumericFaultError(ElasticExtError):
+    """A step's loss or gradient is non-finite or spiked; every rank raises it together.
+
+    A signal for the ``run`` decorator (roll back, skip the step's samples,
+    continue), like Horovod's ``HorovodInternalError`` for a failed
+    collective. ``step`` is the global step, ``reason`` one of
+    :data:`REASONS`, ``verdict`` the full :class:`Verdict`.
+    """
+
+    def __init__(self, verdict: "Verdict") -> None:
+        super().__init__(verdict.describe())
+        self.verdict = verdict
+        self.step = verdict.step
+        self.reason = verdict.reason
+
+
+class NumericRollbackLimitError(RollbackLimitError):
+    """More numeric rollbacks in a row than ``NumericGuard.max_rollbacks`` without a new commit.
+
+    The training itself is broken (diverged, a learning rate too high, a
+    poisoned dataset), not one batch: skipping more steps would only lose data.
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalSignal:
+    """What one rank saw in one step, before agreement.
+
+    Attributes:
+        loss: this rank's mean loss over its samples (may be NaN/Inf).
+        samples: how many samples the loss averages (weights the global mean).
+        loss_finite: False if the loss is NaN or infinite.
+        grad_finite: False if any gradient element is NaN or infinite (a
+            float32 norm that overflows counts as non-finite).
+        grad_sq: squared L2 norm of this rank's gradients (0 if not measured).
+    """
+
+    loss: float
+    samples: int = 1
+    loss_finite: bool = True
+    grad_finite: bool = True
+    grad_sq: float = 0.0
+
+    def row(self) -> np.ndarray:
+        """The float64 row of 5 numbers that :func:`agree` allgathers."""
+        return np.array([[self.loss, self.samples, 0.0 if self.loss_finite else 1.0,
+                          0.0 if self.grad_finite else 1.0, self.grad_sq]], dtype=np.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalSignal:
+    """A step's numeric signal as every rank holds it after :func:`agree` (identical bits).
+
+    Attributes:
+        loss: sample-weighted mean of the ranks' losses.
+        loss_finite: every rank's loss was finite.
+        grad_finite: every rank's gradients were finite.
+        grad_norm: ``sqrt(sum of the ranks' squared norms / ranks)``: the norm
+            of the averaged gradient when each rank measured it after the
+            gradient allreduce, the RMS of the ranks' own norms before it.
+        bad_ranks: ranks that reported a non-finite loss or gradient.
+    """
+
+    loss: float
+    loss_finite: bool = True
+    grad_finite: bool = True
+    grad_norm: Optional[float] = None
+    bad_ranks: Tuple[int, ...] = ()
+
+
+def reduce_rows(table: np.ndarray) -> GlobalSignal:
+    """Reduces the allgathered ``(ranks, 5)`` table in rank order (the same arithmetic on every rank).
+
+    Raises:
+        ValueError: the table is not ``(ranks >= 1, 5)``.
+    """
+    table = np.asarray(table, dtype=np.float64)
+    if table.ndim != 2 or table.shape[0] < 1 or table.shape[1] != SIGNAL_WIDTH:
+        raise ValueError(f"signal table shape {table.shape} must be (ranks >= 1, {SIGNAL_WIDTH})")
+    weighted = 0.0
+    samples = 0.0
+    grad_sq = 0.0
+    bad: List[int] = []
+    loss_finite = grad_finite = True
+    for rank, (loss, count, loss_bad, grad_bad, sq) in enumerate(table.tolist()):
+        loss_ok = loss_bad == 0.0 and math.isfinite(loss)
+        grad_ok = grad_bad == 0.0 and math.isfinite(sq)
+        loss_finite &= loss_ok
+        grad_finite &= grad_ok
+        if not (loss_ok and grad_ok):
+            bad.append(rank)
+        weighted += loss * count
+        samples += count
+        grad_sq += sq
+    mean = weighted / samples if samples > 0 and loss_finite else float("nan")
+    norm = math.sqrt(grad_sq / table.shape[0]) if grad_finite else None
+    return GlobalSignal(loss=mean, loss_finite=loss_finite and math.isfinite(mean), grad_finite=grad_finite,
+                        grad_norm=norm, bad_ranks=tuple(bad))
+
+
+def agree(binding: Any, local: Union[LocalSignal, np.ndarray], name: str = "elastic_ext.guard") -> GlobalSignal:
+    """The one collective of the guard: allgathers every rank's row, reduces it locally.
+
+    ``binding`` is an :class:`elastic_ext.binding.Binding` (its ``allgather``
+    over a ``(1, 5)`` float64 array); ``local`` a :class:`LocalSignal` or its
+    row (what a framework helper computed on the device).
+
+    Raises:
+        ValueError: ``local`` is a row of the wrong shape.
+        HorovodInternalError: the collective failed (a peer is gone).
+    """
+    row = local.row() if isinstance(local, LocalSignal) else np.asarray(local, dtype=np.float64).reshape(1, -1)
+    if row.shape != (1, SIGNAL_WIDTH):
+        raise ValueError(f"a local signal row must hold {SIGNAL_WIDTH} numbers, got shape {row.shape}")
+    return reduce_rows(binding.allgather(row, name))
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The guard's decision on one step; equal on every rank for equal inputs.
+
+    ``reason`` is None for a good step. ``threshold`` is the spike threshold
+    in force (None before ``min_history`` losses), ``median`` and ``scale``
+    the robust statistics it came from.
+    """
+
+    step: int
+    reason: Optional[str]
+    loss: float
+    threshold: Optional[float] = None
+    median: Optional[float] = None
+    scale: Optional[float] = None
+    grad_norm: Optional[float] = None
+    bad_ranks: Tuple[int, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None
+
+    def describe(self) -> str:
+        if self.reason is None:
+            return f"step {self.step}: loss {self.loss!r} accepted"
+        if self.reason == LOSS_SPIKE:
+            return (f"step {self.step}: loss spike: loss {self.loss!r} > threshold {self.threshold!r} "
+                    f"(median {self.median!r} + k x scale {self.scale!r})")
+        ranks = f" on ranks {list(self.bad_ranks)}" if self.bad_ranks else ""
+        what = "loss" if self.reason == NONFINITE_LOSS else "gradient"
+        return f"step {self.step}: non-finite {what}{ranks} (loss {self.loss!r}, grad norm {self.grad_norm!r})"
+
+    def fields(self) -> dict:
+        """JSON-compatible fields for an event (non-finite floats as text)."""
+        out = dataclasses.asdict(self)
+        out["bad_ranks"] = list(self.bad_ranks)
+        return {k: (repr(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in out.items()}
+
+
+def _positive_int(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"{name} ({value!r}) must be an integer >= {low}")
+
+
+def _finite_number(name: str, value: Any, low: float, strict: bool) -> None:
+    ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value < low or (strict and value == low):
+        raise ConfigError(f"{name} ({value!r}) must be a finite number {'>' if strict else '>='} {low}")
+
+
+@dataclasses.dataclass(frozen=True)
+class NumericGuard:
+    """Rules of the numeric guard (opt-in; validated at construction).
+
+    Attributes:
+        window: how many accepted global losses the spike rule looks back on.
+        spike_k: a loss above ``median + spike_k * scale`` of the window is a
+            spike; None turns the spike rule off (non-finite checks remain).
+        min_history: the spike rule is active only once the window holds
+            this many losses (the first steps of training move fast).
+        min_spread: floor of ``scale`` relative to ``|median|``, so a nearly
+            flat window does not flag ordinary noise.
+        max_rollbacks: numeric rollbacks allowed in a row without a new
+            commit; one more raises :class:`NumericRollbackLimitError`.
+
+    Raises:
+        ConfigError: a value is out of range; the message quotes it.
+    """
+
+    window: int = 100
+    spike_k: Optional[float] = 10.0
+    min_history: int = 20
+    min_spread: float = 0.05
+    max_rollbacks: int = 3
+
+    def __post_init__(self) -> None:
+        _positive_int("window", self.window, 1)
+        _positive_int("min_history", self.min_history, 1)
+        _positive_int("max_rollbacks", self.max_rollbacks, 0)
+        if self.min_history > self.window:
+            raise ConfigError(f"min_history ({self.min_history!r}) must be <= window ({self.window!r}): "
+                              "the window never holds more losses than that")
+        if self.spike_k is not None:
+            _finite_number("spike_k", self.spike_k, 0.0, strict=True)
+        _finite_number("min_spread", self.min_spread, 0.0, strict=False)
+
+    def threshold(self, history: Sequence[float]) -> Optional[Tuple[float, float, float]]:
+        """``(threshold, median, scale)`` over the newest ``window`` losses, or None if the rule is off."""
+        if self.spike_k is None or len(history) < self.min_history:
+            return None
+        recent = sorted(float(x) for x in list(history)[-self.window:])
+        median = _median(recent)
+        mad = _median(sorted(abs(x - median) for x in recent))
+        scale = max(MAD_TO_SIGMA * mad, self.min_spread * abs(median), _ABS_FLOOR)
+        return median + self.spike_k * scale, median, scale
+
+    def judge(self, step: int, signal: GlobalSignal, history: Sequence[float]) -> Verdict:
+        """Decides on one step from agreed values only: a pure function.
+
+        Order of the rules: non-finite loss, non-finite gradient, spike.
+        """
+        base = dict(step=int(step), loss=float(signal.loss), grad_norm=signal.grad_norm,
+                    bad_ranks=tuple(signal.bad_ranks))
+        if not signal.loss_finite or not math.isfinite(signal.loss):
+            return Verdict(reason=NONFINITE_LOSS, **base)
+        if not signal.grad_finite:
+            return Verdict(reason=NONFINITE_GRADIENT, **base)
+        rule = self.threshold(history)
+        if rule is None:
+            return Verdict(reason=None, **base)
+        threshold, median, scale = rule
+        reason = LOSS_SPIKE if signal.loss > threshold else None
+        return Verdict(reason=reason, threshold=threshold, median=median, scale=scale, **base)
+
+    def check(self, step: int, signal: GlobalSignal, window: "LossWindow") -> Verdict:
+        """Judges the step; a good step's loss joins ``window``, a bad one raises.
+
+        Raises:
+            NumericFaultError: the verdict names a fault (the window is unchanged).
+        """
+        verdict = self.judge(step, signal, window.losses)
+        if not verdict.ok:
+            raise NumericFaultError(verdict)
+        window.accept(verdict.loss)
+        return verdict
+
+    def new_window(self) -> "LossWindow":
+        """An empty :class:`LossWindow` of this guard's ``window`` size."""
+        return LossWindow(self.window)
+
+
+def _median(ordered: Sequence[float]) -> float:
+    n = len(ordered)
+    middle = n // 2
+    return ordered[middle] if n % 2 else (ordered[middle - 1] + ordered[middle]) / 2.0
+
+
+class LossWindow:
+    """The accepted global losses the spike rule looks back on: committed state.
+
+    Track it in the ``State`` (it has ``state_dict``/``load_state_dict`` over
+    plain values): a rollback restores it with the weights, and ``sync`` gives
+    newcomers the same window, so every rank judges from the same history.
+    """
+
+    def __init__(self, size: int = 100, losses: Iterable[float] = ()) -> None:
+        _positive_int("size", size, 1)
+        self._losses: Deque[float] = collections.deque((float(x) for x in losses), maxlen=int(size))
+
+    @property
+    def size(self) -> int:
+        return int(self._losses.maxlen or 0)
+
+    @property
+    def losses(self) -> List[float]:
+        return list(self._losses)
+
+    def accept(self, loss: float) -> None:
+        """Adds an accepted step's loss (finite: a fault never enters the window).
+
+        Raises:
+            ValueError: ``loss`` is NaN or infinite.
+        """
+        if not math.isfinite(loss):
+            raise ValueError(f"loss ({loss!r}) must be finite to enter the window")
+        self._losses.append(float(loss))
+
+    def __len__(self) -> int:
+        return len(self._losses)
+
+    def state_dict(self) -> dict:
+        return {"size": self.size, "losses": list(self._losses)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._losses = collections.deque((float(x) for x in state["losses"]), maxlen=int(state["size"]))
+
+
+class FaultCounter:
+    """Counts numeric rollbacks in a row without a new commit (kept outside the committed state,
+    which a rollback would reset)."""
+
+    def __init__(self, guard: NumericGuard) -> None:
+        self._guard = guard
+        self._commit_id: Optional[int] = None
+        self.count = 0
+
+    def note(self, commit_id: int, verdict: Verdict) -> int:
+        """Counts one numeric rollback back to ``commit_id``; returns the count in a row.
+
+        Raises:
+            NumericRollbackLimitError: the count exceeds ``max_rollbacks``.
+        """
+        if commit_id == self._commit_id:
+            self.count += 1
+        else:
+            self._commit_id, self.count = commit_id, 1
+        if self.count > self._guard.max_rollbacks:
+            raise NumericRollbackLimitError(
+                f"{self.count} numeric rollbacks in a row without a new commit (commit id {commit_id}) exceed "
+                f"max_rollbacks ({self._guard.max_rollbacks}); last: {verdict.describe()}")
+        return self.count
