@@ -1,0 +1,359 @@
+"""Straggler eviction: which rank, if any, keeps every synchronous step waiting.
+
+In synchronous data parallelism the slowest rank sets the pace of all. This
+module decides, from a table of per-rank compute times that every rank holds
+identically, whether one rank has been much slower than the others for long
+enough to be asked to leave (through the graceful-leave path: no rollback).
+Off by default.
+
+The pieces:
+
+- :class:`StepTimer` (per rank) measures compute time outside collectives,
+  step by step, and reports a robust per-step figure (the median of the steps
+  since its last report, so one slow step among many does not count).
+- :func:`pack_slots` / :func:`unpack_slots` put that figure, and the rank's
+  samples per step, in the rank's own slots of an int64 vector that rides
+  on the commit's max-allreduce (every other rank writes 0 there): the table
+  travels with a collective that runs anyway, ``2 x size`` more integers.
+- :class:`StragglerPolicy` (the rules, validated) and
+  :class:`StragglerTracker` (the runs of slow observations since the last
+  reset) turn the table into an :class:`Eviction` or None. Pure arithmetic
+  on agreed inputs, so every rank reaches the same decision.
+
+The rules: compute time is divided by the rank's samples per step, so a rank
+the partitioner gave a larger share on purpose is not slow for that. A rank's
+*ratio* is its time per sample over the median of the other measured ranks'
+(leaving itself out, so with two ranks the slow one is still seen). A rank
+with ``ratio >= factor`` is slow in that observation; it is evicted once it
+has been slow in every observation covering at least ``window_steps`` steps.
+Observations whose steps began within ``warmup_steps`` of the last reset
+(start, resize, rollback: compilation, cache warming, newcomers) are
+ignored. At most one rank is evicted per decision: the one with the highest
+ratio, the lowest rank on a tie.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from elastic_ext import partition
+from elastic_ext.errors import ConfigError
+
+#: Event written (by every rank) when a straggler is asked to leave.
+EVENT_STRAGGLER = "straggler"
+_NS = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class StragglerPolicy:
+    """Rules of straggler eviction (validated at construction).
+
+    Attributes:
+        enabled: off by default: eviction changes the job's shape.
+        factor: a rank whose compute time per sample is at least this many
+            times the median of the others is slow (> 1).
+        window_steps: a rank must stay slow over this many consecutive
+            steps before it is evicted.
+        warmup_steps: steps after each reset whose times are ignored.
+        min_ranks: fewest measured ranks needed to judge at all (>= 2).
+
+    Raises:
+        ConfigError: a value is out of range; the message quotes it.
+    """
+
+    enabled: bool = False
+    factor: float = 3.0
+    window_steps: int = 50
+    warmup_steps: int = 20
+    min_ranks: int = 2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"enabled ({self.enabled!r}) must be True or False")
+        factor = self.factor
+        if (not isinstance(factor, (int, float)) or isinstance(factor, bool) or not math.isfinite(factor)
+                or factor <= 1):
+            raise ConfigError(f"factor ({factor!r}) must be a finite number > 1 (a ratio to the median)")
+        for name, low in (("window_steps", 1), ("warmup_steps", 0), ("min_ranks", 2)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"{name} ({value!r}) must be an integer >= {low}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Eviction:
+    """The decision to ask ``rank`` to leave, with what it rests on.
+
+    ``ratio`` is its time per sample over the median of the others in the
+    deciding observation; it has been slow since ``slow_since`` (the step
+    before its first slow one), and the decision came at ``step``.
+    """
+
+    rank: int
+    step: int
+    ratio: float
+    slow_since: int
+    ratios: Tuple[float, ...]
+
+    def fields(self) -> dict:
+        """JSON-compatible fields for the ``straggler`` event."""
+        return {"evicted_rank": self.rank, "step": self.step, "ratio": self.ratio, "slow_since": self.slow_since,
+                "slow_steps": self.step - self.slow_since, "ratios": list(self.ratios)}
+
+
+def ratios(compute_s: Sequence[float], samples: Sequence[int]) -> List[Optional[float]]:
+    """Each rank's time per sample over the median of the *other* measured ranks'.
+
+    A rank is measured when its time is finite and > 0 and its samples > 0;
+    unmeasured ranks, and every rank when fewer than two are measured, get None.
+
+    Raises:
+        ValueError: the two sequences differ in length.
+    """
+    if len(compute_s) != len(samples):
+        raise ValueError(f"compute_s has {len(compute_s)} ranks but samples has {len(samples)}")
+    per_sample: Dict[int, float] = {}
+    for rank, (seconds, count) in enumerate(zip(compute_s, samples)):
+        if seconds is not None and math.isfinite(seconds) and seconds > 0 and count > 0:
+            per_sample[rank] = float(seconds) / float(count)
+    result: List[Optional[float]] = [None] * len(compute_s)
+    if len(per_sample) < 2:
+        return result
+    ordered = sorted(per_sample.values())
+    for rank, value in per_sample.items():
+        reference = _median_without(ordered, _index_of(ordered, value))
+        result[rank] = value / reference if reference > 0 else None
+    return result
+
+
+def _index_of(ordered: List[float], value: float) -> int:
+    """The first index of ``value`` in ``ordered`` (binary search: O(log n) per rank)."""
+    low, high = 0, len(ordered)
+    while low < high:
+        middle = (low + high) // 2
+        if ordered[middle] < value:
+            low = middle + 1
+        else:
+            high = middle
+    return low
+
+
+def _median_without(ordered: List[float], skip: int) -> float:
+    """The median of ``ordered`` without the element at ``skip``, in O(1) (no copy)."""
+    n = len(ordered) - 1
+
+    def at(k: int) -> float:
+        return ordered[k if k < skip else k + 1]
+
+    middle = n // 2
+    return at(middle) if n % 2 else (at(middle - 1) + at(middle)) / 2.0
+
+
+def _median(ordered: Sequence[float]) -> float:
+    n = len(ordered)
+    middle = n // 2
+    return ordered[middle] if n % 2 else (ordered[middle - 1] + ordered[middle]) / 2.0
+
+
+class StragglerTracker:
+    """Applies a :class:`StragglerPolicy` to successive observations; the same state on every rank.
+
+    Not committed: it restarts at every reset (ranks are renumbered and
+    newcomers warm up), which the integration signals with :meth:`reset`.
+    """
+
+    def __init__(self, policy: StragglerPolicy, step: int = 0) -> None:
+        self.policy = policy
+        self.reset(step)
+
+    def reset(self, step: int) -> None:
+        """Forgets every run of slow observations; steps up to ``step + warmup_steps`` are ignored."""
+        self._warm_from = int(step) + self.policy.warmup_steps
+        self._last_step = int(step)
+        self._slow_since: Dict[int, int] = {}
+
+    @property
+    def slow_since(self) -> Dict[int, int]:
+        """Rank -> the step before its current run of slow observations began."""
+        return dict(self._slow_since)
+
+    def observe(self, step: int, compute_s: Sequence[float], samples: Sequence[int]) -> Optional[Eviction]:
+        """Takes the table agreed at global step ``step`` (covering the steps since the last call).
+
+        ``compute_s[r]`` is rank r's representative compute seconds per step
+        over those steps (:meth:`StepTimer.report`), ``samples[r]`` its samples
+        per step. Returns the rank to evict, or None.
+
+        Raises:
+            ValueError: ``step`` went backwards, or the sequences differ in length.
+        """
+        step = int(step)
+        if step < self._last_step:
+            raise ValueError(f"step ({step}) must not go back before the last observation ({self._last_step}); "
+                             "call reset() after a rollback")
+        began = self._last_step
+        self._last_step = step
+        if not self.policy.enabled or step == began:
+            return None
+        if began < self._warm_from:
+            return None
+        table = ratios(compute_s, samples)
+        measured = [r for r, ratio in enumerate(table) if ratio is not None]
+        if len(measured) < self.policy.min_ranks:
+            self._slow_since.clear()
+            return None
+        slow = {r for r in measured if table[r] >= self.policy.factor}
+        self._slow_since = {r: self._slow_since.get(r, began) for r in slow}
+        due = [r for r in slow if step - self._slow_since[r] >= self.policy.window_steps]
+        if not due:
+            return None
+        rank = min(due, key=lambda r: (-table[r], r))
+        since = self._slow_since.pop(rank)
+        return Eviction(rank=rank, step=step, ratio=float(table[rank]), slow_since=since,
+                        ratios=tuple(float("nan") if x is None else float(x) for x in table))
+
+
+def shares(global_batch: int, world_size: int) -> List[int]:
+    """Samples per step of every rank under the partitioner (:func:`elastic_ext.partition.share`).
+
+    Raises:
+        PartitionError: the batch is smaller than the world, or the world is empty.
+    """
+    return [partition.share(global_batch, world_size, rank)[1] for rank in range(world_size)]
+
+
+def pack_slots(rank: int, size: int, step_s: Optional[float], samples: int) -> np.ndarray:
+    """This rank's ``2 x size`` int64 slots for the commit's max-allreduce.
+
+    Slot ``rank`` holds the compute time per step in nanoseconds (at least 1
+    when measured), slot ``size + rank`` the samples per step; all other
+    slots are 0, so the element-wise maximum over ranks is every rank's pair.
+    ``step_s`` None (nothing measured since the last report) leaves 0: unmeasured.
+
+    Raises:
+        ValueError: ``rank`` is outside ``[0, size)`` or ``samples`` is negative.
+    """
+    if not 0 <= rank < size:
+        raise ValueError(f"rank ({rank}) must be in [0, size ({size}))")
+    if samples < 0:
+        raise ValueError(f"samples ({samples}) must be >= 0")
+    slots = np.zeros(2 * size, dtype=np.int64)
+    if step_s is not None and math.isfinite(step_s) and step_s >= 0:
+        slots[rank] = max(1, int(round(step_s * _NS)))
+        slots[size + rank] = int(samples)
+    return slots
+
+
+def unpack_slots(reduced: np.ndarray, size: int) -> Tuple[List[float], List[int]]:
+    """``(compute_s, samples)`` per rank from the reduced slots (0 s where a rank measured nothing).
+
+    Raises:
+        ValueError: ``reduced`` does not hold ``2 x size`` values.
+    """
+    reduced = np.asarray(reduced)
+    if reduced.shape != (2 * size,):
+        raise ValueError(f"reduced slots shape {reduced.shape} must be ({2 * size},) for size {size}")
+    return [int(x) / _NS for x in reduced[:size]], [int(x) for x in reduced[size:]]
+
+
+class StepTimer:
+    """Measures this rank's compute time per step, outside collectives.
+
+    Wrap what the rank computes on its own (data loading, forward, backward)
+    and not what waits for the others (``optimizer.step()`` of Horovod's
+    ``DistributedOptimizer``, which waits for the gradient allreduce; commits)::
+
+        timer = StepTimer()
+        with timer:                       # one step
+            loss = model(batch); loss.backward()
+        optimizer.step()
+
+    For gradient accumulation, time each pass with ``start()`` /
+    ``stop(end_step=False)`` and close the step with :meth:`end_step`.
+    A block left by an exception does not count (the step was abandoned).
+    The cost is two ``perf_counter`` reads per section.
+
+    Args:
+        max_steps: most step times kept between reports (the newest win).
+        clock: seconds as a float; ``time.perf_counter`` by default (tests
+            inject their own).
+    """
+
+    def __init__(self, max_steps: int = 4096, clock: Callable[[], float] = time.perf_counter) -> None:
+        if not isinstance(max_steps, int) or max_steps < 1:
+            raise ConfigError(f"max_steps ({max_steps!r}) must be an integer >= 1")
+        self._clock = clock
+        self._max_steps = max_steps
+        self._started: Optional[float] = None
+        self._current = 0.0
+        self._open = False
+        self._steps: List[float] = []
+
+    @property
+    def running(self) -> bool:
+        return self._started is not None
+
+    def start(self) -> None:
+        """Starts a compute section.
+
+        Raises:
+            RuntimeError: a section is already running.
+        """
+        if self._started is not None:
+            raise RuntimeError("StepTimer.start() while a section is running; call stop() first")
+        self._started = self._clock()
+
+    def stop(self, end_step: bool = True) -> float:
+        """Ends the section, adds it to the current step (and closes the step); returns its seconds.
+
+        Raises:
+            RuntimeError: no section is running.
+        """
+        if self._started is None:
+            raise RuntimeError("StepTimer.stop() without start()")
+        elapsed = max(0.0, self._clock() - self._started)
+        self._started = None
+        self._current += elapsed
+        self._open = True
+        if end_step:
+            self.end_step()
+        return elapsed
+
+    def end_step(self) -> None:
+        """Closes the current step (a no-op if no section ran since the last one)."""
+        if not self._open:
+            return
+        self._steps.append(self._current)
+        if len(self._steps) > self._max_steps:
+            del self._steps[0]
+        self._current, self._open = 0.0, False
+
+    def discard(self) -> None:
+        """Drops everything measured (after a rollback or reset: those steps are replayed)."""
+        self._started, self._current, self._open = None, 0.0, False
+        self._steps = []
+
+    def report(self) -> Tuple[Optional[float], int]:
+        """``(median seconds per step, steps)`` since the last report, then starts afresh.
+
+        ``(None, 0)`` when no step closed since then.
+        """
+        steps, self._steps = sorted(self._steps), []
+        if not steps:
+            return None, 0
+        return _median(steps), len(steps)
+
+    def __enter__(self) -> "StepTimer":
+        self.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.stop(end_step=True)
+        else:
+            self._started, self._current, self._open = None, 0.0, False
