@@ -3,76 +3,36 @@
 The committed state (:mod:`elastic_ext.state`) knows nothing about PyTorch or
 TensorFlow. It asks an adapter, picked by the object's type, to *capture* the
 object (name its arrays and metadata without copying anything) and later to
-*apply* a snapshot back onto it. Framework adapters live in
-``elastic_ext.torch`` and ``elastic_ext.tensorflow``; this module holds the
-protocol and the framework-free adapters: plain Python values, numpy arrays,
-and random number generators of ``random`` and ``numpy``.
+*apply* a snapshot (:mod:`elastic_ext.snapshot`) back onto it. This module
+holds the protocol, the framework-free adapters (plain Python values, numpy
+arrays, ``state_dict`` objects, random number generators of ``random`` and
+``numpy``) and the adapter table.
 
-A snapshot is host memory only: numpy arrays (the buffers that commit fills
-in place) plus JSON-compatible metadata. That keeps sync (a broadcast of
-arrays) and durable checkpoints (safetensors-like files plus JSON) free of
-pickle.
+Framework adapters live in ``elastic_ext.torch`` and
+``elastic_ext.tensorflow``, which *register* them here when they are
+imported (:func:`register_adapters`, :func:`register_global_rng`). The core
+has no import of those packages: :func:`load_frameworks` imports one by name
+once its framework is in the process, so a user who never imports
+``elastic_ext.torch`` still gets the torch adapters.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import math
+import importlib
 import random
-from typing import Any, Dict, Protocol, runtime_checkable
+import sys
+from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Tuple, runtime_checkable
 
 import numpy as np
 
+from elastic_ext import tree
 from elastic_ext.errors import StateError
-
-
-class ArraySource(Protocol):
-    """One array of live data, not yet copied: its shape, dtype and a copier."""
-
-    shape: tuple
-    dtype: np.dtype
-
-    def copy_into(self, buffer: np.ndarray) -> None:
-        """Copies the live data into ``buffer`` (same shape and dtype)."""
-
-
-@dataclasses.dataclass
-class NumpySource:
-    """An :class:`ArraySource` over a numpy array (copied at commit time)."""
-
-    array: np.ndarray
-
-    @property
-    def shape(self) -> tuple:
-        return tuple(self.array.shape)
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.array.dtype
-
-    def copy_into(self, buffer: np.ndarray) -> None:
-        np.copyto(buffer, self.array, casting="no")
-
-
-@dataclasses.dataclass
-class Capture:
-    """What an adapter reports for one object at commit time.
-
-    ``arrays`` maps a key (unique within the object) to a source; ``meta`` is
-    JSON-compatible and is deep-copied into the commit.
-    """
-
-    arrays: Dict[str, ArraySource]
-    meta: Any
-
-
-@dataclasses.dataclass
-class Entry:
-    """The committed snapshot of one object: host buffers plus metadata."""
-
-    arrays: Dict[str, np.ndarray]
-    meta: Any
+# Capture, Entry and the sources are the adapter's vocabulary; they are also
+# imported from here by modules written before elastic_ext.snapshot existed.
+from elastic_ext.snapshot import (PLAIN_SCALARS, ArraySource, Capture, Entry, NumpySource, check_plain,  # noqa: F401
+                                  decode_plain, encode_plain, join_captures, split_entry)
 
 
 @runtime_checkable
@@ -111,60 +71,6 @@ class Adapter(Protocol):
         """
 
 
-# ---------------------------------------------------------------- plain values
-
-_PLAIN_SCALARS = (type(None), bool, int, float, str)
-
-
-def check_plain(value: Any, where: str) -> None:
-    """Raises StateError unless ``value`` is a plain value that round-trips exactly.
-
-    Plain values are None, bool, int, float, str, and lists, tuples and
-    str-keyed dicts of them. Floats must be finite or be NaN/inf (kept as is).
-    """
-    if isinstance(value, _PLAIN_SCALARS):
-        return
-    if isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            check_plain(item, f"{where}[{i}]")
-        return
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise StateError(f"{where} has key {key!r} of type {type(key).__name__}; dict keys must be str")
-            check_plain(item, f"{where}[{key!r}]")
-        return
-    raise StateError(
-        f"{where} is {type(value).__name__} ({value!r:.80}); expected a plain value "
-        "(None, bool, int, float, str, list, tuple, dict) or an object with a registered adapter")
-
-
-def encode_plain(value: Any) -> Any:
-    """Encodes a plain value as JSON-compatible data, keeping tuples and non-finite floats."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return {"__float__": repr(value)}
-    if isinstance(value, tuple):
-        return {"__tuple__": [encode_plain(v) for v in value]}
-    if isinstance(value, list):
-        return [encode_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {"__dict__": [[k, encode_plain(v)] for k, v in value.items()]}
-    return value
-
-
-def decode_plain(data: Any) -> Any:
-    """Inverse of :func:`encode_plain`."""
-    if isinstance(data, list):
-        return [decode_plain(v) for v in data]
-    if isinstance(data, dict):
-        if "__float__" in data:
-            return float(data["__float__"])
-        if "__tuple__" in data:
-            return tuple(decode_plain(v) for v in data["__tuple__"])
-        return {k: decode_plain(v) for k, v in data["__dict__"]}
-    return data
-
-
 class PlainAdapter:
     """Plain Python values (epoch, step counters, small dicts): kept as metadata."""
 
@@ -172,7 +78,7 @@ class PlainAdapter:
     synced = True
 
     def handles(self, obj: Any) -> bool:
-        return isinstance(obj, _PLAIN_SCALARS + (list, tuple, dict))
+        return isinstance(obj, PLAIN_SCALARS + (list, tuple, dict))
 
     def capture(self, obj: Any) -> Capture:
         check_plain(obj, "value")
@@ -240,12 +146,10 @@ class NumpyGeneratorAdapter:
         return obj.bit_generator if isinstance(obj, np.random.Generator) else obj._bit_generator
 
     def capture(self, obj: Any) -> Capture:
-        from elastic_ext import tree
         arrays, meta = tree.split(self._bitgen(obj).state)
         return Capture(arrays=arrays, meta=meta)
 
     def apply(self, obj: Any, entry: Entry) -> Any:
-        from elastic_ext import tree
         self._bitgen(obj).state = tree.join(entry.meta, entry.arrays)
         return obj
 
@@ -261,7 +165,8 @@ class GlobalRNG:
 
 
 class GlobalRNGAdapter:
-    """Adapter for :class:`GlobalRNG`; the torch part is supplied by ``elastic_ext.torch``."""
+    """Adapter for :class:`GlobalRNG`: Python's and numpy's streams, plus every
+    framework part registered with :func:`register_global_rng` (torch's)."""
 
     name = "global_rng"
     synced = False
@@ -273,45 +178,117 @@ class GlobalRNGAdapter:
     def handles(self, obj: Any) -> bool:
         return isinstance(obj, GlobalRNG)
 
-    @staticmethod
-    def _torch_parts():
-        import sys
-        if "torch" not in sys.modules:
-            return None
-        from elastic_ext.torch import rng  # noqa: WPS433 - only when torch is already imported
-        return rng
-
     def capture(self, obj: GlobalRNG) -> Capture:
-        arrays: dict = {}
-        meta: dict = {}
-        python_cap = self._python.capture(random._inst)  # the random module's own instance
-        numpy_cap = self._numpy.capture(np.random.mtrand._rand)
-        for prefix, cap in (("python", python_cap), ("numpy", numpy_cap)):
-            arrays.update({f"{prefix}/{k}": v for k, v in cap.arrays.items()})
-            meta[prefix] = cap.meta
-        torch_rng = self._torch_parts()
-        if torch_rng is not None:
-            torch_arrays, torch_meta = torch_rng.capture_global()
-            arrays.update({f"torch/{k}": v for k, v in torch_arrays.items()})
-            meta["torch"] = torch_meta
-        return Capture(arrays=arrays, meta=meta)
+        parts = {"python": self._python.capture(random._inst),  # the random module's own instance
+                 "numpy": self._numpy.capture(np.random.mtrand._rand)}
+        for name, part in global_rng_parts().items():
+            parts[name] = part.capture()
+        return join_captures(parts)
 
     def apply(self, obj: GlobalRNG, entry: Entry) -> GlobalRNG:
-        def part(prefix: str) -> Entry:
-            arrays = {k[len(prefix) + 1:]: v for k, v in entry.arrays.items() if k.startswith(prefix + "/")}
-            return Entry(arrays=arrays, meta=entry.meta[prefix])
-        self._python.apply(random._inst, part("python"))
-        self._numpy.apply(np.random.mtrand._rand, part("numpy"))
-        if "torch" in entry.meta:
-            torch_rng = self._torch_parts()
-            if torch_rng is None:
-                raise StateError("the commit holds torch RNG state but torch is not imported in this process")
-            torch_rng.apply_global(part("torch"))
+        self._python.apply(random._inst, split_entry(entry, "python"))
+        self._numpy.apply(np.random.mtrand._rand, split_entry(entry, "numpy"))
+        framework_parts = global_rng_parts()
+        for name in entry.meta:
+            if name in ("python", "numpy"):
+                continue
+            if name not in framework_parts:
+                raise StateError(f"the commit holds {name} RNG state but {name} is not imported in this process")
+            framework_parts[name].apply(split_entry(entry, name))
         return obj
 
 
-def core_adapters() -> list:
+class StatefulAdapter:
+    """Any object with ``state_dict()`` / ``load_state_dict()`` over plain values and numpy arrays.
+
+    Serves elastic_ext's own samplers and users' small stateful helpers.
+    Framework packages subclass it with a tensor ``leaf`` and ``make``
+    (see :mod:`elastic_ext.tree`).
+    """
+
+    name = "stateful"
+    synced = True
+    leaf: Optional[tree.Leaf] = None
+    make: Optional[tree.Make] = None
+
+    def handles(self, obj: Any) -> bool:
+        return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+    def capture(self, obj: Any) -> Capture:
+        arrays, skeleton = tree.split(obj.state_dict(), type(self).leaf)
+        return Capture(arrays=arrays, meta=skeleton)
+
+    def apply(self, obj: Any, entry: Entry) -> Any:
+        obj.load_state_dict(tree.join(entry.meta, entry.arrays, type(self).make))
+        return obj
+
+
+def core_adapters() -> List[Adapter]:
     """The framework-free adapters, in lookup order."""
-    from elastic_ext.tree import StatefulAdapter
     return [PlainAdapter(), NumpyArrayAdapter(), PythonRandomAdapter(), NumpyGeneratorAdapter(),
             GlobalRNGAdapter(), StatefulAdapter()]
+
+
+# ------------------------------------------------------------ the adapter table
+
+@dataclasses.dataclass(frozen=True)
+class RNGPart:
+    """A framework's process-wide random streams, committed as one part of :class:`GlobalRNG`."""
+
+    capture: Callable[[], Capture]
+    apply: Callable[[Entry], None]
+
+
+# Framework -> (modules whose presence in the process means it is in use, the
+# elastic_ext package that registers its adapters on import). The order is
+# the lookup order of their adapters. Loaded by name: a static import would
+# make the framework-free core depend on the framework packages.
+_FRAMEWORK_PACKAGES: Dict[str, Tuple[Tuple[str, ...], str]] = {
+    "torch": (("torch",), "elastic_ext.torch"),
+    "tensorflow": (("tensorflow", "keras", "tf_keras"), "elastic_ext.tensorflow"),
+}
+_adapter_factories: Dict[str, Callable[[], List[Adapter]]] = {}
+_rng_parts: Dict[str, RNGPart] = {}
+
+
+def register_adapters(framework: str, factory: Callable[[], List[Adapter]]) -> None:
+    """Called by a framework package on import: ``factory()`` returns fresh
+    instances of its adapters in lookup order (tried before the core ones)."""
+    _adapter_factories[framework] = factory
+
+
+def register_global_rng(framework: str, capture: Callable[[], Capture], apply: Callable[[Entry], None]) -> None:
+    """Called by a framework package on import: its global random streams become
+    part ``framework`` of every :class:`GlobalRNG` commit."""
+    _rng_parts[framework] = RNGPart(capture=capture, apply=apply)
+
+
+def load_frameworks() -> None:
+    """Imports the elastic_ext package of every framework this process has
+    imported, so that it registers its adapters and RNG part."""
+    for modules, package in _FRAMEWORK_PACKAGES.values():
+        if any(module in sys.modules for module in modules):
+            importlib.import_module(package)
+
+
+def _lookup_order(registered: Iterable[str]) -> List[str]:
+    known = list(_FRAMEWORK_PACKAGES)
+    return [f for f in known if f in registered] + [f for f in registered if f not in known]
+
+
+def framework_adapters() -> List[Adapter]:
+    """Fresh adapters of the frameworks in use, in lookup order (torch, then TensorFlow)."""
+    load_frameworks()
+    return [adapter for framework in _lookup_order(_adapter_factories)
+            for adapter in _adapter_factories[framework]()]
+
+
+def global_rng_parts() -> Dict[str, RNGPart]:
+    """The registered framework parts of :class:`GlobalRNG`, by framework."""
+    load_frameworks()
+    return {framework: _rng_parts[framework] for framework in _lookup_order(_rng_parts)}
+
+
+def adapter_table(extra: Iterable[Adapter] = ()) -> List[Adapter]:
+    """The lookup table of a State: ``extra`` first, then the frameworks' adapters, then the core ones."""
+    return list(extra) + framework_adapters() + core_adapters()

@@ -21,8 +21,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from elastic_ext.adapters import ArraySource, NumpySource, check_plain, decode_plain, encode_plain
 from elastic_ext.errors import StateError
+from elastic_ext.snapshot import ArraySource, NumpySource, check_plain, decode_plain, encode_plain
 
 # leaf(value) -> (source, tag) for framework tensors it recognises, else None
 Leaf = Callable[[Any], Optional[Tuple[ArraySource, dict]]]
@@ -164,28 +164,3 @@ def join(skeleton: Any, arrays: Dict[str, np.ndarray], make: Optional[Make] = No
     if "__tuple__" in skeleton:
         return tuple(join(item, arrays, make) for item in skeleton["__tuple__"])
     return decode_plain(skeleton["__plain__"])
-
-
-class StatefulAdapter:
-    """Any object with ``state_dict()`` / ``load_state_dict()`` over plain values and numpy arrays.
-
-    Serves elastic_ext's own samplers and users' small stateful helpers.
-    Framework packages subclass it with a tensor ``leaf``.
-    """
-
-    name = "stateful"
-    synced = True
-    leaf: Optional[Leaf] = None
-    make: Optional[Make] = None
-
-    def handles(self, obj: Any) -> bool:
-        return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-    def capture(self, obj: Any):
-        from elastic_ext.adapters import Capture
-        arrays, skeleton = split(obj.state_dict(), type(self).leaf)
-        return Capture(arrays=arrays, meta=skeleton)
-
-    def apply(self, obj: Any, entry) -> Any:
-        obj.load_state_dict(join(entry.meta, entry.arrays, type(self).make))
-        return obj
