@@ -7,18 +7,22 @@ write. Keras optimizers create their slot variables lazily; a newcomer's
 optimizer is built (``optimizer.build(model.trainable_variables)``, zero
 slots, weights untouched) when the State is created, instead of the
 zero-gradient step Horovod takes, which moves weights under weight decay.
+
+Every kind is one :class:`VariablesAdapter` told which objects it takes and
+how to list their variables; :func:`adapters` is the table that
+``elastic_ext.tensorflow`` registers with the core.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, FrozenSet, List
+from typing import Any, Callable, Dict, FrozenSet, List
 
 import numpy as np
 import tensorflow as tf
 
-from elastic_ext.adapters import Capture, Entry
 from elastic_ext.errors import StateError
+from elastic_ext.snapshot import Capture, Entry
 
 
 class VariableSource:
@@ -109,85 +113,70 @@ def _apply_variables(variables: List[Any], entry: Entry, what: str) -> None:
         variable.assign(value)
 
 
-class VariableAdapter:
-    """A ``tf.Variable`` or Keras 3 variable."""
+def _is_variable_list(obj: Any) -> bool:
+    return isinstance(obj, (list, tuple)) and len(obj) > 0 and all(_is_keras_variable(v) for v in obj)
 
-    name = "tf.variable"
+
+def _is_model(obj: Any) -> bool:
+    # A Keras model (Keras 2 or 3) or any tf.Module, but not an optimizer (a tf.Module too).
+    return isinstance(obj, _keras_classes("Model") + (tf.Module,)) and not isinstance(obj, _keras_classes("Optimizer"))
+
+
+def _is_optimizer(obj: Any) -> bool:
+    return isinstance(obj, _keras_classes("Optimizer"))
+
+
+class VariablesAdapter:
+    """Any object whose state is a list of variables: a variable, a list of
+    them, a Keras model or ``tf.Module``, a Keras optimizer. The kinds differ
+    only in which objects they take and how their variables are listed.
+
+    Args:
+        name: the adapter's name (recorded in checkpoint manifests).
+        handles: True for the objects of this kind.
+        variables: the object's variables in a stable order.
+        describe: the object as the subject of an error message.
+        non_trainable_are_buffers: non-trainable variables may differ between
+            ranks (:meth:`buffer_keys`); otherwise every variable must agree.
+        builds_optimizers: :meth:`prepare` builds unbuilt Keras optimizers.
+    """
+
     framework = "tensorflow"
     synced = True
 
-    def handles(self, obj: Any) -> bool:
-        return _is_keras_variable(obj)
+    def __init__(self, name: str, handles: Callable[[Any], bool], variables: Callable[[Any], List[Any]],
+                 describe: Callable[[Any], str], non_trainable_are_buffers: bool = False,
+                 builds_optimizers: bool = False) -> None:
+        self.name = name
+        self._handles = handles
+        self._variables = variables
+        self._describe = describe
+        self._non_trainable_are_buffers = non_trainable_are_buffers
+        self._builds_optimizers = builds_optimizers
 
-    def capture(self, obj: Any) -> Capture:
-        return _capture_variables([obj], None)
-
-    def apply(self, obj: Any, entry: Entry) -> Any:
-        _apply_variables([obj], entry, "variable")
-        return obj
-
-
-class VariableListAdapter:
-    """A list or tuple of variables."""
-
-    name = "tf.variables"
-    framework = "tensorflow"
-    synced = True
+    def __repr__(self) -> str:
+        return f"VariablesAdapter({self.name!r})"
 
     def handles(self, obj: Any) -> bool:
-        return isinstance(obj, (list, tuple)) and len(obj) > 0 and all(_is_keras_variable(v) for v in obj)
+        return self._handles(obj)
+
+    def prepare(self, objects: dict) -> None:
+        if self._builds_optimizers:
+            build_optimizers(objects)
 
     def capture(self, obj: Any) -> Capture:
-        return _capture_variables(list(obj), None)
-
-    def apply(self, obj: Any, entry: Entry) -> Any:
-        _apply_variables(list(obj), entry, "variable list")
-        return obj
-
-
-class ModelAdapter:
-    """A Keras model (Keras 2 or 3) or any ``tf.Module``: all its variables."""
-
-    name = "tf.model"
-    framework = "tensorflow"
-    synced = True
-
-    def handles(self, obj: Any) -> bool:
-        return isinstance(obj, _keras_classes("Model") + (tf.Module,)) and \
-            not isinstance(obj, _keras_classes("Optimizer"))
-
-    def capture(self, obj: Any) -> Capture:
-        return _capture_variables(variables_of(obj), None)
+        return _capture_variables(self._variables(obj), None)
 
     def buffer_keys(self, obj: Any) -> FrozenSet[str]:
-        """Non-trainable variables (BatchNormalization moving mean and variance,
-        Keras 3 seed generator states) may differ between ranks; trainable ones may not."""
-        return frozenset(variable_key(i) for i, v in enumerate(variables_of(obj))
+        """Non-trainable variables of a model (BatchNormalization moving mean and
+        variance, Keras 3 seed generator states) may differ between ranks."""
+        if not self._non_trainable_are_buffers:
+            return frozenset()
+        return frozenset(variable_key(i) for i, v in enumerate(self._variables(obj))
                          if not getattr(v, "trainable", True))
 
     def apply(self, obj: Any, entry: Entry) -> Any:
-        _apply_variables(variables_of(obj), entry, f"model {getattr(obj, 'name', '')}")
-        return obj
-
-
-class OptimizerAdapter:
-    """A Keras optimizer (Keras 2 via tf_keras, or Keras 3): iterations, learning rate, slots."""
-
-    name = "tf.optimizer"
-    framework = "tensorflow"
-    synced = True
-
-    def handles(self, obj: Any) -> bool:
-        return isinstance(obj, _keras_classes("Optimizer"))
-
-    def prepare(self, objects: dict) -> None:
-        build_optimizers(objects)
-
-    def capture(self, obj: Any) -> Capture:
-        return _capture_variables(variables_of(obj), None)
-
-    def apply(self, obj: Any, entry: Entry) -> Any:
-        _apply_variables(variables_of(obj), entry, "optimizer")
+        _apply_variables(self._variables(obj), entry, self._describe(obj))
         return obj
 
 
@@ -214,6 +203,14 @@ def build_optimizers(objects: dict) -> None:
         optimizer.build(models[0].trainable_variables)
 
 
-def adapters() -> list:
+def adapters() -> List[VariablesAdapter]:
     """TensorFlow adapters in lookup order (tried before the framework-free ones)."""
-    return [VariableAdapter(), VariableListAdapter(), OptimizerAdapter(), ModelAdapter()]
+    return [
+        VariablesAdapter("tf.variable", _is_keras_variable, lambda variable: [variable],
+                         lambda variable: "variable"),
+        VariablesAdapter("tf.variables", _is_variable_list, list, lambda variables: "variable list"),
+        VariablesAdapter("tf.optimizer", _is_optimizer, variables_of, lambda optimizer: "optimizer",
+                         builds_optimizers=True),
+        VariablesAdapter("tf.model", _is_model, variables_of,
+                         lambda model: f"model {getattr(model, 'name', '')}", non_trainable_are_buffers=True),
+    ]

@@ -17,7 +17,9 @@ else:
     import keras  # noqa: E402
 
 from elastic_ext import State  # noqa: E402
+from elastic_ext.adapters import adapter_table  # noqa: E402
 from elastic_ext.errors import StateError  # noqa: E402
+from elastic_ext.snapshot import Entry  # noqa: E402
 from elastic_ext.testing import SoloBinding  # noqa: E402
 
 assert keras.__version__.startswith(sys.argv[1]), keras.__version__
@@ -39,9 +41,12 @@ variable = tf.Variable([[1.0, 2.0], [3.0, 4.0]])
 var_list = [tf.Variable(1.5), tf.Variable([7, 8], dtype=tf.int32)]
 state = State(binding=SoloBinding(), model=model, optimizer=optimizer, module=module, variable=variable,
               var_list=var_list, step=0)
-names = {name: type(adapter).__name__ for name, adapter in state._adapter_of.items()}
-assert names == {"model": "ModelAdapter", "optimizer": "OptimizerAdapter", "module": "ModelAdapter",
-                 "variable": "VariableAdapter", "var_list": "VariableListAdapter", "step": "PlainAdapter"}, names
+# Which adapter takes each object: the first of the table that handles it.
+table = adapter_table()
+names = {name: next(a for a in table if a.handles(obj)).name for name, obj in state.objects.items()}
+assert names == {"model": "tf.model", "optimizer": "tf.optimizer", "module": "tf.model",
+                 "variable": "tf.variable", "var_list": "tf.variables", "step": "plain"}, names
+tf_adapters = {adapter.name: adapter for adapter in table}
 
 
 def values(obj):
@@ -94,23 +99,38 @@ tf.random.set_seed(7)
 train(2)
 same(snapshot(), after)
 # A model built differently is an error that says so, not silent garbage.
+def committed_entry(adapter, obj):
+    capture = adapter.capture(obj)
+    arrays = {}
+    for key, source in capture.arrays.items():
+        arrays[key] = np.empty(source.shape, dtype=source.dtype)
+        source.copy_into(arrays[key])
+    return Entry(arrays=arrays, meta=capture.meta)
+
+
 other = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
 try:
-    type(state._adapter_of["model"])().apply(other, state._entries["model"])
+    tf_adapters["tf.model"].apply(other, committed_entry(tf_adapters["tf.model"], model))
 except StateError as exc:
     assert "variables" in str(exc) or "shape" in str(exc), exc
 else:
     raise AssertionError("restoring into a different model did not fail")
 # BatchNormalization's moving statistics (non-trainable) may differ between
 # ranks; the trainable variables may not.
-from elastic_ext.tensorflow.adapters import ModelAdapter, _apply_variables, _capture_variables  # noqa: E402
+from elastic_ext.tensorflow.adapters import _apply_variables, _capture_variables  # noqa: E402
 
-buffers = ModelAdapter().buffer_keys(model)
+buffers = tf_adapters["tf.model"].buffer_keys(model)
 expected = {f"{i:05d}" for i, v in enumerate(model.variables) if not v.trainable}
 assert buffers == expected and len(buffers) >= 2, (buffers, [v.name for v in model.variables])
 assert not any(model.variables[int(k)].trainable for k in buffers)
 names = [getattr(model.variables[int(k)], "path", None) or model.variables[int(k)].name for k in sorted(buffers)]
 assert any("moving_mean" in n for n in names) and any("moving_variance" in n for n in names), names
+# Only a model's non-trainable variables are buffers: a lone non-trainable
+# variable, a variable list and an optimizer's slots must agree across ranks.
+frozen = tf.Variable(1.0, trainable=False)
+assert tf_adapters["tf.variable"].buffer_keys(frozen) == frozenset()
+assert tf_adapters["tf.variables"].buffer_keys([frozen]) == frozenset()
+assert tf_adapters["tf.optimizer"].buffer_keys(optimizer) == frozenset()
 
 
 # Past 100,000 variables the keys ("99999", "100000") no longer sort as text
@@ -139,7 +159,7 @@ for key, source in capture.arrays.items():
     source.copy_into(buffer)
     committed[key] = buffer
 assert sorted(committed)[10_001] == "100000"  # text order is not variable order here
-entry = type("E", (), {"arrays": committed, "meta": None})()
+entry = Entry(arrays=committed, meta=None)
 _apply_variables(slots, entry, "100k variables")
 wrong = [s.index for s in slots if float(s.value) != s.index]
 assert not wrong, f"{len(wrong)} variables restored from another variable's value, first {wrong[:3]}"
