@@ -41,6 +41,10 @@ import numpy as np
 
 from elastic_ext.errors import ConfigError, ElasticExtError, RollbackLimitError
 
+#: Event written by every rank when a numeric fault rolls the job back (fields: Verdict.fields(), commit_id,
+#: rollbacks_in_a_row, skipped positions).
+EVENT_NUMERIC_ROLLBACK = "numeric_rollback"
+
 NONFINITE_LOSS = "nonfinite_loss"
 NONFINITE_GRADIENT = "nonfinite_gradient"
 LOSS_SPIKE = "loss_spike"

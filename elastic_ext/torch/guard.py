@@ -23,6 +23,10 @@ import torch
 
 from elastic_ext.guard import GlobalSignal, LocalSignal, agree
 
+# Half-precision norms are taken in float32 (a float16 sum of squares overflows at 256);
+# float32 and float64 gradients keep their own precision (vector_norm refuses to narrow).
+_NORM_DTYPE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
 Gradients = Iterable[Union[torch.Tensor, torch.nn.Parameter, None]]
 
 
@@ -44,17 +48,22 @@ def _gradient_tensors(grads: Gradients) -> list:
 def local_row(loss: Union[torch.Tensor, float], grads: Gradients = (), samples: int = 1) -> np.ndarray:
     """This rank's ``(1, 5)`` float64 row: loss, samples, loss bad, gradient bad, squared gradient norm.
 
-    Norms are taken per tensor in float32 (half-precision gradients too), so
-    a norm that overflows float32 counts as a non-finite gradient.
+    Norms are taken per tensor in the gradient's precision (float32 for
+    half-precision gradients), so a norm that overflows counts as a
+    non-finite gradient.
     """
     tensors = _gradient_tensors(grads)
-    loss_t = loss.detach().reshape(-1)[:1].float() if isinstance(loss, torch.Tensor) else None
-    device = tensors[0].device if tensors else (loss_t.device if loss_t is not None else torch.device("cpu"))
-    parts = [loss_t.to(device) if loss_t is not None else torch.tensor([float(loss)], device=device)]
+    if isinstance(loss, torch.Tensor):
+        loss_t = loss.detach().reshape(-1)[:1].double()
+        device = tensors[0].device if tensors else loss_t.device
+        parts = [loss_t.to(device)]
+    else:
+        device = tensors[0].device if tensors else torch.device("cpu")
+        parts = [torch.tensor([float(loss)], dtype=torch.float64, device=device)]
     if tensors:
-        norms = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors])
+        norms = torch.stack([torch.linalg.vector_norm(t, dtype=_NORM_DTYPE.get(t.dtype)).double() for t in tensors])
         parts.append(torch.linalg.vector_norm(norms).reshape(1))
-    loss_value, *norm = torch.cat(parts).double().cpu().tolist()  # the one device-to-host copy
+    loss_value, *norm = torch.cat(parts).cpu().tolist()  # the one device-to-host copy
     norm_value = norm[0] if norm else 0.0
     grad_sq = norm_value * norm_value
     return LocalSignal(loss=loss_value, samples=int(samples), loss_finite=math.isfinite(loss_value),

@@ -286,6 +286,9 @@ def test_torch_row_flags_nan_and_inf_and_measures_the_norm():
     assert nan_loss[0, 2] == 1 and nan_loss[0, 3] == 0
     half = local_row(1.0, [torch.full((4,), 60000.0, dtype=torch.float16), None], samples=1)
     assert half[0, 3] == 0 and math.sqrt(half[0, 4]) == pytest.approx(120000.0, rel=1e-3)  # no float16 overflow
+    mixed = local_row(torch.tensor(1.0, dtype=torch.float64),
+                      [torch.full((3,), 2.0, dtype=torch.float64), torch.full((1,), 4.0, dtype=torch.bfloat16)])
+    assert mixed[0, 4] == pytest.approx(12.0 + 16.0)
     sparse = torch.sparse_coo_tensor([[0, 2]], [3.0, 4.0], (5,))
     assert local_row(0.5, [sparse])[0, 4] == pytest.approx(25.0)
 
