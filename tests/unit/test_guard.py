@@ -277,7 +277,8 @@ def test_torch_row_flags_nan_and_inf_and_measures_the_norm():
     row = local_row(loss, model.parameters(), samples=4)
     expected = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters()))
     assert row.shape == (1, 5) and row[0, 1] == 4 and row[0, 2] == 0 and row[0, 3] == 0
-    assert row[0, 0] == pytest.approx(float(loss.detach())) and math.sqrt(row[0, 4]) == pytest.approx(expected, rel=1e-5)
+    assert row[0, 0] == pytest.approx(float(loss.detach()))
+    assert math.sqrt(row[0, 4]) == pytest.approx(expected, rel=1e-5)
 
     model.weight.grad[0, 0] = float("nan")
     bad = local_row(loss, model.parameters(), samples=4)
