@@ -23,6 +23,13 @@ setup(
         "test": ["pytest>=7.4", "pytest-timeout>=2.1", "hypothesis>=6.80", "mpi4py>=3.1,<5", "psutil>=5.9",
                  "moto[server,ec2,autoscaling]>=5.0,<6", "scikit-learn>=1.3", "matplotlib>=3.7"],
     },
-    scripts=["host_discovery/slurm.py", "host_discovery/aws_spot.py", "host_discovery/static.py"],
+    # The same commands as host_discovery/*.py (which run from a checkout).
+    entry_points={
+        "console_scripts": [
+            "elastic-ext-discover-slurm = elastic_ext.discovery.commands:slurm_main",
+            "elastic-ext-discover-aws-spot = elastic_ext.discovery.commands:aws_main",
+            "elastic-ext-discover-static = elastic_ext.discovery.commands:static_main",
+        ],
+    },
     classifiers=["Programming Language :: Python :: 3", "Topic :: Scientific/Engineering :: Artificial Intelligence"],
 )

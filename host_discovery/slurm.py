@@ -2,21 +2,14 @@
 """Horovod host discovery script: Slurm allocation (SLURM_JOB_NODELIST minus unhealthy nodes).
 
 Usage: horovodrun ... --host-discovery-script 'host_discovery/slurm.py [FLAGS]'
-Run with --help for flags and exit codes; see docs/discovery.md.
+Run with --help for flags and exit codes; see docs/discovery.md. An installed
+package also provides it as the ``elastic-ext-discover-slurm`` command.
 """
 
-import os
 import sys
 
-# Use the elastic_ext next to this script (a checkout), not a stale copy, and
-# keep this directory off sys.path so its file names shadow no module.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-if os.path.isfile(os.path.join(_ROOT, "elastic_ext", "__init__.py")):
-    sys.path.insert(0, _ROOT)
-
-from elastic_ext.discovery.commands import slurm_main  # noqa: E402
+import _checkout  # noqa: F401 - the elastic_ext of this checkout comes first (see _checkout.py)
+from elastic_ext.discovery.commands import slurm_main
 
 if __name__ == "__main__":
     sys.exit(slurm_main())
