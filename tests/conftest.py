@@ -1,4 +1,9 @@
-"""Shared pytest settings: every test has a hard timeout (pytest-timeout)."""
+"""Shared pytest setup: the repository root goes first on sys.path, so tests
+import ``tests.*`` and this checkout's elastic_ext (not an installed copy).
+
+Every test's hard timeout comes from pytest-timeout: ``timeout`` in
+pytest.ini for all of them, or the test's own ``pytest.mark.timeout``.
+"""
 
 import os
 import sys
