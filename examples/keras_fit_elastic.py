@@ -23,12 +23,17 @@ or a resize restarts ``fit`` at the committed epoch and batch. If a worker
 dies, the others roll back to the last commit and go on without it; the
 samples of the lost steps are trained on again, exactly once. When hosts are
 added, the job grows at the next commit, without a rollback.
+
+The ``instrument`` (and its ``Instrumented`` callback) is the demo's and the
+tests' hook (fault injection, sample ledger), off unless its flags are given:
+your own script leaves it out.
 """
 
 import argparse
 import logging
 import os
-import time
+
+from elastic_ext.testing import Instrument
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--keras", choices=["2", "3"], default="3", help="2: tf_keras, 3: Keras 3")
@@ -36,9 +41,7 @@ parser.add_argument("--epochs", type=int, default=6)
 parser.add_argument("--global-batch", type=int, default=64, help="kept constant whatever the world size")
 parser.add_argument("--lr", type=float, default=0.01)
 parser.add_argument("--commit-every", type=int, default=5, help="batches between commits")
-parser.add_argument("--step-sleep-s", type=float, default=0.0, help="slow steps down, to watch the job")
-parser.add_argument("--ledger", default="", help="directory for the per-step sample ledger (exactly-once audit)")
-parser.add_argument("--faults", default="", help='injected faults "RANK:STEP[:kill|stop|term]" (demo/testing)')
+Instrument.add_arguments(parser)  # --ledger, --faults, --step-sleep-s: the demo's and the tests' hooks
 args = parser.parse_args()
 
 # tf.keras resolves to tf_keras only if this is set before TensorFlow is imported.
@@ -59,8 +62,6 @@ import horovod.tensorflow as hvd  # noqa: E402
 
 import elastic_ext  # noqa: E402
 import elastic_ext.tensorflow as etf  # noqa: E402
-from elastic_ext.testing.ledger import Ledger  # noqa: E402
-from elastic_ext.testing import FaultSchedule  # noqa: E402
 
 logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -98,29 +99,24 @@ class Report(keras.callbacks.Callback):
                   f"workers {hvd.size()}  step {state.step}", flush=True)
 
 
-class Demo(keras.callbacks.Callback):
-    """--faults, --step-sleep-s and --ledger: the demo's hooks, outside the training loop."""
+instrument = Instrument.from_args(args, hvd.rank, hvd.size)  # does nothing without its flags
 
-    def __init__(self):
-        super().__init__()
-        self.faults = FaultSchedule.parse(args.faults, os.path.join(args.ledger or "/tmp", "faults"))
-        self.ledger = Ledger(args.ledger) if args.ledger else None
+
+class Instrumented(keras.callbacks.Callback):
+    """The instrument's hooks in ``fit``: a due fault fires as a batch begins; the demo's slow-down."""
 
     def on_train_batch_begin(self, batch, logs=None):
-        self.faults.maybe_fire(hvd.rank(), state.step)
+        instrument.before_step(state)
 
     def on_train_batch_end(self, batch, logs=None):
-        if args.step_sleep_s:
-            time.sleep(args.step_sleep_s)
-
-    def record(self, step):
-        if self.ledger:
-            self.ledger.step(state.generation, step.epoch, step.cursor, state.step, hvd.rank(), hvd.size(),
-                             step.indices[~step.pad], int(step.pad.sum()))
+        instrument.pause()
 
 
-demo = Demo()
-elastic = etf.ElasticCallback(state, load, commit_every=args.commit_every, on_step=demo.record)
+def record(step):
+    instrument.record(state, step.epoch, step.cursor, step.indices, step.pad)
+
+
+elastic = etf.ElasticCallback(state, load, commit_every=args.commit_every, on_step=record)
 
 
 def on_reset():
@@ -133,9 +129,8 @@ state.register_reset_callbacks([on_reset])
 
 @elastic_ext.run
 def train(state):
-    if demo.ledger:
-        demo.ledger.start(state.generation, sampler.epoch, sampler.cursor, state.step, hvd.rank(), hvd.size())
-    return elastic.fit(model, epochs=args.epochs, callbacks=[demo, Report()], verbose=0)
+    instrument.started(state, sampler)
+    return elastic.fit(model, epochs=args.epochs, callbacks=[Instrumented(), Report()], verbose=0)
 
 
 train(state)
@@ -143,5 +138,4 @@ if hvd.rank() == 0:
     _, accuracy = model.evaluate(test_x, test_y, verbose=0)
     print(f"done: test accuracy {accuracy:.3f} after {state.step} steps on {hvd.size()} workers "
           f"(Keras {keras.__version__})", flush=True)
-if demo.ledger:
-    demo.ledger.end(state.step, hvd.rank(), hvd.size())
+instrument.finished(state)

@@ -9,7 +9,9 @@ the host file every second, so editing it grows or shrinks the job)::
         python examples/pytorch_elastic.py --epochs 6
 
 On a Slurm allocation use ``--host-discovery-script host_discovery/slurm.py``.
-``examples/run_demo.py`` runs this with a scheduled failure and a scale-up.
+``examples/run_demo.py`` runs this with a scheduled failure and a scale-up;
+the ``instrument`` lines are its hooks (fault injection, sample ledger), off
+unless their flags are given: your own script leaves them out.
 
 What happens on failures: every ``--commit-every`` steps the state (model,
 optimizer, sampler position, epoch, step) is committed to host memory. If a
@@ -21,8 +23,6 @@ added, the job grows at the next commit, without a rollback.
 
 import argparse
 import logging
-import os
-import time
 
 import numpy as np
 import torch
@@ -31,8 +31,7 @@ from sklearn.datasets import load_digits
 import horovod.torch as hvd
 
 import elastic_ext
-from elastic_ext.testing.ledger import Ledger
-from elastic_ext.testing import FaultSchedule
+from elastic_ext.testing import Instrument
 from elastic_ext.torch import ElasticSampler
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -40,9 +39,7 @@ parser.add_argument("--epochs", type=int, default=6)
 parser.add_argument("--global-batch", type=int, default=64, help="kept constant whatever the world size")
 parser.add_argument("--lr", type=float, default=0.01)
 parser.add_argument("--commit-every", type=int, default=5, help="steps between commits")
-parser.add_argument("--step-sleep-s", type=float, default=0.0, help="slow steps down, to watch the job")
-parser.add_argument("--ledger", default="", help="directory for the per-step sample ledger (exactly-once audit)")
-parser.add_argument("--faults", default="", help='injected faults "RANK:STEP[:kill|stop|term]" (demo/testing)')
+Instrument.add_arguments(parser)  # --ledger, --faults, --step-sleep-s: the demo's and the tests' hooks
 args = parser.parse_args()
 
 logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
@@ -70,8 +67,7 @@ model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.L
 optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 sampler = ElasticSampler(len(train_y), global_batch_size=args.global_batch, seed=1, policy="pad")
 state = elastic_ext.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0)
-faults = FaultSchedule.parse(args.faults, os.path.join(args.ledger or "/tmp", "faults"))
-ledger = Ledger(args.ledger) if args.ledger else None
+instrument = Instrument.from_args(args, hvd.rank, hvd.size)  # does nothing without its flags
 
 
 def on_reset():
@@ -92,16 +88,12 @@ def train(state):
     if last is not None and last["event"] == "recovered":
         say(f"[elastic] recovered from {last['cause']} in {last['recovery_s']:.1f}s, "
             f"{last['steps_rolled_back']} steps rolled back, resuming at step {state.step}")
-    if ledger:
-        ledger.start(state.generation, sampler.epoch, sampler.cursor, state.step, hvd.rank(), hvd.size())
+    instrument.started(state, sampler)
     while state.epoch < args.epochs:
         sampler.set_epoch(state.epoch)
         losses = []
         for indices, pad in sampler.batches():
-            faults.maybe_fire(hvd.rank(), state.step)
-            if ledger:
-                ledger.step(state.generation, sampler.epoch, sampler.cursor, state.step, hvd.rank(), hvd.size(),
-                            indices[~pad], int(pad.sum()))
+            instrument.step(state, sampler, indices, pad)
             index = torch.from_numpy(indices.astype(np.int64))
             per_sample = torch.nn.functional.cross_entropy(model(train_x[index]), train_y[index], reduction="none")
             # Sum over real samples / global batch, summed over ranks = the mean
@@ -115,8 +107,6 @@ def train(state):
             losses.append(loss.item() * args.global_batch / max(1, int((~pad).sum())))
             sampler.record_step()
             state.step += 1
-            if args.step_sleep_s:
-                time.sleep(args.step_sleep_s)
             if state.step % args.commit_every == 0:
                 state.commit()
         state.epoch += 1
@@ -128,5 +118,4 @@ def train(state):
 
 accuracy = train(state)
 say(f"done: test accuracy {accuracy:.3f} after {state.step} steps on {hvd.size()} workers")
-if ledger:
-    ledger.end(state.step, hvd.rank(), hvd.size())
+instrument.finished(state)

@@ -35,6 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
+from elastic_ext.events import read_events  # noqa: E402
 from elastic_ext.testing import ledger  # noqa: E402
 
 DATASET_SIZE = 1500  # digits minus the 297 test images held out by the example
@@ -135,13 +136,6 @@ class Job:
 
 
 # ------------------------------------------------------------------ analysis
-
-def read_events(path):
-    if not os.path.exists(path):
-        return []
-    with open(path) as handle:
-        return sorted((json.loads(line) for line in handle if line.strip()), key=lambda e: e["time"])
-
 
 def incidents(events, faults, host_added_at):
     """One record per job transition (a failure or a resize), in time order.
@@ -257,8 +251,8 @@ def summarize(job, code, started):
     records = ledger.read(job.ledger_dir)
     epochs_seen = max((r["epoch"] for r in records if "epoch" in r), default=-1) + 1
     report = ledger.audit(records, dataset_size=DATASET_SIZE, epochs=epochs_seen)
-    events = read_events(job.events_path)
-    faults_dir = os.path.join(job.ledger_dir, "faults")
+    events = sorted(read_events(job.events_path), key=lambda e: e["time"])
+    faults_dir = os.path.join(job.ledger_dir, "faults")  # the fault markers (elastic_ext.testing.Instrument)
     faults = []
     if os.path.isdir(faults_dir):
         for name in sorted(os.listdir(faults_dir)):
@@ -301,6 +295,9 @@ def summarize(job, code, started):
 def main(argv=None):
     args = parse_args(argv)
     work = args.out or tempfile.mkdtemp(prefix="elastic_ext_demo_")
+    if os.path.exists(os.path.join(work, "ledger")):
+        # Its fault markers would keep the failure from firing, its ledger mix two runs.
+        raise SystemExit(f"--out ({work}) already holds a demo run; give a new directory")
     os.makedirs(work, exist_ok=True)
     job = Job(args, work)
     print(f"elastic_ext demo: 4 workers on 2 pseudo-hosts; rank 3 is killed at step {args.kill_step}; "

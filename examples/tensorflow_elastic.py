@@ -11,7 +11,10 @@ the host file every second, so editing it grows or shrinks the job)::
 ``--keras 2`` trains a tf_keras (Keras 2) model instead of a Keras 3 one; the
 script sets ``TF_USE_LEGACY_KERAS=1`` itself, before TensorFlow is imported.
 On a Slurm allocation use ``--host-discovery-script host_discovery/slurm.py``.
-This is the TensorFlow twin of ``examples/pytorch_elastic.py``.
+This is the TensorFlow twin of ``examples/pytorch_elastic.py``. The
+``instrument`` lines are the demo's and the tests' hooks (fault injection,
+sample ledger), off unless their flags are given: your own script leaves
+them out.
 
 What happens on failures: every ``--commit-every`` steps the state (model,
 optimizer, sampler position, epoch, step) is committed to host memory. If a
@@ -29,7 +32,8 @@ the sum is the global mean.
 import argparse
 import logging
 import os
-import time
+
+from elastic_ext.testing import Instrument
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--keras", choices=["2", "3"], default="3", help="2: tf_keras, 3: Keras 3")
@@ -37,9 +41,7 @@ parser.add_argument("--epochs", type=int, default=6)
 parser.add_argument("--global-batch", type=int, default=64, help="kept constant whatever the world size")
 parser.add_argument("--lr", type=float, default=0.01)
 parser.add_argument("--commit-every", type=int, default=5, help="steps between commits")
-parser.add_argument("--step-sleep-s", type=float, default=0.0, help="slow steps down, to watch the job")
-parser.add_argument("--ledger", default="", help="directory for the per-step sample ledger (exactly-once audit)")
-parser.add_argument("--faults", default="", help='injected faults "RANK:STEP[:kill|stop|term]" (demo/testing)')
+Instrument.add_arguments(parser)  # --ledger, --faults, --step-sleep-s: the demo's and the tests' hooks
 args = parser.parse_args()
 
 # tf.keras resolves to tf_keras only if this is set before TensorFlow is imported.
@@ -59,9 +61,7 @@ else:
 import horovod.tensorflow as hvd  # noqa: E402
 
 import elastic_ext  # noqa: E402
-from elastic_ext.testing.ledger import Ledger  # noqa: E402
 from elastic_ext.tensorflow import ElasticSampler, index_dataset  # noqa: E402
-from elastic_ext.testing import FaultSchedule  # noqa: E402
 
 logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -90,8 +90,7 @@ optimizer = keras.optimizers.Adam(args.lr)
 loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
 sampler = ElasticSampler(int(train_y.shape[0]), global_batch_size=args.global_batch, seed=1, policy="pad")
 state = elastic_ext.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0)
-faults = FaultSchedule.parse(args.faults, os.path.join(args.ledger or "/tmp", "faults"))
-ledger = Ledger(args.ledger) if args.ledger else None
+instrument = Instrument.from_args(args, hvd.rank, hvd.size)  # does nothing without its flags
 
 
 def on_reset():
@@ -127,23 +126,17 @@ def train(state):
     if last is not None and last["event"] == "recovered":
         say(f"[elastic] recovered from {last['cause']} in {last['recovery_s']:.1f}s, "
             f"{last['steps_rolled_back']} steps rolled back, resuming at step {state.step}")
-    if ledger:
-        ledger.start(state.generation, sampler.epoch, sampler.cursor, state.step, hvd.rank(), hvd.size())
+    instrument.started(state, sampler)
     while state.epoch < args.epochs:
         sampler.set_epoch(state.epoch)
         losses = []
         # A fresh iterator per epoch and per (re)start: index_dataset plans the
         # steps from the committed cursor and the world size of that moment.
         for indices, pad in index_dataset(sampler):
-            faults.maybe_fire(hvd.rank(), state.step)
-            if ledger:
-                ledger.step(state.generation, sampler.epoch, sampler.cursor, state.step, hvd.rank(), hvd.size(),
-                            indices.numpy()[~pad.numpy()], int(pad.numpy().sum()))
+            instrument.step(state, sampler, indices, pad)
             losses.append(train_step(indices, pad))
             sampler.record_step()
             state.step += 1
-            if args.step_sleep_s:
-                time.sleep(args.step_sleep_s)
             if state.step % args.commit_every == 0:
                 state.commit()
         state.epoch += 1
@@ -155,5 +148,4 @@ def train(state):
 
 accuracy = train(state)
 say(f"done: test accuracy {accuracy:.3f} after {state.step} steps on {hvd.size()} workers (Keras {keras.__version__})")
-if ledger:
-    ledger.end(state.step, hvd.rank(), hvd.size())
+instrument.finished(state)
