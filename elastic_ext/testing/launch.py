@@ -1,15 +1,20 @@
-"""Launching real horovodrun / mpirun jobs from tests, with a hard timeout.
+"""Launching real horovodrun / mpirun jobs from tests and benchmarks, with a hard timeout.
 
 Every launch runs in its own session; on expiry (or any exit) the whole
 process tree (horovodrun, its middlemen and every worker, which Horovod puts
-in process groups of their own) is killed, found through psutil.
+in process groups of their own) is killed, found through psutil. Paths are
+those of the checkout this package sits in (its tests' workers, its
+``host_discovery/static.py``).
 """
+
+from __future__ import annotations
 
 import os
 import signal
 import subprocess
 import sys
 import time
+from typing import Any, Dict, List, Sequence, Tuple
 
 import psutil
 
@@ -19,7 +24,8 @@ WORKERS = os.path.join(REPO, "tests", "multiprocess", "workers")
 STATIC = os.path.join(REPO, "host_discovery", "static.py")
 
 
-def base_env(**extra):
+def base_env(**extra: Any) -> Dict[str, str]:
+    """This environment plus what every launched job needs (venv first on PATH, the checkout on PYTHONPATH)."""
     env = dict(os.environ)
     env["PATH"] = VENV_BIN + os.pathsep + env.get("PATH", "")
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
@@ -37,7 +43,8 @@ def base_env(**extra):
     return env
 
 
-def kill_tree(pid):
+def kill_tree(pid: int) -> None:
+    """SIGKILLs ``pid`` and every descendant, and waits for them."""
     try:
         root = psutil.Process(pid)
         procs = root.children(recursive=True) + [root]
@@ -54,21 +61,22 @@ def kill_tree(pid):
 class Job:
     """A running command whose whole tree is killed on timeout or exit."""
 
-    def __init__(self, cmd, env, log_path, cwd=REPO):
+    def __init__(self, cmd: Sequence[str], env: Dict[str, str], log_path: str, cwd: str = REPO) -> None:
         self.log_path = log_path
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         self.descendants = set()
 
-    def track(self):
+    def track(self) -> None:
         try:
             for child in psutil.Process(self.proc.pid).children(recursive=True):
                 self.descendants.add(child.pid)
         except psutil.NoSuchProcess:
             pass
 
-    def wait(self, timeout_s):
+    def wait(self, timeout_s: float) -> Tuple[int, str]:
+        """Waits for the end (killing the tree at ``timeout_s``); returns (exit code, output)."""
         deadline = time.monotonic() + timeout_s
         while self.proc.poll() is None and time.monotonic() < deadline:
             self.track()
@@ -87,24 +95,32 @@ class Job:
         return self.proc.returncode, output
 
 
-def run(cmd, env, log_path, timeout_s):
+def run(cmd: Sequence[str], env: Dict[str, str], log_path: str, timeout_s: float) -> Tuple[int, str]:
+    """Runs ``cmd`` to its end or ``timeout_s`` (then AssertionError); returns (exit code, output)."""
     return Job(cmd, env, log_path).wait(timeout_s)
 
 
-def write_hosts(path, lines):
+def write_hosts(path: str, lines: Sequence[str]) -> None:
+    """Replaces a discovery host file at once (the driver never reads half of it)."""
     with open(path + ".tmp", "w") as handle:
         handle.write("\n".join(lines) + "\n")
     os.replace(path + ".tmp", path)
 
 
-def elastic_cmd(np_, min_np, max_np, hosts_file, script, *script_args):
+def elastic_cmd(np_: int, min_np: int, max_np: int, hosts_file: str, script: str, *script_args: str) -> List[str]:
+    """horovodrun, elastic on the host file, running a test worker."""
     return [os.path.join(VENV_BIN, "horovodrun"), "-np", str(np_), "--min-np", str(min_np),
             "--max-np", str(max_np), "--host-discovery-script", f"{STATIC} {hosts_file}",
             "--network-interfaces", "lo", sys.executable, os.path.join(WORKERS, script), *script_args]
 
 
-def static_cmd(np_, script, *script_args):
+def static_cmd(np_: int, script: str, *script_args: str) -> List[str]:
+    """horovodrun with a fixed world of ``np_`` local Gloo workers, running a test worker."""
     return [os.path.join(VENV_BIN, "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
             "--network-interfaces", "lo", sys.executable, os.path.join(WORKERS, script), *script_args]
 
 
+
+
+__all__ = ["REPO", "VENV_BIN", "WORKERS", "STATIC", "base_env", "kill_tree", "Job", "run", "write_hosts",
+           "elastic_cmd", "static_cmd"]
