@@ -99,13 +99,19 @@ SCENARIOS: Dict[str, dict] = {
 }
 
 
-def first_error(output: str) -> str:
-    """The first exception line a worker printed (Horovod prefixes worker lines with [rank])."""
-    for line in output.splitlines():
-        text = re.sub(r"^\[\d+\]<std(?:err|out)>:", "", line).strip()
-        if re.match(r"^[\w.]+(Error|Exception|Interrupt): ", text) and "scheduled exit" not in text:
-            return text[:300]
-    return ""
+def errors(output: str, limit: int = 4) -> List[str]:
+    """The distinct exception lines the workers printed (Horovod prefixes worker
+    lines with [rank]), then the launcher's; the scheduled exits do not count."""
+    found: List[str] = []
+    for worker_only in (True, False):
+        for line in output.splitlines():
+            if worker_only != bool(re.match(r"^\[\d+\]<std(?:err|out)>:", line)):
+                continue
+            text = re.sub(r"^\[\d+\]<std(?:err|out)>:", "", line).strip()
+            if re.match(r"^[\w.]+(Error|Exception|Interrupt): ", text) and "scheduled exit" not in text \
+                    and text[:300] not in found:
+                found.append(text[:300])
+    return found[:limit]
 
 
 def run_one(flavour: str, name: str, spec: dict, workdir: str, timeout_s: float) -> dict:
@@ -130,7 +136,7 @@ def run_one(flavour: str, name: str, spec: dict, workdir: str, timeout_s: float)
             epochs = [json.loads(line) for line in handle if line.strip()]
     missed = spec["check"](code, output, epochs)
     return {"flavour": flavour, "scenario": name, "passed": missed is None, "why": missed or "",
-            "first_error": first_error(output) if missed else "", "exit_code": code, "epochs": epochs,
+            "errors": errors(output) if missed else [], "exit_code": code, "epochs": epochs,
             "duration_s": round(time.monotonic() - started, 1)}
 
 
