@@ -3,22 +3,28 @@
 Like Horovod's own ``State``, which receives ``bcast_object`` and
 ``get_rank``, the core receives a :class:`Binding`: rank and size, three
 collectives over numpy arrays, and the reset that re-initialises Horovod.
-``elastic_ext.torch`` and ``elastic_ext.tensorflow`` each provide one.
+``elastic_ext.torch.binding`` and ``elastic_ext.tensorflow.binding`` each
+register one (:func:`register_binding`) when imported; :func:`get_binding`
+imports them by name, so the core has no import of a framework package.
 This module also builds the few composite collectives the core uses
 (JSON broadcast, fused array broadcast) on top of those three.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
-from typing import Any, Dict, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Dict, Optional, Protocol, runtime_checkable
 
 import numpy as np
 
 from elastic_ext.errors import ConfigError
 
 FRAMEWORKS = ("torch", "tensorflow")
+# The module of each framework that registers its binding on import.
+_BINDING_MODULES = {"torch": "elastic_ext.torch.binding", "tensorflow": "elastic_ext.tensorflow.binding"}
+_factories: Dict[str, Callable[[], "Binding"]] = {}
 
 
 @runtime_checkable
@@ -54,13 +60,16 @@ def get_binding(framework: str) -> Binding:
     Raises:
         ConfigError: unknown framework name.
     """
-    if framework == "torch":
-        from elastic_ext.torch.binding import TorchBinding
-        return TorchBinding()
-    if framework == "tensorflow":
-        from elastic_ext.tensorflow.binding import TensorFlowBinding
-        return TensorFlowBinding()
-    raise ConfigError(f"framework ({framework!r}) must be one of {FRAMEWORKS}")
+    if framework not in FRAMEWORKS:
+        raise ConfigError(f"framework ({framework!r}) must be one of {FRAMEWORKS}")
+    if framework not in _factories:
+        importlib.import_module(_BINDING_MODULES[framework])  # by name: it registers its binding
+    return _factories[framework]()
+
+
+def register_binding(framework: str, factory: Callable[[], Binding]) -> None:
+    """Called by a framework's binding module on import: ``factory()`` makes its :class:`Binding`."""
+    _factories[framework] = factory
 
 
 def guess_framework(preferred: Optional[str] = None) -> str:

@@ -32,29 +32,88 @@ rank), and a SIGTERM makes every rank stop at the next commit once rank 0
 has made that commit durable. Commits and checkpoints work as usual, so a
 requeued job resumes from the newest checkpoint at any world size. One log
 line at start-up says so.
+
+The step counter: a rollback event says how many steps were lost
+(``steps_rolled_back``), read from the tracked integer named by
+``run(counter=...)`` (``"step"`` by default) before and after the restore;
+``None`` when the State tracks no such integer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import logging
 import os
 import signal
 import time
-from typing import Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, TypeVar
 
 import numpy as np
 
-from elastic_ext import watchdog
 from elastic_ext.connections import CollectiveConnections
 from elastic_ext.errors import RollbackLimitError
+from elastic_ext.events import FINISH, LEAVE, RECOVERED, RESET, RESIZE, ROLLBACK, ROLLBACK_LIMIT, STALL, SUSPENDED
+from elastic_ext.watchdog import LEAVE_EXIT_CODE, LIVENESS, Liveness, Watchdog, install_sigterm
+
+if TYPE_CHECKING:
+    from elastic_ext.state import State
 
 logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _HOROVOD_MODULES = {"torch": "horovod.torch", "tensorflow": "horovod.tensorflow"}
+# Event fields quote an exception's message up to this many characters (a Gloo
+# error can carry a whole stack of peers; events are one JSON line each).
+ERROR_DETAIL_CHARS = 500
+
+
+def error_detail(exc: BaseException) -> str:
+    """An exception's message as an event field: ``str(exc)`` cut at :data:`ERROR_DETAIL_CHARS`."""
+    return str(exc)[:ERROR_DETAIL_CHARS]
+
+
+@dataclasses.dataclass
+class RollbackRecord:
+    """Consecutive rollbacks without a new commit, agreed by every rank (``sync`` broadcasts it).
+
+    ``run`` counts each rollback with :meth:`note` and stops at
+    ``config.rollback_limit`` (:class:`RollbackLimitError`).
+    """
+
+    in_a_row: int = 0     # rollbacks since the last new commit
+    commit_id: int = -1   # the commit they all went back to
+
+    def note(self, commit_id: int) -> int:
+        """Counts a rollback to ``commit_id``; returns how many happened in a row without a new commit."""
+        if commit_id == self.commit_id:
+            self.in_a_row += 1
+        else:
+            self.in_a_row, self.commit_id = 1, commit_id
+        return self.in_a_row
+
+    def to_json(self) -> Dict[str, int]:
+        return {"in_a_row": self.in_a_row, "commit_id": self.commit_id}
+
+    def load_json(self, data: Dict[str, int]) -> None:
+        self.in_a_row, self.commit_id = int(data["in_a_row"]), int(data["commit_id"])
+
+
+@dataclasses.dataclass
+class Recovery:
+    """A rollback or resize in progress: reported as ``recovered`` once the next sync is done."""
+
+    cause: str                 # "collective_failed" or "hosts_updated"
+    commit_id: int
+    started: float             # time.perf_counter() when the failure or resize was seen
+    fields: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def event(self, size: int, generation: int) -> Dict[str, Any]:
+        """The ``recovered`` event's fields."""
+        return {"cause": self.cause, **self.fields, "commit_id": self.commit_id, "size": size,
+                "generation": generation, "recovery_s": time.perf_counter() - self.started}
 
 
 def controller(binding: Any) -> str:
@@ -75,25 +134,35 @@ def _announce_mpi(config: Any) -> None:
                    "stops every rank at the next commit after rank 0 made it durable; %s", durable)
 
 
-def _leave(state: Any, kind: str, cause: str) -> None:
+def _leave(state: "State", liveness: Liveness, kind: str, cause: str) -> None:
     """Makes the agreed commit durable (rank 0), then exits this process. Never returns."""
-    remaining = watchdog.leave_time_left()
+    remaining = liveness.leave_time_left()
     if remaining is None:
         remaining = state.config.term_grace_s
     durable = state.wait_for_checkpoint(max(0.0, remaining - 0.5))
     if kind == "mpi":
         # Every rank waits for rank 0's write: mpirun kills the others as soon as one exits.
         state.binding.allreduce_max(np.zeros(1, dtype=np.int64), "elastic_ext.leave")
-    state.events.emit("leave", commit_id=state.commit_id, cause=cause, durable_commit_id=durable)
+    state.events.emit(LEAVE, commit_id=state.commit_id, cause=cause, durable_commit_id=durable)
     logging.shutdown()
-    os._exit(watchdog.LEAVE_EXIT_CODE)
+    # 143 (128 + SIGTERM), not 0: Horovod's driver then shrinks the job rather than ending it.
+    os._exit(LEAVE_EXIT_CODE)
 
 
-def run(func: Optional[F] = None) -> Any:
+def _int_or_none(value: Any) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def run(func: Optional[F] = None, *, counter: Optional[str] = "step") -> Any:
     """Decorates a training function ``func(state, *args, **kwargs)`` for elastic execution.
 
     The function must not start with a collective of its own: the first
-    thing that runs is ``state.sync()``. Use it bare (``@elastic_ext.run``).
+    thing that runs is ``state.sync()``. Use it bare (``@elastic_ext.run``)
+    or with options (``@elastic_ext.run(counter="iteration")``).
+
+    Args:
+        counter: name of the tracked integer that counts steps, for the
+            ``steps_rolled_back`` field of rollback events (None: not reported).
 
     Raises:
         RollbackLimitError: more consecutive rollbacks than
@@ -101,28 +170,29 @@ def run(func: Optional[F] = None) -> Any:
         StateDivergenceError: ranks disagree on the committed state.
     """
     if func is None:
-        return run
+        return functools.partial(run, counter=counter)
+
+    def steps_now(state: "State") -> Optional[int]:
+        return None if counter is None else _int_or_none(state.objects.get(counter))
 
     @functools.wraps(func)
-    def wrapper(state: Any, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(state: "State", *args: Any, **kwargs: Any) -> Any:
         from horovod.common.elastic import notification_manager
         from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
-        binding = state.binding
-        events = state.events
-        config = state.config
+        binding, events, config, liveness = state.binding, state.events, state.config, LIVENESS
         kind = controller(binding)
         if kind == "mpi":
             _announce_mpi(config)
         notification_manager.init()
         notification_manager.register_listener(state)
-        dog = watchdog.Watchdog(config, on_stall=lambda idle: events.emit("stall", idle_s=idle),
-                                on_suspend=lambda gap: events.emit("suspended", gap_s=gap))
+        dog = Watchdog(config, on_stall=lambda idle: events.emit(STALL, idle_s=idle),
+                       on_suspend=lambda gap: events.emit(SUSPENDED, gap_s=gap), liveness=liveness)
         dog.start()
-        previous_sigterm = watchdog.install_sigterm(config)
+        previous_sigterm = install_sigterm(config, liveness)
         links = CollectiveConnections()
         cut_links = config.abort_connections and kind == "gloo"
-        pending: Optional[dict] = None
+        pending: Optional[Recovery] = None
         started = time.perf_counter()
         try:
             while True:
@@ -131,13 +201,10 @@ def run(func: Optional[F] = None) -> Any:
                         links.learn_from_peers(binding)
                     state.sync()
                     if pending is not None:
-                        pending["size"] = binding.size()
-                        pending["generation"] = state.generation
-                        pending["recovery_s"] = time.perf_counter() - pending.pop("_t0")
-                        events.emit("recovered", **pending)
+                        events.emit(RECOVERED, **pending.event(binding.size(), state.generation))
                         pending = None
                     try:
-                        with watchdog.training():
+                        with liveness.training():
                             result = func(state, *args, **kwargs)
                     except HorovodInternalError:
                         raise
@@ -148,7 +215,7 @@ def run(func: Optional[F] = None) -> Any:
                         if translated is None:
                             raise
                         raise translated from exc
-                    events.emit("finish", commit_id=state.commit_id, duration_s=time.perf_counter() - started)
+                    events.emit(FINISH, commit_id=state.commit_id, duration_s=time.perf_counter() - started)
                     return result
                 except HorovodInternalError as exc:
                     t0 = time.perf_counter()
@@ -158,38 +225,38 @@ def run(func: Optional[F] = None) -> Any:
                         raise
                     if cut_links:
                         links.abort(str(exc))
-                    count = state.note_rollback()
+                    count = state.rollbacks.note(state.commit_id)
                     lost_s = state.seconds_since_commit
-                    step_now = state.value_if_int("step")
-                    if count > state.config.rollback_limit:
-                        events.emit("rollback_limit", commit_id=state.commit_id, rollbacks=count,
-                                    limit=state.config.rollback_limit, cause=str(exc)[:500])
+                    step_now = steps_now(state)
+                    if count > config.rollback_limit:
+                        events.emit(ROLLBACK_LIMIT, commit_id=state.commit_id, rollbacks=count,
+                                    limit=config.rollback_limit, cause=error_detail(exc))
                         raise RollbackLimitError(
                             f"{count} rollbacks in a row without a new commit (commit id {state.commit_id}) "
-                            f"exceed rollback_limit ({state.config.rollback_limit}); last cause: {exc}") from exc
+                            f"exceed rollback_limit ({config.rollback_limit}); last cause: {exc}") from exc
                     state.restore()
-                    step_committed = state.value_if_int("step")
+                    step_committed = steps_now(state)
                     steps_back = (step_now - step_committed
                                   if step_now is not None and step_committed is not None else None)
-                    pending = {"cause": "collective_failed", "detail": str(exc)[:500], "_t0": t0,
-                               "commit_id": state.commit_id, "rollbacks_in_a_row": count,
-                               "steps_rolled_back": steps_back, "lost_work_s": lost_s}
-                    events.emit("rollback", **{k: v for k, v in pending.items() if k != "_t0"})
+                    pending = Recovery("collective_failed", state.commit_id, t0, {
+                        "detail": error_detail(exc), "rollbacks_in_a_row": count,
+                        "steps_rolled_back": steps_back, "lost_work_s": lost_s})
+                    events.emit(ROLLBACK, cause=pending.cause, **pending.fields, commit_id=pending.commit_id)
                 except HostsUpdatedInterrupt as exc:
                     # The commit is agreed on every rank: rank 0 makes it durable now,
                     # whether or not it was due (a leaver may be rank 0 itself).
                     state.checkpoint_now()
-                    if watchdog.leaving() or kind == "mpi":
-                        _leave(state, kind, "sigterm" if watchdog.leaving() else "peer_sigterm")
-                    pending = {"cause": "hosts_updated", "skip_sync": bool(exc.skip_sync),
-                               "commit_id": state.commit_id, "steps_rolled_back": 0, "_t0": time.perf_counter()}
-                    events.emit("resize", skip_sync=bool(exc.skip_sync), commit_id=state.commit_id)
+                    if liveness.leaving() or kind == "mpi":
+                        _leave(state, liveness, kind, "sigterm" if liveness.leaving() else "peer_sigterm")
+                    pending = Recovery("hosts_updated", state.commit_id, time.perf_counter(),
+                                       {"skip_sync": bool(exc.skip_sync), "steps_rolled_back": 0})
+                    events.emit(RESIZE, skip_sync=bool(exc.skip_sync), commit_id=state.commit_id)
                 reset_started = time.perf_counter()
                 links.before_init()
                 binding.reset()
                 links.after_init()
                 state.on_reset()
-                events.emit("reset", duration_s=time.perf_counter() - reset_started, cause=pending["cause"])
+                events.emit(RESET, duration_s=time.perf_counter() - reset_started, cause=pending.cause)
         finally:
             dog.stop()
             if previous_sigterm is not None:

@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Optional, Tuple
 
 import numpy as np
 
-from elastic_ext import partition, watchdog
+from elastic_ext import partition
 from elastic_ext.errors import PartitionError, StateDivergenceError
 
 logger = logging.getLogger(__name__)
@@ -74,6 +74,9 @@ class ElasticPartitioner:
         self.cursor = 0
         self._order: Optional[partition.EpochOrder] = None
         self._order_key: Optional[tuple] = None
+        # Called at every record_step(): a State tracking this sampler sets it to
+        # its liveness' progress, so the stall check sees steps (None: no report).
+        self.on_progress: Optional[Callable[[], None]] = None
 
     # ------------------------------------------------------------- position
 
@@ -131,7 +134,8 @@ class ElasticPartitioner:
             raise PartitionError(f"record_step() at cursor {self.cursor} of {self.size} with global batch "
                                  f"{self.global_batch} and policy {self.policy!r}: the epoch has no step left")
         self.cursor += advance
-        watchdog.progress()
+        if self.on_progress is not None:
+            self.on_progress()
 
     # ------------------------------------------------------------- batches
 
@@ -159,7 +163,8 @@ class ElasticPartitioner:
         return partition.steps_left(self.size, self.cursor, self.global_batch, self.policy)
 
     def on_world_change(self) -> None:
-        """Called by ``State.reset()``; the next plan uses the new rank and size."""
+        """Called by ``State.reset()`` after a resize. It only logs: nothing needs
+        resetting, since every :meth:`plan` asks :attr:`world` for the rank and size."""
         logger.debug("world changed at epoch %d cursor %d", self.epoch, self.cursor)
 
     # ------------------------------------------------------- committed state

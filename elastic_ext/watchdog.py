@@ -53,7 +53,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, ContextManager, Iterator, List, Optional
 
 from elastic_ext.config import ElasticConfig
 
@@ -65,12 +65,87 @@ LEAVE_EXIT_CODE = 143  # 128 + SIGTERM: non-zero, so Horovod's driver shrinks in
 JUMP_FACTOR = 3.0
 JUMP_MIN_S = 2.0
 
-_last_progress = time.monotonic()
-_first_step_pending = False  # no progress yet in this training span (compilation, warm-up)
-_phases: List[str] = []
-_phases_lock = threading.Lock()
-_leaving = threading.Event()
-_in_training = threading.Event()
+class Liveness:
+    """What the stall check and the SIGTERM handler know about one worker's training.
+
+    Progress (commit, ``record_step``, :meth:`progress`), open phases,
+    whether training runs now (inside ``@elastic_ext.run``'s function), and
+    whether the worker was asked to leave. One process-wide instance,
+    :data:`LIVENESS`, serves the public :func:`progress` and :func:`phase`;
+    :class:`~elastic_ext.State`, ``run`` and :class:`Watchdog` are handed it.
+    """
+
+    def __init__(self) -> None:
+        self.last_progress = time.monotonic()
+        self.first_step_pending = False  # no progress yet in this training span (compilation, warm-up)
+        self._phases: List[str] = []
+        self._phases_lock = threading.Lock()
+        self._leaving = threading.Event()
+        self._in_training = threading.Event()
+        self._leave_deadline: Optional[float] = None
+
+    def progress(self) -> None:
+        """Marks that training moved forward."""
+        self.last_progress = time.monotonic()
+        self.first_step_pending = False
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Opens a long phase in which the stall check does not fire (see :func:`phase`)."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"phase name ({name!r}) must be a non-empty string")
+        with self._phases_lock:
+            self._phases.append(name)
+        self.progress()
+        try:
+            yield
+        finally:
+            with self._phases_lock:
+                # Remove this phase (the newest with that name): phases nest.
+                for i in range(len(self._phases) - 1, -1, -1):
+                    if self._phases[i] == name:
+                        del self._phases[i]
+                        break
+            self.progress()
+
+    def open_phases(self) -> List[str]:
+        """The phases open now, outermost first."""
+        with self._phases_lock:
+            return list(self._phases)
+
+    @property
+    def in_training(self) -> bool:
+        """True inside ``@elastic_ext.run``'s training function."""
+        return self._in_training.is_set()
+
+    @contextmanager
+    def training(self) -> Iterator[None]:
+        """The span in which SIGTERM means "leave" and the stall check applies."""
+        self.progress()
+        self.first_step_pending = True  # the first step may compile: first_step_timeout_s applies
+        self._in_training.set()
+        try:
+            yield
+        finally:
+            self._in_training.clear()
+
+    def leaving(self) -> bool:
+        """True once this worker was asked to leave (SIGTERM) and has not left yet."""
+        return self._leaving.is_set()
+
+    def ask_to_leave(self, grace_s: float) -> None:
+        """Records a request to leave at the next commit, within ``grace_s``."""
+        self._leave_deadline = time.monotonic() + grace_s
+        self._leaving.set()
+
+    def leave_time_left(self) -> Optional[float]:
+        """Seconds left of the grace period since the request to leave, or None without one."""
+        if self._leave_deadline is None:
+            return None
+        return max(0.0, self._leave_deadline - time.monotonic())
+
+
+LIVENESS = Liveness()  # this process's, behind the public progress() and phase()
 
 
 def progress() -> None:
@@ -79,13 +154,10 @@ def progress() -> None:
     Call it from a long loop of your own (e.g. every evaluation batch) so
     that the stall check sees a healthy worker.
     """
-    global _last_progress, _first_step_pending
-    _last_progress = time.monotonic()
-    _first_step_pending = False
+    LIVENESS.progress()
 
 
-@contextmanager
-def phase(name: str) -> Iterator[None]:
+def phase(name: str) -> ContextManager[None]:
     """Opens a long phase in which the stall check does not fire.
 
     ``with elastic_ext.phase("eval"): evaluate()`` (or ``state.phase``): an
@@ -94,27 +166,12 @@ def phase(name: str) -> Iterator[None]:
     stops beating (SIGSTOP, frozen with the GIL held), and peers waiting in
     a collective are unaffected. Phases nest; leaving one counts as progress.
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"phase name ({name!r}) must be a non-empty string")
-    with _phases_lock:
-        _phases.append(name)
-    progress()
-    try:
-        yield
-    finally:
-        with _phases_lock:
-            # Remove this phase (the newest with that name): phases nest.
-            for i in range(len(_phases) - 1, -1, -1):
-                if _phases[i] == name:
-                    del _phases[i]
-                    break
-        progress()
+    return LIVENESS.phase(name)
 
 
 def open_phases() -> List[str]:
-    """The phases open now, outermost first."""
-    with _phases_lock:
-        return list(_phases)
+    """The phases open now in this process, outermost first."""
+    return LIVENESS.open_phases()
 
 
 def stall_verdict(idle_s: float, stall_timeout_s: float, first_step_timeout_s: float, first_step_pending: bool,
@@ -138,21 +195,6 @@ def stall_verdict(idle_s: float, stall_timeout_s: float, first_step_timeout_s: f
     if not limit or idle_s <= limit:
         return None
     return f"no training progress for {idle_s:.1f}s ({what}={limit}) outside any collective and any phase"
-
-
-def leaving() -> bool:
-    """True once this worker was asked to leave (SIGTERM) and has not left yet."""
-    return _leaving.is_set()
-
-
-_leave_deadline: Optional[float] = None
-
-
-def leave_time_left() -> Optional[float]:
-    """Seconds left of ``term_grace_s`` since this worker's SIGTERM, or None without one."""
-    if _leave_deadline is None:
-        return None
-    return max(0.0, _leave_deadline - time.monotonic())
 
 
 # ----------------------------------------------------------------- watchdog
@@ -183,12 +225,15 @@ def _main_thread_in_horovod() -> bool:
 class Watchdog:
     """The heartbeat thread, its guardian process and the stall check of one worker.
 
-    Started by ``@elastic_ext.run`` for the duration of training.
+    Started by ``@elastic_ext.run`` for the duration of training; reads
+    ``liveness`` (this process's :data:`LIVENESS` by default).
     """
 
     def __init__(self, config: ElasticConfig, on_stall: Optional[Callable[[float], None]] = None,
-                 on_suspend: Optional[Callable[[float], None]] = None) -> None:
+                 on_suspend: Optional[Callable[[float], None]] = None,
+                 liveness: Optional[Liveness] = None) -> None:
         self._config = config
+        self._liveness = liveness or LIVENESS
         self._on_suspend = on_suspend
         self._stop = threading.Event()
         self._guardian: Optional[subprocess.Popen] = None
@@ -201,7 +246,7 @@ class Watchdog:
                 [sys.executable, "-m", "elastic_ext.guardian", "--pid", str(os.getpid()),
                  "--timeout-s", str(self._config.hang_timeout_s)],
                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
-        progress()
+        self._liveness.progress()
         self._thread = threading.Thread(target=self._beat, name="elastic_ext-heartbeat", daemon=True)
         self._thread.start()
 
@@ -220,7 +265,7 @@ class Watchdog:
                 self._guardian.kill()
 
     def _beat(self) -> None:
-        global _last_progress
+        live = self._liveness
         period = self._config.heartbeat_period_s
         tick = time.monotonic()
         while not self._stop.wait(period):
@@ -231,7 +276,7 @@ class Watchdog:
                 # suspended (or the machine starved it), not stuck in a step.
                 logger.warning("heartbeat thread did not run for %.1fs (heartbeat_period_s=%s): the process was "
                                "suspended; restarting the stall clock", gap, period)
-                _last_progress = max(_last_progress, now)
+                live.last_progress = max(live.last_progress, now)
                 if self._on_suspend is not None:
                     self._on_suspend(gap)
             if self._guardian is not None:
@@ -241,10 +286,10 @@ class Watchdog:
                 except (BrokenPipeError, ValueError, OSError):
                     logger.error("guardian process is gone; hang detection is off for this worker")
                     self._guardian = None
-            idle = time.monotonic() - _last_progress
+            idle = time.monotonic() - live.last_progress
             verdict = stall_verdict(idle, self._config.stall_timeout_s, self._config.first_step_timeout_s,
-                                    _first_step_pending, open_phases(), _in_training.is_set(),
-                                    _in_training.is_set() and _main_thread_in_horovod())
+                                    live.first_step_pending, live.open_phases(), live.in_training,
+                                    live.in_training and _main_thread_in_horovod())
             if verdict is not None:
                 logger.critical("%s: this worker is stuck; killing it so the job can recover", verdict)
                 if self._on_stall is not None:
@@ -254,7 +299,7 @@ class Watchdog:
 
 # ------------------------------------------------------------------ SIGTERM
 
-def install_sigterm(config: ElasticConfig):
+def install_sigterm(config: ElasticConfig, liveness: Optional[Liveness] = None):
     """Makes SIGTERM mean "leave at the next commit" while training runs.
 
     Outside training (e.g. while Horovod re-initialises, when the driver
@@ -264,15 +309,14 @@ def install_sigterm(config: ElasticConfig):
     """
     if threading.current_thread() is not threading.main_thread():
         return None
+    live = liveness or LIVENESS
 
     def handler(signum, frame):
-        if not _in_training.is_set() or _leaving.is_set():
+        if not live.in_training or live.leaving():
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             return
-        global _leave_deadline
-        _leave_deadline = time.monotonic() + config.term_grace_s
-        _leaving.set()
+        live.ask_to_leave(config.term_grace_s)
         logger.warning("SIGTERM: leaving at the next commit (at most %.0fs from now)", config.term_grace_s)
 
         def give_up():
@@ -284,17 +328,3 @@ def install_sigterm(config: ElasticConfig):
         timer.start()
 
     return signal.signal(signal.SIGTERM, handler)
-
-
-class training:
-    """Context marking the span in which SIGTERM and the stall check apply."""
-
-    def __enter__(self) -> "training":
-        global _first_step_pending
-        progress()
-        _first_step_pending = True  # the first step may compile: first_step_timeout_s applies
-        _in_training.set()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _in_training.clear()

@@ -11,6 +11,8 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 from horovod.common.exceptions import HorovodInternalError
 
+from elastic_ext.binding import register_binding
+
 # Op names Horovod gives its TF kernels; an error from one of them means a
 # collective failed (a peer died, Horovod was shut down under it).
 _HOROVOD_OP = re.compile(r"Horovod(Allreduce|GroupedAllreduce|Allgather|GroupedAllgather|Broadcast|Alltoall|"
@@ -63,3 +65,6 @@ class TensorFlowBinding:
         if isinstance(exc, tf.errors.OpError) and (_HOROVOD_OP.search(str(exc)) or _SHUT_DOWN in str(exc)):
             return HorovodInternalError(str(exc))
         return None
+
+
+register_binding("tensorflow", TensorFlowBinding)

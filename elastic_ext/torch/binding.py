@@ -9,6 +9,8 @@ import torch
 
 import horovod.torch as hvd
 
+from elastic_ext.binding import register_binding
+
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
     # torch.from_numpy needs a writable, contiguous array; collectives read it.
@@ -44,3 +46,6 @@ class TorchBinding:
     def as_internal_error(self, exc: BaseException) -> Optional[BaseException]:
         # horovod.torch raises HorovodInternalError itself.
         return None
+
+
+register_binding("torch", TorchBinding)

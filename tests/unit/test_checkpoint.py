@@ -165,7 +165,7 @@ def _craft(directory, commit_id, dtype_text, payload):
             "arrays": [["model", "w", dtype_text, [1], 0, len(payload)]],
             "objects": {"model": {"meta": None}},
             "files": {"arrays.bin": {"bytes": len(payload), "crc32": checkpoint.Crc32(payload).hexdigest()}}}
-    body["manifest_crc32"] = checkpoint.Crc32(checkpoint._canonical(body)).hexdigest()
+    body["manifest_crc32"] = checkpoint.Crc32(checkpoint.format.canonical(body)).hexdigest()
     (path / "manifest.json").write_text(json.dumps(body))
     return path
 
@@ -344,13 +344,13 @@ def test_resume_refuses_a_checkpoint_of_other_objects(tmp_path):
 @pytest.mark.parametrize("commit_buffers", [1, 2])
 def test_a_slow_write_reads_its_own_commit_while_training_commits_on(tmp_path, monkeypatch, commit_buffers):
     gate = threading.Event()
-    real = checkpoint.write_checkpoint
+    real = checkpoint.write_checkpoint  # the writer thread calls its module's name
 
     def slow(directory, commit_id, entries, info):
         gate.wait(30)
         return real(directory, commit_id, entries, info)
 
-    monkeypatch.setattr(checkpoint, "write_checkpoint", slow)
+    monkeypatch.setattr(checkpoint.writer, "write_checkpoint", slow)
     job = Job(tmp_path, checkpoint_wait_s=0.0, commit_buffers=commit_buffers)
     job.state.sync()
     job.steps(1)
@@ -425,7 +425,7 @@ def test_tensorflow_keras_state_resumes_bitwise(tmp_path):
 
 
 def test_a_failed_write_is_reported_and_retried_at_the_next_commit(tmp_path, monkeypatch, caplog):
-    real = checkpoint.write_checkpoint
+    real = checkpoint.write_checkpoint  # the writer thread calls its module's name
     calls = []
 
     def failing_once(directory, commit_id, entries, info):
@@ -434,7 +434,7 @@ def test_a_failed_write_is_reported_and_retried_at_the_next_commit(tmp_path, mon
             raise CheckpointError(f"cannot write checkpoint {directory}: disk full")
         return real(directory, commit_id, entries, info)
 
-    monkeypatch.setattr(checkpoint, "write_checkpoint", failing_once)
+    monkeypatch.setattr(checkpoint.writer, "write_checkpoint", failing_once)
     job = Job(tmp_path, checkpoint_every=10)
     job.state.sync()
     with caplog.at_level(logging.ERROR, logger="elastic_ext.checkpoint"):

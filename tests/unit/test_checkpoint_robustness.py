@@ -52,7 +52,7 @@ def store_manifest(path, body, checksum=True):
     body = dict(body)
     body.pop("manifest_crc32", None)
     if checksum:
-        body["manifest_crc32"] = checkpoint.Crc32(checkpoint._canonical(body)).hexdigest()
+        body["manifest_crc32"] = checkpoint.Crc32(checkpoint.format.canonical(body)).hexdigest()
     (path / "manifest.json").write_text(json.dumps(body))
 
 
@@ -293,7 +293,7 @@ def test_fuzz_truncated_bit_flipped_or_replaced_data_file(template, data):
 
 @pytest.fixture
 def no_retry_wait(monkeypatch):
-    monkeypatch.setattr(checkpoint, "READ_RETRY_DELAY_S", 0.0)
+    monkeypatch.setattr(checkpoint.store, "READ_RETRY_DELAY_S", 0.0)
 
 
 @pytest.fixture

@@ -308,8 +308,8 @@ def test_path_key_is_injective_and_parses_back(a, b):
 def test_every_public_member_of_state_is_a_reserved_name():
     public = {name for name in dir(State) if not name.startswith("_")}
     assert public <= reserved_names()
-    assert {"generation", "verify", "value_if_int", "committed_value", "note_rollback", "host_update_pending",
-            "seconds_since_commit", "register_adapter", "per_rank"} <= reserved_names()
+    assert {"generation", "verify", "rollbacks", "host_update_pending", "seconds_since_commit",
+            "register_adapter", "per_rank"} <= reserved_names()
     keywords = {"framework", "binding", "adapters", "config", "per_rank"}  # never reach **objects
     for name in sorted(public - keywords):
         with pytest.raises(StateError, match=f"object name '{name}' is reserved"):

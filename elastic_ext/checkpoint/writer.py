@@ -1,0 +1,178 @@
+"""The background checkpoint writer of rank 0: thread, due/skip policy, resume bookkeeping.
+
+Who writes: rank 0 alone, the synced entries only. They are identical on
+every rank (``sync`` checks it), so one copy is the whole state; sharding by
+rank would need a second agreement round on which shards are complete, and
+the write is off the training path anyway. Per-rank entries (RNG streams)
+are not checkpointed: after a restart from storage each rank keeps the
+streams its script seeded.
+
+The write reads the commit's own buffers, leased from
+:class:`~elastic_ext.buffers.CommitBuffers` and released when it is done;
+the buffers decide where later commits copy meanwhile.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+import weakref
+from typing import Any, Dict, Iterable, Optional, Set, Tuple
+
+from elastic_ext.buffers import CommitBuffers, Lease
+from elastic_ext.checkpoint.files import write_checkpoint
+from elastic_ext.checkpoint.format import Loaded
+from elastic_ext.checkpoint.store import CheckpointStore
+from elastic_ext.config import ElasticConfig
+from elastic_ext.errors import CheckpointError
+from elastic_ext.events import CHECKPOINT, CHECKPOINT_FAILED, CHECKPOINT_RESUMED, CHECKPOINT_SKIPPED, EventLog
+from elastic_ext.run import error_detail
+
+logger = logging.getLogger(__name__)
+
+
+class Checkpointer:
+    """Background checkpoint writes for :class:`~elastic_ext.State` (rank 0).
+
+    Bound policy: at most one write is in flight. When a checkpoint is due
+    while the previous write still runs, the commit waits for it at most
+    ``checkpoint_wait_s``; if it is still running then, this commit's
+    checkpoint is skipped (warning and a ``checkpoint_skipped`` event) and the
+    next commit is checkpointed instead. A commit therefore never waits more
+    than ``checkpoint_wait_s`` on storage.
+
+    Args:
+        config: the State's :class:`~elastic_ext.ElasticConfig`.
+        events: where ``checkpoint*`` events go.
+        buffers: the State's commit buffers; a write leases the ones it reads.
+    """
+
+    def __init__(self, config: ElasticConfig, events: EventLog, buffers: CommitBuffers) -> None:
+        self.store = CheckpointStore(config.checkpoint_dir)
+        self._config = config
+        self._events = events
+        self._buffers = buffers
+        self._thread: Optional[threading.Thread] = None
+        self._result: Optional[Tuple[int, Optional[BaseException]]] = None
+        self._owed = False                               # a due checkpoint was skipped
+        self._result_id = -1                             # commit id of the running (or last) write
+        self.last_written: Optional[int] = None
+        atexit.register(_wait_at_exit, weakref.ref(self))
+
+    def _collect(self) -> None:
+        """On the training thread: takes a finished write's result."""
+        if self._thread is None or self._thread.is_alive():
+            return
+        self._thread.join()
+        self._thread = None
+        commit_id, error = self._result
+        if error is None:
+            self.last_written = max(commit_id, self.last_written or 0)
+        else:
+            self._owed = True  # the next commit tries again rather than waiting a whole interval
+
+    # writing --------------------------------------------------------------
+
+    def due(self, commit_id: int) -> bool:
+        """True if commit ``commit_id`` should be checkpointed (every N-th, or one was skipped)."""
+        return ((commit_id % self._config.checkpoint_every == 0 or self._owed)
+                and commit_id != self.last_written)
+
+    def on_commit(self, commit_id: int, names: Iterable[str], info: Dict[str, Any], force: bool = False) -> None:
+        """Starts the background write of the last commit's entries ``names`` if one is due.
+
+        Called after the commit is agreed. ``force`` writes it even if not due
+        (a leave or a resize makes the agreed commit durable), waiting for a
+        running write first however long.
+        """
+        self._collect()
+        if commit_id == self.last_written or (self._thread is not None and commit_id == self._result_id):
+            return
+        if not force and not self.due(commit_id):
+            return
+        if self._thread is not None:
+            self.wait(None if force else self._config.checkpoint_wait_s)
+            if self._thread is not None:
+                self._owed = True
+                logger.warning("checkpoint of commit %d skipped: the write of commit %d is still running after "
+                               "checkpoint_wait_s (%ss); the next commit is checkpointed instead",
+                               commit_id, self._result_id, self._config.checkpoint_wait_s)
+                self._events.emit(CHECKPOINT_SKIPPED, commit_id=commit_id, running=self._result_id,
+                                  wait_s=self._config.checkpoint_wait_s)
+                return
+        self._owed = False
+        lease = self._buffers.lease(names)
+        self._result_id = commit_id
+        self._thread = threading.Thread(target=self._write, args=(commit_id, lease, dict(info)),
+                                        name=f"elastic_ext-checkpoint-{commit_id}", daemon=True)
+        self._thread.start()
+
+    def _write(self, commit_id: int, lease: Lease, info: Dict[str, Any]) -> None:
+        started = time.perf_counter()
+        try:
+            path = write_checkpoint(self.store.directory, commit_id, lease.entries, info)
+        except Exception as exc:  # noqa: BLE001 - reported here and in the event; training goes on
+            logger.error("checkpoint of commit %d failed: %s", commit_id, exc)
+            self._events.emit(CHECKPOINT_FAILED, commit_id=commit_id, error=error_detail(exc))
+            self._result = (commit_id, exc)
+            return
+        finally:
+            lease.release()
+        # The checkpoint is durable now. Retention is housekeeping: what it cannot
+        # delete is logged (once) by the store, and never makes this write count as
+        # failed, which would change the cadence (a full write at every commit).
+        deleted = self.store.apply_retention(commit_id, self._config.checkpoint_keep_last,
+                                             self._config.checkpoint_keep_every)
+        nbytes = sum(int(a.nbytes) for e in lease.entries.values() for a in e.arrays.values())
+        self._events.emit(CHECKPOINT, commit_id=commit_id, path=path, bytes=nbytes, deleted=deleted,
+                          not_deleted=list(self.store.not_deleted), duration_s=time.perf_counter() - started)
+        self._result = (commit_id, None)
+
+    def wait(self, timeout_s: Optional[float] = None) -> bool:
+        """Waits for the running write (at most ``timeout_s``); True if none is left running."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+        self._collect()
+        return self._thread is None
+
+    # resuming -------------------------------------------------------------
+
+    def newest(self, synced: Set[str]) -> Tuple[Optional[Loaded], Optional[str]]:
+        """The newest valid checkpoint for a State whose synced objects are ``synced``.
+
+        Returns ``(checkpoint or None, None)``, or ``(None, message)`` when it
+        cannot be used: the directory cannot be read, or the checkpoint holds
+        objects this State does not track as synced.
+        """
+        try:
+            loaded = self.store.load_newest()
+        except CheckpointError as exc:  # e.g. the directory cannot be listed
+            return None, f"cannot look for checkpoints in {self._config.checkpoint_dir}: {exc}"
+        if loaded is None:
+            return None, None
+        foreign = sorted(set(loaded.entries) - synced)
+        if foreign:
+            return None, (f"cannot resume from checkpoint {loaded.path}: CheckpointError: it holds objects "
+                          f"{foreign} that this State does not track as synced objects (it tracks {sorted(synced)})")
+        missing = sorted(synced - set(loaded.entries))
+        if missing:
+            logger.warning("[rank 0] checkpoint %s holds no %s; they keep their initial values", loaded.path, missing)
+        return loaded, None
+
+    def resumed(self, loaded: Loaded) -> None:
+        """Records that the job resumed from ``loaded`` (that commit is not written again)."""
+        self.last_written = loaded.commit_id
+        self._events.emit(CHECKPOINT_RESUMED, commit_id=loaded.commit_id, path=loaded.path,
+                          world_size=loaded.manifest.get("world_size"),
+                          data_cursor=loaded.manifest.get("data_cursor"))
+
+
+def _wait_at_exit(ref: "weakref.ref[Checkpointer]") -> None:
+    # Daemon threads die at interpreter exit; let the last write finish first.
+    checkpointer = ref()
+    if checkpointer is not None and checkpointer._thread is not None:
+        logger.info("waiting for the checkpoint of commit %d before exiting", checkpointer._result_id)
+        checkpointer.wait()

@@ -1,0 +1,316 @@
+"""Sync and verify: who holds which commit, the root, the digest, the broadcasts.
+
+``State.sync()`` runs these steps on every rank together:
+
+1. Every rank allgathers one row of the *id table* (:func:`gather_ids`):
+   commit id, survivor?, generation, digest of what must agree, digest of
+   everything. The same collective whatever the rank's history, so survivors
+   of a resize and newcomers filling a freed slot always meet.
+2. :func:`choose_root` picks the newest commit among survivors (ids may be
+   one apart after a failure mid-commit) and the lowest rank holding it.
+3. :func:`check_agreement` raises :class:`StateDivergenceError` if a
+   survivor at that commit differs from the root in something that must
+   agree (see :func:`digest_items`); it names the first differing entry.
+4. If every rank already holds exactly those bytes (:func:`all_agree`),
+   nothing more is sent; otherwise the root broadcasts the commit's
+   metadata and arrays.
+
+The host-update allreduce at every commit (:func:`agree_at_commit`) also
+carries the commit id, so ranks that disagree on it fail at that commit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import queue
+import time
+import zlib
+from typing import TYPE_CHECKING, Dict, FrozenSet, List, Optional, Tuple
+
+import numpy as np
+
+from elastic_ext.binding import Binding, broadcast_arrays, broadcast_json
+from elastic_ext.buffers import CommitBuffers
+from elastic_ext.errors import CheckpointError, StateDivergenceError
+from elastic_ext.events import SYNC, EventLog
+from elastic_ext.run import RollbackRecord
+from elastic_ext.snapshot import Entry
+from elastic_ext.tracked import Tracked
+from elastic_ext.tree import describe_key
+
+if TYPE_CHECKING:
+    from elastic_ext.checkpoint import Checkpointer
+
+# Horovod's HostUpdateResult flags, repeated here so the core needs no Horovod import.
+HOSTS_REMOVED = 1
+HOSTS_ADDED = 2
+
+# Columns of the id table, one row per rank.
+ID, PARTICIPATED, GENERATION, DIGEST, FULL_DIGEST = range(5)
+
+DigestItem = Tuple[str, int, bool]  # (label, CRC32, must agree across ranks?)
+
+
+def digest_items(entries: Dict[str, Entry], names: List[str],
+                 buffer_keys: Dict[str, FrozenSet[str]]) -> List[DigestItem]:
+    """One item for the metadata and for every array of the synced entries ``names``,
+    in commit order; arrays named in ``buffer_keys`` (buffers) need not agree."""
+    items = []
+    for name in names:
+        entry = entries[name]
+        items.append((f"{name} (metadata)", zlib.crc32(json.dumps(entry.meta, sort_keys=True).encode()), True))
+        buffers = buffer_keys.get(name, frozenset())
+        for key, array in entry.arrays.items():
+            crc = zlib.crc32(f"{array.dtype.str}:{array.shape}".encode())
+            crc = zlib.crc32(np.ascontiguousarray(array).view(np.uint8).data, crc)
+            items.append((f"{name}{describe_key(key)}", crc, key not in buffers))
+    return items
+
+
+def combine(items: List[DigestItem], strict_only: bool) -> int:
+    """One CRC32 over the per-entry ones (labels included, so a renamed entry counts)."""
+    crc = 0
+    for label, value, strict in items:
+        if strict or not strict_only:
+            crc = zlib.crc32(f"{label}={value};".encode(), crc)
+    return crc
+
+
+def gather_ids(binding: Binding, commit_id: int, participated: bool, generation: int,
+               items: List[DigestItem]) -> np.ndarray:
+    """The id table: every rank's ``(commit id, survivor?, generation, digest, full digest)``."""
+    mine = np.array([[commit_id, int(participated), generation, combine(items, strict_only=True),
+                      combine(items, strict_only=False)]], dtype=np.int64)
+    return binding.allgather(mine, "elastic_ext.sync.ids")
+
+
+def choose_root(table: np.ndarray) -> Tuple[int, int]:
+    """The sync root and commit id: the newest commit among survivors, held by the lowest rank.
+
+    Raises:
+        StateDivergenceError: survivors' ids differ beyond what a failure mid-commit explains.
+    """
+    survivors = np.flatnonzero(table[:, PARTICIPATED] == 1)
+    if survivors.size == 0:
+        return 0, int(table[0, ID])
+    ids = table[survivors, ID]
+    newest, oldest = int(ids.max()), int(ids.min())
+    if newest - oldest > 1:
+        detail = ", ".join(f"rank {r}: {int(table[r, ID])}" for r in survivors)
+        raise StateDivergenceError(f"surviving ranks hold commit ids {oldest}..{newest} ({detail}); "
+                                   "ids may differ by at most 1 (a failure during commit)")
+    return int(survivors[ids == newest][0]), newest
+
+
+def all_agree(table: np.ndarray, root: int, target: int) -> bool:
+    """True if every rank is a survivor holding commit ``target`` with the root's bytes and generation."""
+    return bool(table[:, PARTICIPATED].all() and (table[:, ID] == target).all()
+                and (table[:, FULL_DIGEST] == table[root, FULL_DIGEST]).all()
+                and (table[:, GENERATION] == table[root, GENERATION]).all())
+
+
+def check_agreement(binding: Binding, table: np.ndarray, root: int, target: int, items: List[DigestItem]) -> None:
+    """Raises StateDivergenceError if survivors at ``target`` differ from the root in
+    what must agree. Cheap unless they do: then one more broadcast and allgather
+    find the first differing entry, on every rank together."""
+    same = np.flatnonzero((table[:, PARTICIPATED] == 1) & (table[:, ID] == target))
+    bad = [int(r) for r in same if table[r, DIGEST] != table[root, DIGEST]]
+    if not bad:
+        return
+    b = binding
+    labels = broadcast_json(b, [label for label, _, strict in items if strict] if b.rank() == root else None,
+                            root, "elastic_ext.sync.diagnose.labels")
+    crcs = dict((label, crc) for label, crc, strict in items if strict)
+    row = np.array([[crcs.get(label, -1) for label in labels]], dtype=np.int64)
+    found = b.allgather(row, "elastic_ext.sync.diagnose.digests") if labels else np.zeros((b.size(), 0))
+    first, differing = None, bad
+    for column, label in enumerate(labels):
+        ranks = [r for r in bad if found[r, column] != found[root, column]]
+        if ranks:
+            first, differing = label, ranks
+            break
+    what = (f"first difference: {first}" if first is not None
+            else "the entries differ in which arrays they hold")
+    raise StateDivergenceError(
+        f"ranks {differing} hold commit {target} with different values than rank {root} in state that must "
+        f"agree across ranks ({what}; checksums {int(table[bad[0], DIGEST]):#010x} vs "
+        f"{int(table[root, DIGEST]):#010x}). Parameters, optimizer state, plain values and sampler "
+        "positions must agree; buffers may differ. Mark an object that is legitimately per rank with "
+        "State(..., per_rank=(name,))")
+
+
+def layout(entries: Dict[str, Entry], names: List[str]) -> list:
+    """``[[name/key, dtype, shape], ...]``: what :func:`~elastic_ext.binding.broadcast_arrays` sends."""
+    return [[f"{name}/{key}", array.dtype.str, list(array.shape)]
+            for name in names for key, array in entries[name].arrays.items()]
+
+
+def flat_arrays(entries: Dict[str, Entry], names: List[str]) -> Dict[str, np.ndarray]:
+    return {f"{name}/{key}": array for name in names for key, array in entries[name].arrays.items()}
+
+
+def arrays_of(name: str, arrays: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """The received arrays of entry ``name`` (keys without the ``name/`` prefix)."""
+    prefix = name + "/"
+    return {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+
+
+def agree_at_commit(binding: Binding, commit_id: int, newest: int, flags: int,
+                    leaving: bool) -> Tuple[int, bool, bool, bool]:
+    """The host-update allreduce of a commit; returns (newest timestamp, anyone leaving, removed, added).
+
+    Raises:
+        StateDivergenceError: ranks hold different commit ids.
+    """
+    # The fourth element says that some rank was told to leave (SIGTERM):
+    # everyone resizes here, right after a commit, so nothing is lost.
+    # The last two (max of the id and of -id) catch ranks that disagree on
+    # the commit id at the commit where it happens, not at the next sync.
+    vector = np.array([newest, flags & HOSTS_REMOVED, (flags & HOSTS_ADDED) >> 1, int(leaving),
+                       commit_id, -commit_id], dtype=np.int64)
+    reduced = binding.allreduce_max(vector, "elastic_ext.hosts")
+    newest, removed, added, anyone_leaving, highest, negated_lowest = (int(x) for x in reduced)
+    lowest = -negated_lowest
+    if highest != lowest:
+        raise StateDivergenceError(
+            f"ranks hold different commit ids at this commit: from {lowest} to {highest} (this rank: "
+            f"{commit_id}); every rank must call commit() the same number of times between syncs "
+            "(save() is local and does not count for the others)")
+    return newest, bool(anyone_leaving), bool(removed), bool(added)
+
+
+class HostUpdates:
+    """Horovod's host-update notifications this rank has not acted on, and the newest it acted on."""
+
+    def __init__(self) -> None:
+        self._messages: "queue.Queue[Tuple[int, int]]" = queue.Queue()
+        self.last_timestamp = 0
+
+    def put(self, timestamp: int, update_res: int) -> None:
+        self._messages.put((timestamp, int(update_res)))
+
+    def pending(self) -> bool:
+        return not self._messages.empty()
+
+    def clear(self) -> None:
+        self._messages = queue.Queue()
+
+    def agree(self, binding: Binding, commit_id: int, leaving: bool) -> Optional[bool]:
+        """Runs a commit's host-update allreduce. Returns None if nothing changed, else
+        ``skip_sync`` for the ``HostsUpdatedInterrupt`` every rank then raises together.
+
+        Horovod notifies only the coordinator; a max-allreduce (rather than a
+        broadcast from rank 0) lets any rank's notification count.
+
+        Raises:
+            StateDivergenceError: ranks hold different commit ids.
+        """
+        newest, flags = self.last_timestamp, 0
+        while not self._messages.empty():
+            timestamp, update = self._messages.get()
+            if timestamp > self.last_timestamp:
+                newest = max(newest, timestamp)
+                flags |= update
+        newest, leaving, removed, added = agree_at_commit(binding, commit_id, newest, flags, leaving)
+        if newest > self.last_timestamp or leaving:
+            self.last_timestamp = newest
+            return (removed or leaving) and not added  # removals need no sync: every remaining rank holds this commit
+        return None
+
+
+@dataclasses.dataclass
+class CommitRecord:
+    """Where this rank stands: its last commit id, whether it went through a sync, the generation."""
+
+    commit_id: int = 0
+    participated: bool = False  # True once this process went through a sync
+    generation: int = 0         # +1 per sync, agreed by all ranks
+
+
+@dataclasses.dataclass
+class Party:
+    """Everything of one rank that a sync reads and updates."""
+
+    binding: Binding
+    tracked: Tracked
+    buffers: CommitBuffers
+    record: CommitRecord
+    hosts: HostUpdates
+    rollbacks: RollbackRecord
+    events: EventLog
+    checkpointer: Optional["Checkpointer"]
+
+
+def sync(party: Party, verify: bool) -> None:
+    """Makes every rank hold the same commit (see the module docstring); the caller
+    has snapshotted a newcomer's objects first.
+
+    Raises:
+        StateDivergenceError: survivors disagree beyond what a failure explains.
+        CheckpointError: a fresh job cannot resume from its checkpoints.
+    """
+    started, b, record, buffers = time.perf_counter(), party.binding, party.record, party.buffers
+    names = party.tracked.synced(buffers.entries)
+    items = digest_items(buffers.entries, names, {n: party.tracked.buffer_keys(n) for n in names}) if verify else []
+    table = gather_ids(b, record.commit_id, record.participated, record.generation, items)
+    root, target = choose_root(table)
+    if verify:
+        check_agreement(b, table, root, target, items)
+    if verify and all_agree(table, root, target):  # everyone holds these bytes: nothing to send
+        record.generation += 1
+        party.events.emit(SYNC, commit_id=target, generation=record.generation, root=root, loaded=False,
+                          newcomers=0, broadcast=False, duration_s=time.perf_counter() - started)
+        return
+    resume_error = None
+    if party.checkpointer is not None and not table[:, PARTICIPATED].any() and b.rank() == root:
+        resume_error = _resume(party, set(names))
+        names = party.tracked.synced(buffers.entries)
+    entries = buffers.entries
+    meta = {"commit_id": record.commit_id, "names": names, "meta": {n: entries[n].meta for n in names},
+            "layout": layout(entries, names), "last_updated_timestamp": party.hosts.last_timestamp,
+            "rollbacks": party.rollbacks.to_json(), "generation": record.generation}
+    if party.checkpointer is not None:
+        meta["resume_error"] = resume_error
+    meta = broadcast_json(b, meta, root, "elastic_ext.sync.meta")
+    if meta.get("resume_error"):  # raised on every rank together, so none waits in a broadcast
+        raise CheckpointError(meta["resume_error"])
+    if "resume_error" in meta:
+        target = int(meta["commit_id"])  # the checkpoint a fresh job resumed from, if any
+    arrays = broadcast_arrays(b, flat_arrays(entries, names), meta["layout"], root, "elastic_ext.sync.arrays")
+    # Buffers (BatchNorm statistics) may differ: a rank loads unless its
+    # *full* digest, buffers included, matches the root's.
+    up_to_date = (record.participated and record.commit_id == target and verify
+                  and combine(items, strict_only=False) == int(table[root, FULL_DIGEST]))
+    if b.rank() != root and not up_to_date:
+        missing = set(meta["names"]) - set(party.tracked.objects)
+        if missing:
+            raise StateDivergenceError(f"the root commits objects {sorted(missing)} that this rank does "
+                                       f"not track (this rank tracks {sorted(party.tracked.objects)})")
+        for name in meta["names"]:
+            party.tracked.apply(name, buffers.load(name, arrays_of(name, arrays), meta["meta"][name]))
+    record.commit_id = target
+    party.hosts.last_timestamp = meta["last_updated_timestamp"]
+    party.rollbacks.load_json(meta["rollbacks"])
+    record.generation = meta["generation"] + 1
+    record.participated = True
+    party.events.emit(SYNC, commit_id=target, generation=record.generation, root=root,
+                      loaded=bool(b.rank() != root and not up_to_date), broadcast=True,
+                      newcomers=int((table[:, PARTICIPATED] == 0).sum()), duration_s=time.perf_counter() - started)
+
+
+def _resume(party: Party, synced: set) -> Optional[str]:
+    """On the root of a fresh job: loads the newest valid checkpoint; returns an error message or None."""
+    loaded, error = party.checkpointer.newest(synced)
+    if loaded is None:
+        return error
+    try:
+        for name, entry in loaded.entries.items():
+            party.buffers.entries[name] = entry
+            party.tracked.apply(name, entry)
+    except Exception as exc:  # noqa: BLE001 - every rank raises it as CheckpointError in sync()
+        return f"cannot resume from checkpoint {loaded.path}: {type(exc).__name__}: {exc}"
+    party.record.commit_id = loaded.commit_id
+    party.record.generation = int(loaded.manifest.get("generation", 0))
+    party.checkpointer.resumed(loaded)
+    return None

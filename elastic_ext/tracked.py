@@ -1,0 +1,99 @@
+"""The tracked objects of a State by name, and the adapter that handles each one.
+
+:class:`Tracked` answers, for every name: which object is tracked now, which
+adapter captures and applies it (looked up once per name in
+:func:`elastic_ext.adapters.adapter_table`: the State's own adapters first,
+then those the frameworks in use registered, then the core ones), and
+whether it is synced across ranks or kept per rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, FrozenSet, Iterable, List
+
+from elastic_ext import adapters as _adapters
+from elastic_ext.adapters import Adapter
+from elastic_ext.errors import StateError
+from elastic_ext.snapshot import Capture, Entry
+
+
+class Tracked:
+    """Named objects, their adapters, and which of them are per rank.
+
+    Args:
+        objects: the objects by name.
+        adapters: extra adapters tried before the built-in ones.
+        per_rank: names of objects that are never compared nor broadcast.
+    """
+
+    def __init__(self, objects: Dict[str, Any], adapters: Iterable[Adapter], per_rank: FrozenSet[str]) -> None:
+        self.objects: Dict[str, Any] = dict(objects)
+        self.per_rank = per_rank
+        self._table: List[Adapter] = _adapters.adapter_table(adapters)
+        self._adapter_of: Dict[str, Adapter] = {}
+
+    def register(self, adapter: Adapter) -> None:
+        """Adds ``adapter`` in front of the lookup table."""
+        self._table.insert(0, adapter)
+        self._adapter_of.clear()
+
+    def adapter(self, name: str) -> Adapter:
+        """The adapter for the object tracked as ``name`` now.
+
+        Raises:
+            StateError: no adapter handles its type.
+        """
+        obj = self.objects[name]
+        cached = self._adapter_of.get(name)
+        if cached is not None and cached.handles(obj):
+            return cached
+        for adapter in self._table:
+            if adapter.handles(obj):
+                self._adapter_of[name] = adapter
+                return adapter
+        raise StateError(f"no adapter for {name!r} of type {type(obj).__module__}.{type(obj).__qualname__}; "
+                         "register one with State(adapters=[...]) or state.register_adapter()")
+
+    def prepare(self) -> None:
+        """Lets every adapter in use prepare its objects (Keras optimizers build their slots)."""
+        used: List[Adapter] = []
+        for name in self.objects:
+            adapter = self.adapter(name)
+            if adapter not in used:
+                used.append(adapter)
+        for adapter in used:
+            prepare = getattr(adapter, "prepare", None)
+            if callable(prepare):
+                prepare(self.objects)
+
+    def frameworks(self) -> List[str]:
+        """The frameworks of the adapters in use, sorted."""
+        return sorted({a.framework for a in map(self.adapter, self.objects) if getattr(a, "framework", None)})
+
+    def capture(self) -> Dict[str, Capture]:
+        """Every object's capture; nothing is copied yet.
+
+        Raises:
+            StateError: an object cannot be captured (the message names it).
+        """
+        captures = {}
+        for name, obj in self.objects.items():
+            try:
+                captures[name] = self.adapter(name).capture(obj)
+            except StateError as exc:
+                raise StateError(f"cannot commit {name!r}: {exc}") from exc
+        return captures
+
+    def apply(self, name: str, entry: Entry) -> None:
+        """Brings object ``name`` to ``entry`` (an adapter may return a new object)."""
+        self.objects[name] = self.adapter(name).apply(self.objects[name], entry)
+
+    def synced(self, names: Iterable[str]) -> List[str]:
+        """Those of ``names`` whose objects are compared and broadcast across ranks."""
+        return [name for name in names if name not in self.per_rank and self.adapter(name).synced]
+
+    def buffer_keys(self, name: str) -> FrozenSet[str]:
+        """Array keys of ``name`` that may differ across ranks (BatchNorm statistics...)."""
+        keys = getattr(self.adapter(name), "buffer_keys", None)
+        return frozenset(keys(self.objects[name])) if callable(keys) else frozenset()
+
