@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -43,17 +42,11 @@ from typing import Any, Dict, List
 import numpy as np
 import torch
 
+from bench import harness
 from elastic_ext import State
 from elastic_ext.checkpoint import write_checkpoint
 from elastic_ext.config import ElasticConfig
 from elastic_ext.testing import SoloBinding
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-def summary(samples: List[float]) -> Dict[str, float]:
-    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
-
 
 def build(width: int) -> tuple:
     torch.manual_seed(0)
@@ -72,9 +65,7 @@ def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tens
 
 
 def timed(fn) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
+    return harness.timed(fn)[0]
 
 
 def torch_save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, fsync: bool) -> None:
@@ -95,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    load_at_start = list(os.getloadavg())
+    machine = harness.machine(torch=torch.__version__, numpy=np.__version__)
     root = args.dir or tempfile.mkdtemp(prefix="elastic_ext_bench_ckpt_")
     os.makedirs(root, exist_ok=True)
     ckpt_dir = os.path.join(root, "ckpt")
@@ -150,7 +141,7 @@ def main() -> None:
                                                                  optimizer, fsync=False)))
             rows["torch_save_fsync_s"].append(timed(lambda: torch_save(os.path.join(root, "torch_save.pt"), model,
                                                                        optimizer, fsync=True)))
-            entries = {name: durable._entries[name] for name in durable._synced_names()}
+            entries = dict(durable._entries)  # the last commit's entries: model, optimizer, step
             rows["sync_durable_write_s"].append(timed(lambda: write_checkpoint(
                 os.path.join(root, "sync"), 1, entries, {})))
             print(f"rep {rep}: plain commit {rows['plain_commit_s'][-1]:.3f}s, durable commit {durable_commit:.3f}s, "
@@ -166,12 +157,9 @@ def main() -> None:
         "benchmark": "checkpoint",
         "what": "training stall of State.commit with an asynchronous durable checkpoint vs synchronous torch.save",
         "parameters": params, "state_bytes": state_bytes, "reps": args.reps, "torch_threads": args.threads,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "numpy": np.__version__,
-                    "load_average_at_start": load_at_start, "load_average_at_end": list(os.getloadavg()),
-                    "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+        "machine": dict(machine, load_average_at_end=list(os.getloadavg())),
         "samples": rows,
-        "summary": {k: summary(v) for k, v in rows.items() if v},
+        "summary": {k: harness.summary(v) for k, v in rows.items() if v},
         "added_stall_s": added,
         "ratio_added_stall_to_torch_save": added / med["torch_save_s"],
         "ratio_durable_commit_to_torch_save": med["durable_commit_s"] / med["torch_save_s"],
@@ -183,12 +171,7 @@ def main() -> None:
         "target": "added stall <= 0.1 x torch.save",
     }
     result["meets_target"] = result["ratio_added_stall_to_torch_save"] <= 0.1
-    os.makedirs(RESULTS, exist_ok=True)
-    path = os.path.join(RESULTS, "checkpoint.json")
-    with open(path + ".tmp", "w") as handle:
-        json.dump(result, handle, indent=2)
-        handle.write("\n")
-    os.replace(path + ".tmp", path)
+    path = harness.write_json("checkpoint", result)
 
     print(f"\n{params / 1e6:.1f}M parameters + Adam, {state_bytes / 2**20:.0f} MiB of state, "
           f"median of {args.reps} repetitions")

@@ -36,9 +36,9 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List
 
-from bench import common
+from bench import harness
 
 NAME = "commit"
 SYSTEMS = ("elastic_ext", "elastic_ext_2buf", "horovod")
@@ -46,6 +46,9 @@ TIME_TARGET = 0.5       # our commit time / Horovod's
 MEMORY_TARGET = 1.0     # extra host memory, in copies of model + optimizer state
 # RSS also counts the snapshot's Python objects and moves by whole pages; a copy plus this is "one copy".
 MEMORY_SLACK = 0.01
+DEFAULT_SHAPES = ("2048x8", "4096x2")
+DEFAULT_REPS = 11
+DEFAULT_COMMITS = 5
 
 
 def build(width: int, depth: int, seed: int = 0):
@@ -144,70 +147,38 @@ def child_memory(args: argparse.Namespace) -> Dict[str, Any]:
     # Imported before the baseline: module code is not memory a commit keeps.
     import elastic_ext  # noqa: F401
     model, optimizer = build(args.width, args.depth)
-    gc.collect()
-    # Without this, heap left free by the forward/backward pass counts in the baseline and
-    # a later allocation that reuses it looks free.
-    common.malloc_trim()
-    base = common.proc_memory()["rss"]
-    common.reset_peak()
+    # Trimmed: heap left free by the forward/backward pass would count in the baseline and
+    # a later allocation that reuses it would look free.
+    base = harness.settled_rss()
+    harness.reset_peak()
     started = time.perf_counter()
     # Horovod's constructor already deep-copies the state; ours allocates at the first commit.
     state = make_state(args.system, model, optimizer)
     construction_s = time.perf_counter() - started
-    after_init = common.proc_memory()
+    after_init = harness.proc_memory()
     commits = []
     for _ in range(args.commits):
         gc.collect()
-        before = common.proc_memory()["rss"]
-        common.reset_peak()
+        before = harness.proc_memory()["rss"]
+        harness.reset_peak()
         started = time.perf_counter()
         state.commit()
         elapsed = time.perf_counter() - started
-        now = common.proc_memory()
+        now = harness.proc_memory()
         commits.append({"rss_before": before, "rss_after": now["rss"], "peak": now["peak"], "seconds": elapsed})
     # What stays live once the allocator gives back what it merely keeps for reuse.
-    gc.collect()
-    common.malloc_trim()
-    trimmed = common.proc_memory()["rss"]
+    trimmed = harness.settled_rss()
     return {"system": args.system, "baseline_rss": base, "rss_after_trim": trimmed, "after_construction": after_init,
             "construction_s": construction_s,
             "commits": commits, "payload": payload_bytes(model, optimizer)}
 
 
-
-def main(argv: List[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
-                        help="comma-separated WIDTHxDEPTH MLPs (default %(default)s: 33.6M parameters each)")
-    parser.add_argument("--reps", type=int, default=DEFAULT_REPS, help="timed calls per system and operation")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--commits", type=int, default=DEFAULT_COMMITS, help="commits per memory child")
-    parser.add_argument("--name", default=NAME, help="result file stem under bench/results (default %(default)s)")
-    parser.add_argument("--child", choices=("time", "memory"), help=argparse.SUPPRESS)
-    parser.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)
-    parser.add_argument("--width", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--depth", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.child == "time":
-        print(json.dumps(child_time(args)))
-        return 0
-    if args.child == "memory":
-        print(json.dumps(child_memory(args)))
-        return 0
-    return drive(args, argv)
-
-
-DEFAULT_SHAPES = ("2048x8", "4096x2")
-DEFAULT_REPS = 11
-DEFAULT_COMMITS = 5
-
-
 def measure_shape(width: int, depth: int, args: argparse.Namespace) -> Dict[str, Any]:
     """Memory children (one per system), then the interleaved timing child, for one model shape."""
     shape = ["--width", str(width), "--depth", str(depth)]
-    memory = {s: common.run_child("bench.commit", ["--child", "memory", "--system", s, "--commits",
+    memory = {s: harness.run_child("bench.commit", ["--child", "memory", "--system", s, "--commits",
                                                    str(args.commits), *shape], timeout_s=300) for s in SYSTEMS}
-    timing = common.run_child("bench.commit", ["--child", "time", "--reps", str(args.reps), "--warmup",
+    timing = harness.run_child("bench.commit", ["--child", "time", "--reps", str(args.reps), "--warmup",
                                                str(args.warmup), *shape], timeout_s=600)
     payload = timing["payload"]
     unit = payload["total"]
@@ -218,8 +189,8 @@ def measure_shape(width: int, depth: int, args: argparse.Namespace) -> Dict[str,
         peak = max(c["peak"] for c in mem["commits"]) - mem["baseline_rss"]
         samples = timing["times_s"][system]
         results[system] = {
-            "commit_s": common.summary(samples["commit"]),
-            "save_s": common.summary(samples["save"]),
+            "commit_s": harness.summary(samples["commit"]),
+            "save_s": harness.summary(samples["save"]),
             "first_copy_s": mem["construction_s"] + mem["commits"][0]["seconds"],
             "extra_rss_steady_bytes": steady, "extra_rss_peak_bytes": peak,
             "extra_rss_steady_payloads": steady / unit, "extra_rss_peak_payloads": peak / unit,
@@ -258,7 +229,7 @@ def measure_shape(width: int, depth: int, args: argparse.Namespace) -> Dict[str,
 
 
 def drive(args: argparse.Namespace, argv: List[str]) -> int:
-    info = common.machine()
+    info = harness.machine()
     shapes = [tuple(int(x) for x in item.lower().split("x")) for item in args.shapes.split(",")]
     measured = {f"{w}x{d}": measure_shape(w, d, args) for w, d in shapes}
     data = {
@@ -270,7 +241,7 @@ def drive(args: argparse.Namespace, argv: List[str]) -> int:
         "horovod_init": "hvd.init() in a single process (world of one, MPI singleton)",
         "shapes": measured,
     }
-    common.write_json(args.name, data)
+    harness.write_json(args.name, data)
 
     print(f"{info['cpus']} CPUs ({info['cpu_model']}), load average at start {info['load_average_at_start'][0]:.2f}; "
           f"{args.reps} interleaved reps after {args.warmup} warm-up")
@@ -281,10 +252,10 @@ def drive(args: argparse.Namespace, argv: List[str]) -> int:
             rows.append([key, system, r["commit_s"]["median"] * 1e3, r["commit_s"]["min"] * 1e3,
                          r["save_s"]["median"] * 1e3, r["first_copy_s"] * 1e3,
                          r["extra_rss_steady_payloads"], r["extra_rss_live_payloads"], r["extra_rss_peak_payloads"]])
-    print(common.table(["model", "system", "commit med ms", "commit min ms", "save med ms", "new+1st ms",
+    print(harness.table(["model", "system", "commit med ms", "commit min ms", "save med ms", "new+1st ms",
                         "extra RSS", "live", "peak extra"], rows))
     print("(extra RSS in payloads = bytes of model state_dict + Adam state; "
-          + ", ".join(f"{k}: {m['payload_bytes']['total'] / common.MIB:.0f} MiB" for k, m in measured.items()) + ")")
+          + ", ".join(f"{k}: {m['payload_bytes']['total'] / harness.MIB:.0f} MiB" for k, m in measured.items()) + ")")
     for key, m in measured.items():
         r, t = m["ratios_elastic_ext_over_horovod"], m["targets"]
         ours = m["results"]["elastic_ext"]
@@ -297,7 +268,7 @@ def drive(args: argparse.Namespace, argv: List[str]) -> int:
     pick = lambda field, scale=1.0: [m["results"][s][field]["median"] * scale if isinstance(m["results"][s][field], dict)
                                      else m["results"][s][field] * scale
                                      for m in measured.values() for s in ("elastic_ext", "horovod")]
-    common.bar_chart(args.name, f"commit(): 33.6M-parameter MLPs + Adam, CPU ({info['cpus']} cores)", [
+    harness.bar_chart(args.name, f"commit(): 33.6M-parameter MLPs + Adam, CPU ({info['cpus']} cores)", [
         {"ylabel": "commit time, elastic_ext / horovod", "labels": [f"elastic_ext/horovod\n{k}" for k in measured],
          "values": [m["ratios_elastic_ext_over_horovod"]["commit_median"] for m in measured.values()],
          "target": TIME_TARGET},
@@ -308,6 +279,28 @@ def drive(args: argparse.Namespace, argv: List[str]) -> int:
          "target": MEMORY_TARGET},
     ])
     return 0
+
+
+def main(argv: List[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
+                        help="comma-separated WIDTHxDEPTH MLPs (default %(default)s: 33.6M parameters each)")
+    parser.add_argument("--reps", type=int, default=DEFAULT_REPS, help="timed calls per system and operation")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--commits", type=int, default=DEFAULT_COMMITS, help="commits per memory child")
+    parser.add_argument("--name", default=NAME, help="result file stem under bench/results (default %(default)s)")
+    parser.add_argument("--child", choices=("time", "memory"), help=argparse.SUPPRESS)
+    parser.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--width", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--depth", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child == "time":
+        print(json.dumps(child_time(args)))
+        return 0
+    if args.child == "memory":
+        print(json.dumps(child_memory(args)))
+        return 0
+    return drive(args, argv)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,9 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 
+from bench import harness
 from elastic_ext.testing import launch, ledger
 
 EXAMPLE = os.path.join(launch.REPO, "examples", "keras_fit_elastic.py")
@@ -30,10 +30,8 @@ def one_run(keras: str, kill_step: int, workdir: str, timeout_s: float) -> dict:
     hosts = os.path.join(workdir, "hosts")
     launch.write_hosts(hosts, ["localhost:2", "127.0.0.1:2"])
     book = os.path.join(workdir, "ledger")
-    cmd = [os.path.join(launch.VENV_BIN, "horovodrun"), "-np", "4", "--min-np", "2", "--max-np", "4",
-           "--host-discovery-script", f"{launch.STATIC} {hosts}", "--network-interfaces", "lo",
-           sys.executable, EXAMPLE, "--keras", keras, "--epochs", "2", "--commit-every", "5",
-           "--ledger", book, "--faults", f"3:{kill_step}:kill"]
+    cmd = harness.horovodrun(EXAMPLE, ["--keras", keras, "--epochs", "2", "--commit-every", "5",
+                                       "--ledger", book, "--faults", f"3:{kill_step}:kill"], hosts)
     code, output = launch.run(cmd, launch.base_env(), os.path.join(workdir, "horovodrun.log"), timeout_s)
     if code != 0:
         raise RuntimeError(f"job failed with exit code {code}:\n{output[-3000:]}")

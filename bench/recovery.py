@@ -20,18 +20,14 @@ other models than mlp alone: recovery_<models>.json / .png).
 """
 
 import argparse
-import glob
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-from elastic_ext.testing import launch
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
+from bench import harness
+from elastic_ext.testing import launch, ledger
 
 
 def run_once(system, index, work, model="mlp"):
@@ -39,17 +35,14 @@ def run_once(system, index, work, model="mlp"):
     os.makedirs(out)
     hosts = os.path.join(out, "hosts")
     launch.write_hosts(hosts, ["localhost:2", "127.0.0.1:2"])
-    cmd = [os.path.join(launch.VENV_BIN, "horovodrun"), "-np", "4", "--min-np", "2", "--max-np", "4",
-           "--network-interfaces", "lo", "--host-discovery-script", f"{launch.STATIC} {hosts}",
-           sys.executable, os.path.join(HERE, "workers", "recovery_worker.py"), "--system", system, "--out", out,
-           "--model", model]
-    # Fusion stays at Horovod's default here: this measures recovery, not bits.
-    env = launch.base_env(HOROVOD_FUSION_THRESHOLD=str(64 * 1024 * 1024))
+    cmd = harness.horovodrun(os.path.join(harness.WORKERS, "recovery_worker.py"),
+                             ["--system", system, "--out", out, "--model", model], hosts)
+    env = launch.base_env(HOROVOD_FUSION_THRESHOLD=harness.HOROVOD_DEFAULT_FUSION)
     started = time.time()
     code, _ = launch.run(cmd, env, os.path.join(out, "horovodrun.log"), timeout_s=240)
-    kill = json.loads(open(os.path.join(out, "kills.jsonl")).readline())
-    steps = sorted((json.loads(line) for path in glob.glob(os.path.join(out, "steps-*.jsonl"))
-                    for line in open(path) if line.strip()), key=lambda r: r["t"])
+    with open(os.path.join(out, "kills.jsonl"), encoding="utf-8") as handle:
+        kill = json.loads(handle.readline())
+    steps = sorted(ledger.read(out), key=lambda r: r["t"])
     after = [s["t"] for s in steps if s["t"] > kill["t"] and s["size"] < 4]
     return {"exit_code": code, "wall_s": time.time() - started,
             "recovery_s": after[0] - kill["t"] if after else None,
@@ -65,11 +58,8 @@ def summarize(system, runs):
             "kill_at": runs[0]["kill_at"]}
 
 
-def plot(results, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+def plot(results, name):
+    fig, (ax1, ax2) = harness.pyplot().subplots(1, 2, figsize=(12, 4))
     names = [r["system"] for r in results]
     ax1.bar(names, [r["median_s"] for r in results], label="median")
     ax1.scatter(names, [r["worst_s"] for r in results], color="red", zorder=3, label="worst")
@@ -84,14 +74,13 @@ def plot(results, path):
     ax2.set_ylabel("world size at each completed step (rank 0)")
     ax2.set_yticks([2, 4])
     ax2.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    harness.save_figure(fig, name)
 
 
 def replot():
     """Redraws the PNG from the saved JSON (no new measurement)."""
-    with open(os.path.join(RESULTS, "recovery.json")) as handle:
-        plot(json.load(handle)["results"], os.path.join(RESULTS, "recovery.png"))
+    with open(harness.result_path("recovery.json")) as handle:
+        plot(json.load(handle)["results"], "recovery")
 
 
 def main():
@@ -128,11 +117,9 @@ def main():
     if "plain" in by and "ext" in by and by["ext"]["median_s"]:
         summary["ratio_median_plain_over_ext"] = by["plain"]["median_s"] / by["ext"]["median_s"]
         summary["ratio_worst_plain_over_ext"] = by["plain"]["worst_s"] / by["ext"]["worst_s"]
-    os.makedirs(RESULTS, exist_ok=True)
     stem = "recovery" if models == ["mlp"] else "recovery_" + "_".join(models)
-    with open(os.path.join(RESULTS, stem + ".json"), "w") as handle:
-        json.dump(summary, handle, indent=1)
-    plot(results, os.path.join(RESULTS, stem + ".png"))
+    harness.write_json(stem, summary, indent=1)
+    plot(results, stem)
     print(f"{'system':8s} {'failures':>8s} {'recovered':>9s} {'median s':>9s} {'worst s':>8s}")
     for r in results:
         print(f"{r['system']:8s} {r['failures']:8d} {r['recovered']:9d} {r['median_s'] or float('nan'):9.2f} "

@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Optional
 
 import psutil
 
+from bench import harness
 from elastic_ext.testing import analysis, launch, ledger
 
 DIGITS = 1797
@@ -124,12 +125,10 @@ def soak(out: str, count: int, seed: int, gap_s=(5.0, 9.0), timeout_s: float = 1
     all_hosts = hosts_all()
     launch.write_hosts(hosts_file, all_hosts)
     stop_file = os.path.join(out, "stop")
-    cmd = [os.path.join(launch.VENV_BIN, "horovodrun"), "-np", "4", "--min-np", "2", "--max-np", "4",
-           "--blacklist-cooldown-range", "2", "4", "--network-interfaces", "lo",
-           "--host-discovery-script", f"{launch.STATIC} {hosts_file}", sys.executable,
-           os.path.join(launch.WORKERS, "lifecycle.py"), "--out", out, "--epochs", "100000",
-           "--commit-every", "4", "--step-sleep-s", "0.05", "--fusion", "--stop-file", stop_file,
-           "--faults", ",".join(spec)]
+    cmd = harness.horovodrun(os.path.join(launch.WORKERS, "lifecycle.py"),
+                             ["--out", out, "--epochs", "100000", "--commit-every", "4", "--step-sleep-s", "0.05",
+                              "--fusion", "--stop-file", stop_file, "--faults", ",".join(spec)],
+                             hosts_file, options=["--blacklist-cooldown-range", "2", "4"])
     env = launch.base_env(ELASTIC_EXT_EVENTS_PATH=os.path.join(out, "events.jsonl"),
                           ELASTIC_EXT_CHECKPOINT_DIR=os.path.join(out, "ckpt"), ELASTIC_EXT_CHECKPOINT_EVERY=1,
                           ELASTIC_EXT_CHECKPOINT_KEEP_LAST=3, ELASTIC_EXT_HANG_TIMEOUT_S=10,

@@ -98,6 +98,13 @@ def compute(ms_per_sample, samples):
         time.sleep(ms_per_sample * samples / 1000.0)
 
 
+def allreduce_gradients(hvd, model, op):
+    """Every gradient's allreduce in flight at once, as ``hvd.DistributedOptimizer`` does, then waited for."""
+    handles = [hvd.allreduce_async_(param.grad, op=op, name=f"grad.{i}") for i, param in enumerate(model.parameters())]
+    for handle in handles:
+        hvd.synchronize(handle)
+
+
 class StepLog:
     """Appends ledger-format records to ``<out>/steps-<pid>.jsonl`` (line-buffered)."""
 
@@ -122,6 +129,15 @@ class StepLog:
     def commit(self, step, rank, seconds):
         """A commit (or checkpoint save) that followed step ``step`` took ``seconds`` on this rank."""
         self._write({"commit_s": seconds, "after_step": int(step), "rank": rank, "t": time.time()})
+
+    def commit_point(self, commit, step, rank):
+        """Runs ``commit()`` after ``step`` steps and logs its seconds; True once the driver's stop step is
+        reached (call at commit steps only, where every rank reads the same stop step)."""
+        started = time.perf_counter()
+        commit()
+        self.commit(step - 1, rank, time.perf_counter() - started)
+        stop = self.stop_step()
+        return stop is not None and step >= stop
 
     def stop_step(self):
         """The step the driver asked the job to end at (None until it asks); call at commit steps only."""

@@ -7,7 +7,6 @@ bench/compare.py under ``horovodrun`` (see there for the command).
 
 import os
 import sys
-import time
 
 import numpy as np
 import torch
@@ -43,10 +42,7 @@ def train(state):
             common.compute(args.compute_ms_per_sample, int((~pad).sum()))
             log.step(state.generation, epoch, cursor, state.step, hvd.rank(), hvd.size(), indices[~pad],
                      int(pad.sum()))
-            handles = [hvd.allreduce_async_(param.grad, op=hvd.Sum, name=f"grad.{i}")
-                       for i, param in enumerate(model.parameters())]
-            for handle in handles:  # all in flight at once, as hvd.DistributedOptimizer does
-                hvd.synchronize(handle)
+            common.allreduce_gradients(hvd, model, hvd.Sum)
             optimizer.step()
             sampler.record_step()
             state.step += 1
@@ -54,13 +50,9 @@ def train(state):
             end_of_epoch = sampler.epoch_done
             if end_of_epoch:
                 state.epoch += 1
-            if end_of_epoch or state.step % args.commit_every == 0:
-                started = time.perf_counter()
-                state.commit()
-                log.commit(state.step - 1, hvd.rank(), time.perf_counter() - started)
-                stop = log.stop_step()
-                if stop is not None and state.step >= stop:
-                    return
+            if (end_of_epoch or state.step % args.commit_every == 0) \
+                    and log.commit_point(state.commit, state.step, hvd.rank()):
+                return
 
 
 train(state)

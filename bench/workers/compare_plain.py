@@ -47,10 +47,7 @@ def train(state):
             loss.backward()
             common.compute(args.compute_ms_per_sample, len(index))
             log.step(gen, epoch, cursor, state.step, hvd.rank(), hvd.size(), index.tolist())
-            handles = [hvd.allreduce_async_(param.grad, op=hvd.Average, name=f"grad.{i}")
-                       for i, param in enumerate(model.parameters())]
-            for handle in handles:  # all in flight at once, as hvd.DistributedOptimizer does
-                hvd.synchronize(handle)
+            common.allreduce_gradients(hvd, model, hvd.Average)
             optimizer.step()
             sampler.record_batch(batch_idx, batch)
             state.step += 1
@@ -59,13 +56,9 @@ def train(state):
             if end_of_epoch:
                 state.epoch += 1
                 sampler.set_epoch(state.epoch)
-            if end_of_epoch or state.step % args.commit_every == 0:
-                started = time.perf_counter()
-                state.commit()
-                log.commit(state.step - 1, hvd.rank(), time.perf_counter() - started)
-                stop = log.stop_step()
-                if stop is not None and state.step >= stop:
-                    return
+            if (end_of_epoch or state.step % args.commit_every == 0) \
+                    and log.commit_point(state.commit, state.step, hvd.rank()):
+                return
 
 
 train(state)

@@ -78,13 +78,8 @@ while epoch < args.max_epochs and not finished:
         end_of_epoch = step_in_epoch == steps_in_epoch
         if end_of_epoch:
             epoch, step_in_epoch = epoch + 1, 0
-        if end_of_epoch or step % args.commit_every == 0:
-            started = time.perf_counter()
-            save()
-            log.commit(step - 1, rank, time.perf_counter() - started)
-            stop = log.stop_step()
-            if stop is not None and step >= stop:
-                finished = True
-                break
+        if (end_of_epoch or step % args.commit_every == 0) and log.commit_point(save, step, rank):
+            finished = True
+            break
 dist.barrier()  # nobody tears down its process group while a peer still uses it
 dist.destroy_process_group()
