@@ -1,6 +1,7 @@
-"""Side-by-side benchmarks of elastic_ext against Horovod's own elastic API.
+"""Side-by-side benchmarks of elastic_ext against plain Horovod, torchrun and its own earlier designs.
 
 Each benchmark is a module run from the repository root, e.g.
 ``.venv/bin/python -m bench.commit``; it writes ``bench/results/<name>.json``
-and ``bench/results/<name>.png`` and prints a table.
+(and most a ``.png``) and prints a table. What they share is in
+:mod:`bench.harness`; bench/README.md lists them.
 """
