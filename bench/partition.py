@@ -1,41 +1,39 @@
-"""Re-partitioning: elastic_ext's ElasticPartitioner against Horovod's ElasticSampler.
+"""Re-partitioning and a newcomer's first batch: the virtual epoch order against the materialised one.
 
-Issue target: re-partitioning a 10-million-sample epoch after a resize takes
-at most 50 ms, and its memory is reported, side by side with Horovod's
-``ElasticSampler`` on the same input.
+Issue targets: a newcomer's first batch in at most 1 ms at 10M and at 1B
+samples, with memory independent of the dataset size, and a shuffle that
+stays statistically sound; re-partitioning after a resize within 50 ms, side
+by side with Horovod's ``ElasticSampler``.
 
-Run from the repository root::
+    .venv/bin/python -m bench.partition [--sizes 10000000,100000000,1000000000] [--reps 3]
 
-    .venv/bin/python -m bench.partition
+The scenario: an epoch shuffled by ``(seed, epoch)``, 256 samples per rank per
+step, 8 workers; 37% of the epoch is consumed (whole global steps), then the
+job shrinks to 6 workers. Three experiments in one run:
 
-The scenario: an epoch of 10,000,000 samples, shuffled, 256 samples per rank
-per step, 8 workers; 37% of the epoch is consumed (whole global steps), then
-the job shrinks to 6 workers.
+1. **Newcomer's first batch**, at every ``--sizes``: a fresh process restores
+   the committed position and computes its first batch.
+   - ``new``: :class:`elastic_ext.ElasticPartitioner`, ``load_state_dict``,
+     ``next(batches())``: the order is a keyed Feistel permutation computed
+     per position (``elastic_ext.partition.FeistelOrder``).
+   - ``old``: the approach it replaced, kept here as the baseline
+     (:func:`old_epoch_order`): ``np.arange(size)`` shuffled by numpy's PCG64,
+     then this rank's slice. Measured up to ``--old-max-size`` (default
+     100M: 400 MB); above it the old order would need ``4 * size`` bytes
+     (4 GB at 1B, on a 2-core machine shared with other jobs), so its time
+     and memory are **extrapolated** linearly from the largest measured size
+     and marked so in the JSON and the plot.
+   Time: one process per size alternates old and new. Memory: a fresh
+   process per (system, size), tracemalloc peak and RSS peak of the call.
+2. **Resize at ``--size``** (10M): a survivor's ``plan()`` against Horovod's
+   ``ElasticSampler.reset()`` (a Python list of all indices, shuffled; at a
+   world of one, ``hvd.init()`` in this process), time and memory, with a
+   correctness check: the 6 ranks' plans hold every unconsumed position once.
+3. **Shuffle quality** (bench/partition_quality.py): position uniformity
+   (chi-square) and the correlation of positions between consecutive epochs,
+   new and old side by side.
 
-- elastic_ext: :class:`elastic_ext.ElasticPartitioner` with a ``world=``
-  callable (no Horovod needed). A *survivor* keeps its partitioner across the
-  resize, so the epoch order is cached and ``plan()`` is all it runs. A
-  *newcomer* restores the committed position (``load_state_dict``) and must
-  compute the epoch order from scratch: both are timed. ``plan()`` returns a
-  view; materialising this rank's index array is timed as well.
-- Horovod: ``horovod.torch.elastic.ElasticSampler`` over a dataset of 10M
-  items, with ``processed_num`` at the same count (``record_batch`` per
-  step), then ``reset()``, the method its resize path runs. Horovod is
-  initialised for real with ``hvd.init()`` in one process, so ``reset()``
-  sees a world of one. Its cost does not depend on the world size: it builds
-  and shuffles a Python list of all 10M indices whatever the size, and the
-  size only enters in a ceiling division. ``list(iter(sampler))`` (this
-  rank's indices) is timed too; at a world of one that is all 6.3M remaining
-  indices, more than a rank of six would copy, so that figure favours us.
-
-Time: one process alternates the two systems. Memory: a fresh process per
-system (RSS and its peak from ``/proc/self/status``; for elastic_ext also the
-``tracemalloc`` peak, which sees numpy's allocations; for Horovod tracemalloc
-would slow its 10M Python ints about fivefold, so RSS only).
-
-Correctness side-check: after the resize the plans of all 6 ranks together
-hold every unconsumed position of the epoch exactly once (policy ``"pad"``:
-non-padding entries), and a newcomer's plan equals a survivor's.
+Writes bench/results/partition.json and partition.png.
 """
 
 from __future__ import annotations
@@ -44,339 +42,334 @@ import argparse
 import gc
 import json
 import sys
-import time
-import tracemalloc
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Dict, List
 
 import numpy as np
 
-from bench import common
+from bench import harness, partition_quality
 
 NAME = "partition"
-TIME_TARGET_S = 0.050
+FIRST_BATCH_TARGET_S = 0.001
+RESIZE_TARGET_S = 0.050
+SIZES = (10_000_000, 100_000_000, 1_000_000_000)
+OLD_MAX_SIZE = 100_000_000
+OLD_QUALITY_MAX_SIZE = 10_000_000  # the old order's inverse, int64, for the between-epochs check
 SIZE = 10_000_000
 BATCH = 256           # per rank per step
 OLD_WORLD, NEW_WORLD = 8, 6
 CONSUMED = 0.37
 SEED = 0
+RANK = 3              # the newcomer's rank: its share starts inside the global step
 
 
-def consumed_steps(size: int) -> int:
-    """Whole global steps at the old world size that make about CONSUMED of the epoch."""
-    return int(size * CONSUMED) // (BATCH * OLD_WORLD)
+# ------------------------------------------------------------- the baseline
+
+def old_epoch_order(size: int, seed: int, epoch: int) -> np.ndarray:
+    """The epoch order as elastic_ext built it before the virtual order: the whole permutation, materialised."""
+    order = np.arange(size, dtype=np.int32 if size < 2 ** 31 else np.int64)
+    np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch]))).shuffle(order)
+    return order
 
 
-class World:
-    """A mutable (rank, size), handed to the partitioner as its ``world=`` callable."""
-
-    def __init__(self, rank: int, size: int) -> None:
-        self.rank, self.size = rank, size
-
-    def __call__(self) -> Tuple[int, int]:
-        return self.rank, self.size
+def old_first_batch(committed: Dict[str, Any], rank: int) -> np.ndarray:
+    """A newcomer's first batch the old way: build the epoch's order, slice this rank's share of the next step."""
+    order = old_epoch_order(committed["size"], committed["seed"], committed["epoch"])
+    start = committed["cursor"] + rank * BATCH
+    return order[start:start + BATCH].copy()
 
 
-class Items:
-    """A dataset of ``n`` items; Horovod's sampler only calls ``len()``."""
+# ---------------------------------------------------------------- scenario
 
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> int:
-        return index
+def committed_position(size: int) -> Dict[str, Any]:
+    """What ``ElasticPartitioner.state_dict()`` holds after CONSUMED of the epoch at OLD_WORLD workers."""
+    cursor = int(size * CONSUMED) // (BATCH * OLD_WORLD) * BATCH * OLD_WORLD
+    return {"epoch": 0, "cursor": cursor, "size": size, "seed": SEED, "shuffle": True, "policy": "pad"}
 
 
-# ----------------------------------------------------------------- elastic_ext
-
-def survivor(size: int, policy: str = "pad"):
-    """A partitioner that trained at 8 workers up to the cursor, then saw the world shrink to 6."""
+def partitioner(size: int, rank: int, world_size: int, committed: Dict[str, Any]):
     from elastic_ext import ElasticPartitioner
 
-    world = World(0, OLD_WORLD)
-    sampler = ElasticPartitioner(size, batch_size=BATCH, seed=SEED, policy=policy, world=world)
-    sampler.set_epoch(0)
-    sampler.plan()                      # the epoch started at 8 workers: the order is cached
-    for _ in range(consumed_steps(size)):
-        sampler.record_step()
-    world.size = NEW_WORLD
-    sampler.on_world_change()
-    return sampler, world
-
-
-def newcomer(size: int, committed: dict, rank: int):
-    """A fresh process's partitioner after ``sync()`` loaded the committed position."""
-    from elastic_ext import ElasticPartitioner
-
-    sampler = ElasticPartitioner(size, batch_size=BATCH, seed=SEED, policy="pad", world=World(rank, NEW_WORLD))
+    sampler = ElasticPartitioner(size, batch_size=BATCH, seed=SEED, policy="pad",
+                                 world=lambda: (rank, world_size))
     sampler.load_state_dict(committed)
     return sampler
 
 
-def check_plans(sampler, world: World) -> Dict[str, Any]:
-    """Asserts that the 6 ranks' plans hold every unconsumed position exactly once.
+def new_first_batch(committed: Dict[str, Any], rank: int) -> np.ndarray:
+    """A newcomer's first batch now: restore the position, take the first step of ``batches()``."""
+    indices, _ = next(partitioner(committed["size"], rank, NEW_WORLD, committed).batches())
+    return indices
+
+
+FIRST_BATCH = {"old": old_first_batch, "new": new_first_batch}
+
+
+def check_plans(size: int, committed: Dict[str, Any]) -> Dict[str, Any]:
+    """Asserts that the 6 ranks' plans after the resize hold every unconsumed position exactly once.
 
     Raises:
         AssertionError: a position is missing, repeated, or already consumed.
     """
-    order, cursor = sampler.order(), sampler.cursor
-    taken = []
-    padding = 0
+    from elastic_ext import partition
+
+    taken, padding = [], 0
     for rank in range(NEW_WORLD):
-        world.rank = rank
-        plan = sampler.plan()
+        plan = partitioner(size, rank, NEW_WORLD, committed).plan()
         taken.append(plan.indices[~plan.pad])
         padding += int(plan.pad.sum())
-        if rank == 0:
-            steps = plan.steps
-    world.rank = 0
-    taken_all = np.concatenate(taken)
-    expected = np.sort(order[cursor:])
-    if taken_all.shape != expected.shape or not np.array_equal(np.sort(taken_all), expected):
+    order = partition.epoch_order(size, SEED, committed["epoch"])
+    unconsumed = np.sort(order[committed["cursor"]:])
+    taken_all = np.sort(np.concatenate(taken))
+    if not np.array_equal(taken_all, unconsumed):
         raise AssertionError("the plans after the resize do not cover the unconsumed positions exactly once")
-    consumed = np.zeros(sampler.size, dtype=bool)
-    consumed[order[:cursor]] = True
-    if consumed[taken_all].any():
-        raise AssertionError("a plan after the resize hands out an already consumed position")
-    return {"ranks": NEW_WORLD, "positions": int(taken_all.size), "unconsumed": int(expected.size),
-            "padding_entries": padding, "steps_left": steps, "ok": True}
+    return {"ranks": NEW_WORLD, "unconsumed": int(unconsumed.size), "padding_entries": padding, "ok": True}
 
 
-# --------------------------------------------------------------------- Horovod
+# ---------------------------------------------------------------- children
 
-def horovod_sampler(size: int):
-    """Horovod's sampler with the same processed count as the cursor (world of one)."""
+def child_first_batch_time(size: int, reps: int, old: bool) -> Dict[str, Any]:
+    """Old and new alternated in one process; checks that each batch is the right slice of its order."""
+    from elastic_ext import partition
+
+    committed = committed_position(size)
+    positions = committed["cursor"] + RANK * BATCH + np.arange(BATCH)
+    expected_new = partition.epoch_order(size, SEED, 0).take(positions)
+    times: Dict[str, List[float]] = {"new": [], "old": []}
+    for rep in range(reps):
+        for system in (("old", "new") if rep % 2 == 0 else ("new", "old")):
+            if system == "old" and not old:
+                continue
+            gc.collect()
+            seconds, batch = harness.timed(lambda: FIRST_BATCH[system](committed, RANK))
+            times[system].append(seconds)
+            if system == "new" and not np.array_equal(batch, expected_new):
+                raise AssertionError("the newcomer's first batch is not its share of the virtual order")
+            if system == "old" and not np.array_equal(batch, old_epoch_order(size, SEED, 0)[positions]):
+                raise AssertionError("the old first batch is not its share of the materialised order")
+    return {"times_s": {k: v for k, v in times.items() if v}}
+
+
+def child_first_batch_memory(size: int, system: str) -> Dict[str, Any]:
+    import elastic_ext  # noqa: F401  (module code is not the first batch's memory)
+
+    committed = committed_position(size)
+    memory, batch = harness.memory_of(lambda: FIRST_BATCH[system](committed, RANK), trace=True)
+    return dict(memory, batch=int(batch.size))
+
+
+def child_resize(size: int, reps: int, inner: int) -> Dict[str, Any]:
+    """Survivor plan() and Horovod's reset(), alternated; their memory is in child_resize_memory."""
+    import horovod.torch as hvd
     from horovod.torch.elastic import ElasticSampler
 
-    sampler = ElasticSampler(Items(size), shuffle=True, seed=SEED)
-    # At a world of one, record_batch counts batch_size * 1; pass the old global batch.
-    for step in range(consumed_steps(size)):
-        sampler.record_batch(step, BATCH * OLD_WORLD)
-    return sampler
-
-
-def _init_horovod() -> None:
-    import horovod.torch as hvd
     hvd.init()
-
-
-# --------------------------------------------------------------------- children
-
-def _timed(fn: Callable[[], Any]) -> Tuple[float, Any]:
-    started = time.perf_counter()
-    value = fn()
-    return time.perf_counter() - started, value
-
-
-def child_time(args: argparse.Namespace) -> Dict[str, Any]:
-    _init_horovod()
-    size = args.size
-    ours, world = survivor(size)
-    correctness = check_plans(ours, world)
-    # The default policy: the epoch's last partial step is dropped, and plan() is a view.
-    ours_drop, _ = survivor(size, "drop")
-    committed = ours.state_dict()
-    survivor_plan = ours.plan()
-    theirs = horovod_sampler(size)
-
-    times: Dict[str, List[float]] = {k: [] for k in ("ours_plan", "ours_plan_materialised", "ours_plan_drop",
-                                                     "ours_newcomer",
-                                                     "horovod_reset", "horovod_reset_iter")}
-    for rep in range(args.reps):
-        # Alternate who goes first; each call is timed on its own.
+    committed = committed_position(size)
+    survivor = partitioner(size, 0, NEW_WORLD, committed)
+    theirs = ElasticSampler(range(size), shuffle=True, seed=SEED)
+    theirs.processed_num = committed["cursor"]  # what record_batch() counts up to at a world of one
+    times: Dict[str, List[float]] = {"survivor_plan": [], "horovod_reset": [], "horovod_reset_iter": []}
+    for rep in range(reps):
         for side in (("ours", "horovod") if rep % 2 == 0 else ("horovod", "ours")):
             gc.collect()
             if side == "ours":
-                for _ in range(args.inner):
-                    times["ours_plan"].append(_timed(ours.plan)[0])
-                for _ in range(args.inner):
-                    times["ours_plan_drop"].append(_timed(ours_drop.plan)[0])
-                for _ in range(args.inner):
-                    times["ours_plan_materialised"].append(
-                        _timed(lambda: np.ascontiguousarray(ours.plan().indices))[0])
-                fresh = newcomer(size, committed, rank=0)
-                seconds, plan = _timed(fresh.plan)
-                times["ours_newcomer"].append(seconds)
-                if not (np.array_equal(plan.indices, survivor_plan.indices)
-                        and np.array_equal(plan.pad, survivor_plan.pad)):
-                    raise AssertionError("a newcomer's plan differs from a survivor's for the same rank")
-                del fresh, plan
-            else:
-                seconds, _ = _timed(theirs.reset)
-                times["horovod_reset"].append(seconds)
-                iter_s, indices = _timed(lambda: list(iter(theirs)))
-                times["horovod_reset_iter"].append(seconds + iter_s)
-                if len(theirs.remaining_indices) != size - committed["cursor"]:
-                    raise AssertionError(f"Horovod kept {len(theirs.remaining_indices)} indices after reset(), "
-                                         f"expected {size - committed['cursor']}")
-                del indices
-    return {"times_s": times, "correctness": correctness, "horovod_world_size": _horovod_size(),
-            "cursor": committed["cursor"], "horovod_processed_num": theirs.processed_num,
-            "plan_shape": list(survivor_plan.indices.shape)}
+                times["survivor_plan"].extend(harness.timed(survivor.plan)[0] for _ in range(inner))
+                continue
+            seconds, _ = harness.timed(theirs.reset)
+            iter_s, _ = harness.timed(lambda: list(iter(theirs)))
+            times["horovod_reset"].append(seconds)
+            times["horovod_reset_iter"].append(seconds + iter_s)
+            if len(theirs.remaining_indices) != size - committed["cursor"]:
+                raise AssertionError(f"Horovod kept {len(theirs.remaining_indices)} indices after reset()")
+    return {"times_s": times, "correctness": check_plans(size, committed), "horovod_world_size": hvd.size(),
+            "cursor": committed["cursor"]}
 
 
-def _horovod_size() -> int:
+def child_resize_memory(size: int, system: str) -> Dict[str, Any]:
+    committed = committed_position(size)
+    if system == "elastic_ext":
+        survivor = partitioner(size, 0, NEW_WORLD, committed)
+        return harness.memory_of(survivor.plan, trace=True)[0]
     import horovod.torch as hvd
-    return hvd.size()
+    from horovod.torch.elastic import ElasticSampler
+
+    hvd.init()
+    theirs = ElasticSampler(range(size), shuffle=True, seed=SEED)
+    theirs.processed_num = committed["cursor"]
+    # tracemalloc would slow Horovod's 10M Python ints several fold: RSS only.
+    return harness.memory_of(theirs.reset, trace=False)[0]
 
 
-def _measure(fn: Callable[[], Any], trace: bool) -> Tuple[Dict[str, int], Any]:
-    """RSS growth kept, RSS peak, and (optionally) the tracemalloc peak of one call."""
-    gc.collect()
-    common.malloc_trim()
-    before = common.proc_memory()["rss"]
-    common.reset_peak()
-    if trace:
-        tracemalloc.start()
-    value = fn()
-    out = {}
-    if trace:
-        current, peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-        out.update(tracemalloc_current=current, tracemalloc_peak=peak)
-    now = common.proc_memory()
-    out.update(rss_kept=now["rss"] - before, rss_peak=now["peak"] - before)
-    return out, value
+# ------------------------------------------------------------------ driver
+
+def child(options: List[str], timeout_s: float = 900) -> Dict[str, Any]:
+    return harness.run_child("bench.partition", options, timeout_s)
 
 
-def child_memory(args: argparse.Namespace) -> Dict[str, Any]:
-    size = args.size
-    if args.system == "horovod":
-        _init_horovod()
-    import elastic_ext  # noqa: F401  (module code is not the sampler's memory)
-    gc.collect()
-    common.malloc_trim()
-    start = common.proc_memory()["rss"]
-    if args.system == "elastic_ext":
-        ours, world = survivor(size)
-        committed = ours.state_dict()
-        plan_mem, plan = _measure(ours.plan, trace=True)
-        # What a survivor holds after the resize: the cached order and the new plan.
-        held = _held(start)
-        mat_mem, rows = _measure(lambda: np.ascontiguousarray(ours.plan().indices), trace=True)
-        del ours, plan
-        drop, _ = survivor(size, "drop")
-        drop_mem, _ = _measure(drop.plan, trace=True)
-        del drop
-        new_mem, fresh = _measure(lambda: newcomer(size, committed, 0).plan(), trace=True)
-        return {"held_after_resize": held, "plan": plan_mem, "plan_materialised": mat_mem, "plan_drop": drop_mem,
-                "newcomer": new_mem,
-                "materialised_bytes": int(rows.nbytes), "order_bytes": size * np.dtype(np.int32).itemsize}
-    theirs = horovod_sampler(size)
-    reset_mem, _ = _measure(theirs.reset, trace=False)
-    # What the sampler holds after the resize: remaining_indices, a list of Python ints.
-    held = _held(start)
-    iter_mem, indices = _measure(lambda: list(iter(theirs)), trace=False)
-    return {"held_after_resize": held, "reset": reset_mem, "iter": iter_mem, "rank_indices": len(indices)}
+def first_batches(args: argparse.Namespace) -> Dict[str, Any]:
+    """Time and memory of both systems at every size; the old one extrapolated above --old-max-size."""
+    rows: Dict[str, Any] = {}
+    measured_old = [n for n in args.sizes if n <= args.old_max_size]
+    for size in args.sizes:
+        old = size <= args.old_max_size
+        timing = child(["--child", "first-time", "--size", str(size), "--reps", str(args.reps)]
+                       + (["--old"] if old else []))
+        row = {"new": {"time_s": harness.summary(timing["times_s"]["new"]), "samples_s": timing["times_s"]["new"],
+                       "memory": child(["--child", "first-memory", "--size", str(size), "--system", "new"])}}
+        if old:
+            row["old"] = {"time_s": harness.summary(timing["times_s"]["old"]), "samples_s": timing["times_s"]["old"],
+                          "memory": child(["--child", "first-memory", "--size", str(size), "--system", "old"]),
+                          "extrapolated": False}
+        rows[str(size)] = row
+        print(f"  first batch at {size:,}: new {row['new']['time_s']['median'] * 1e3:.3f} ms"
+              + (f", old {row['old']['time_s']['median'] * 1e3:.0f} ms" if old else ""), flush=True)
+    if measured_old:
+        basis = rows[str(max(measured_old))]["old"]
+        for size in args.sizes:
+            if size > args.old_max_size:
+                scale = size / max(measured_old)
+                rows[str(size)]["old"] = {
+                    "extrapolated": True, "from_size": max(measured_old),
+                    "why": f"not measured: the materialised order alone needs {4 * size / 1e9:.1f} GB "
+                           f"(int32 x {size:,}); scaled linearly from {max(measured_old):,} samples",
+                    "time_s": {"median": basis["time_s"]["median"] * scale},
+                    "memory": {k: v * scale for k, v in basis["memory"].items() if k != "batch"}}
+    for row in rows.values():
+        if "old" in row:
+            row["ratio_old_over_new"] = {
+                "time": row["old"]["time_s"]["median"] / row["new"]["time_s"]["median"],
+                "tracemalloc_peak": harness.ratio(row["old"]["memory"]["tracemalloc_peak"],
+                                                  row["new"]["memory"]["tracemalloc_peak"])}
+    return rows
 
 
-def _held(start: int) -> int:
-    gc.collect()
-    common.malloc_trim()
-    return common.proc_memory()["rss"] - start
-
-
-# ----------------------------------------------------------------------- driver
-
-def main(argv: List[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", type=int, default=SIZE, help="samples per epoch (default %(default)s)")
-    parser.add_argument("--reps", type=int, default=3, help="Horovod resets and newcomer plans timed")
-    parser.add_argument("--inner", type=int, default=50, help="survivor plan() calls timed per rep")
-    parser.add_argument("--child", choices=("time", "memory"), help=argparse.SUPPRESS)
-    parser.add_argument("--system", choices=("elastic_ext", "horovod"), help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.child == "time":
-        print(json.dumps(child_time(args)))
-        return 0
-    if args.child == "memory":
-        print(json.dumps(child_memory(args)))
-        return 0
-    return drive(args, argv)
+def plot(data: Dict[str, Any]) -> None:
+    plt = harness.pyplot()
+    rows, sizes = data["first_batch"], [int(s) for s in data["first_batch"]]
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
+    for ax, key, scale, ylabel in ((axes[0], "time", 1e3, "newcomer's first batch (ms, median)"),
+                                   (axes[1], "memory", 1 / harness.MIB, "first batch, tracemalloc peak (MiB)")):
+        for system, color in (("old", "#c05621"), ("new", "#2b6cb0")):
+            pts = [(n, rows[str(n)][system]) for n in sizes if system in rows[str(n)]]
+            value = (lambda r: r["time_s"]["median"]) if key == "time" else (lambda r: r["memory"]["tracemalloc_peak"])
+            label = "old: materialised permutation" if system == "old" else "new: Feistel order (elastic_ext)"
+            ax.plot([n for n, r in pts if not r.get("extrapolated")],
+                    [value(r) * scale for _, r in pts if not r.get("extrapolated")], "o-", color=color, label=label)
+            extra = [(n, r) for n, r in pts if r.get("extrapolated")]
+            if extra:
+                ax.plot([n for n, _ in extra], [value(r) * scale for _, r in extra], "o", mfc="none", color=color,
+                        label="old, extrapolated (not measured)")
+        if key == "time":
+            ax.axhline(FIRST_BATCH_TARGET_S * 1e3, color="k", linestyle="--", linewidth=1, label="target 1 ms")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("samples per epoch")
+        ax.set_ylabel(ylabel, fontsize=9)
+        ax.legend(fontsize=7)
+    resize = data["resize"]["times_s"]
+    labels = ["elastic_ext\nsurvivor plan()", "elastic_ext\nnewcomer 1st batch", "horovod\nreset()"]
+    values = [resize["survivor_plan"]["median"] * 1e3,
+              rows[str(data["resize"]["size"])]["new"]["time_s"]["median"] * 1e3
+              if str(data["resize"]["size"]) in rows else 0.0, resize["horovod_reset"]["median"] * 1e3]
+    axes[2].bar(range(3), values, color=["#2b6cb0", "#2b6cb0", "#c05621"])
+    axes[2].set_xticks(range(3))
+    axes[2].set_xticklabels(labels, fontsize=7)
+    axes[2].set_yscale("log")
+    axes[2].set_ylabel(f"resize at {data['resize']['size'] / 1e6:g}M: median ms (log)", fontsize=9)
+    axes[2].axhline(RESIZE_TARGET_S * 1e3, color="k", linestyle="--", linewidth=1)
+    for i, value in enumerate(values):
+        axes[2].annotate(f"{value:.3g}", (i, value), ha="center", va="bottom", fontsize=7)
+    between = data["quality"]["between_epochs"]
+    for system, color, shift in (("old", "#c05621", -0.15), ("new", "#2b6cb0", 0.15)):
+        for k, item in enumerate(between[system]):
+            x = sizes.index(item["size"]) + shift if item["size"] in sizes else k + shift
+            axes[3].plot([x] * len(item["pairs"]), [p["z"] for p in item["pairs"]], "o", color=color,
+                         label=system if k == 0 else None)
+    axes[3].axhspan(-3, 3, color="0.9")
+    axes[3].set_xticks(range(len(sizes)))
+    axes[3].set_xticklabels([f"{n:.0e}" for n in sizes], fontsize=8)
+    axes[3].set_ylabel("position correlation between\nconsecutive epochs (z; |z|<3 shaded)", fontsize=9)
+    axes[3].legend(fontsize=7)
+    fig.suptitle(f"Epoch order: newcomer's first batch and re-partitioning, CPU ({data['machine']['cpus']} cores)",
+                 fontsize=10)
+    harness.save_figure(fig, NAME, dpi=110)
 
 
 def drive(args: argparse.Namespace, argv: List[str]) -> int:
-    info = common.machine()
-    size = ["--size", str(args.size)]
-    memory = {s: common.run_child("bench.partition", ["--child", "memory", "--system", s, *size], timeout_s=300)
-              for s in ("elastic_ext", "horovod")}
-    timing = common.run_child("bench.partition", ["--child", "time", "--reps", str(args.reps), "--inner",
-                                                  str(args.inner), *size], timeout_s=600)
-    t = {k: common.summary(v) for k, v in timing["times_s"].items()}
-    med = lambda key: t[key]["median"]
-    ratios = {
-        "survivor_plan_over_horovod_reset": med("ours_plan") / med("horovod_reset"),
-        "survivor_materialised_over_horovod_reset_iter": med("ours_plan_materialised") / med("horovod_reset_iter"),
-        "newcomer_over_horovod_reset": med("ours_newcomer") / med("horovod_reset"),
-        "held_after_resize": memory["elastic_ext"]["held_after_resize"] / memory["horovod"]["held_after_resize"],
-        "newcomer_rss_peak_over_horovod_reset_rss_peak":
-            memory["elastic_ext"]["newcomer"]["rss_peak"] / memory["horovod"]["reset"]["rss_peak"],
-    }
-    targets = {
-        "at_most_s": TIME_TARGET_S,
-        "survivor_met": max(med("ours_plan"), med("ours_plan_materialised"), med("ours_plan_drop")) <= TIME_TARGET_S,
-        "newcomer_met": med("ours_newcomer") <= TIME_TARGET_S,
-        "horovod_reset_met": med("horovod_reset") <= TIME_TARGET_S,
-    }
+    info = harness.machine()
+    print("newcomer's first batch, old (materialised) vs new (Feistel):", flush=True)
+    first = first_batches(args)
+    print(f"resize at {args.size:,} samples, survivor plan() vs Horovod reset():", flush=True)
+    resize = child(["--child", "resize", "--size", str(args.size), "--reps", str(args.reps), "--inner",
+                          str(args.inner)])
+    resize_memory = {s: child(["--child", "resize-memory", "--size", str(args.size), "--system", s])
+                     for s in ("elastic_ext", "horovod")}
+    print("shuffle quality:", flush=True)
+    quality = partition_quality.check(old_epoch_order, args.sizes, min(args.old_max_size, OLD_QUALITY_MAX_SIZE))
+    t = {k: harness.summary(v) for k, v in resize["times_s"].items()}
+    new_times = {s: r["new"]["time_s"]["median"] for s, r in first.items()}
+    new_peaks = {s: r["new"]["memory"]["tracemalloc_peak"] for s, r in first.items()}
     data = {
         "benchmark": NAME,
         "command": " ".join([".venv/bin/python -m bench.partition", *argv]).strip(),
         "machine": info,
-        "scenario": {"size": args.size, "batch_per_rank": BATCH, "old_world": OLD_WORLD, "new_world": NEW_WORLD,
-                     "cursor": timing["cursor"], "consumed_fraction": timing["cursor"] / args.size,
-                     "policy": "pad", "shuffle": True, "plan_shape_rank0": timing["plan_shape"],
-                     "horovod_processed_num": timing["horovod_processed_num"],
-                     "horovod_world_size": timing["horovod_world_size"]},
-        "reps": args.reps, "inner": args.inner,
-        "times_s": t, "samples_s": timing["times_s"], "memory_bytes": memory,
-        "correctness": timing["correctness"], "ratios_elastic_ext_over_horovod": ratios, "targets": targets,
+        "scenario": {"batch_per_rank": BATCH, "old_world": OLD_WORLD, "new_world": NEW_WORLD,
+                     "consumed_fraction": CONSUMED, "newcomer_rank": RANK, "policy": "pad", "seed": SEED,
+                     "sizes": args.sizes, "old_max_size": args.old_max_size, "reps": args.reps},
+        "first_batch": first,
+        "resize": {"size": args.size, "cursor": resize["cursor"], "times_s": t, "samples_s": resize["times_s"],
+                   "memory_bytes": resize_memory, "correctness": resize["correctness"],
+                   "horovod_world_size": resize["horovod_world_size"],
+                   "ratio_survivor_plan_over_horovod_reset": t["survivor_plan"]["median"] / t["horovod_reset"]["median"]},
+        "quality": quality,
+        "targets": {
+            "first_batch_at_most_s": FIRST_BATCH_TARGET_S,
+            "first_batch_met": all(v <= FIRST_BATCH_TARGET_S for v in new_times.values()),
+            "memory_independent_of_size": max(new_peaks.values()) <= 2 * min(new_peaks.values()),
+            "resize_at_most_s": RESIZE_TARGET_S,
+            "resize_met": t["survivor_plan"]["median"] <= RESIZE_TARGET_S,
+        },
     }
-    common.write_json(NAME, data)
-
-    mo, mh = memory["elastic_ext"], memory["horovod"]
-    mib = lambda b: b / common.MIB
-    rows = [
-        ["elastic_ext survivor: plan()", med("ours_plan") * 1e3, t["ours_plan"]["min"] * 1e3,
-         mib(mo["plan"]["tracemalloc_peak"]), mib(mo["plan"]["rss_peak"]), mib(mo["plan"]["rss_kept"])],
-        ["elastic_ext survivor: plan() + indices array", med("ours_plan_materialised") * 1e3,
-         t["ours_plan_materialised"]["min"] * 1e3, mib(mo["plan_materialised"]["tracemalloc_peak"]),
-         mib(mo["plan_materialised"]["rss_peak"]), mib(mo["plan_materialised"]["rss_kept"])],
-        ["elastic_ext survivor: plan(), policy drop", med("ours_plan_drop") * 1e3, t["ours_plan_drop"]["min"] * 1e3,
-         mib(mo["plan_drop"]["tracemalloc_peak"]), mib(mo["plan_drop"]["rss_peak"]), mib(mo["plan_drop"]["rss_kept"])],
-        ["elastic_ext newcomer: order + plan()", med("ours_newcomer") * 1e3, t["ours_newcomer"]["min"] * 1e3,
-         mib(mo["newcomer"]["tracemalloc_peak"]), mib(mo["newcomer"]["rss_peak"]), mib(mo["newcomer"]["rss_kept"])],
-        ["horovod: reset()", med("horovod_reset") * 1e3, t["horovod_reset"]["min"] * 1e3, None,
-         mib(mh["reset"]["rss_peak"]), mib(mh["reset"]["rss_kept"])],
-        ["horovod: reset() + list(iter())", med("horovod_reset_iter") * 1e3, t["horovod_reset_iter"]["min"] * 1e3,
-         None, mib(mh["reset"]["rss_peak"] + max(0, mh["iter"]["rss_peak"])),
-         mib(mh["reset"]["rss_kept"] + mh["iter"]["rss_kept"])],
-    ]
-    print(f"{args.size:,} samples, {BATCH}/rank/step, {OLD_WORLD} -> {NEW_WORLD} workers at cursor "
-          f"{timing['cursor']:,} ({timing['cursor'] / args.size:.1%}); {info['cpus']} CPUs, load "
-          f"{info['load_average_at_start'][0]:.2f}; Horovod world size {timing['horovod_world_size']}")
-    print(common.table(["path", "median ms", "min ms", "tracemalloc peak MiB", "RSS peak MiB", "RSS kept MiB"], rows))
-    print(f"held after the resize (RSS over the process before the sampler existed): elastic_ext survivor "
-          f"{mib(mo['held_after_resize']):.1f} MiB (order + plan), horovod {mib(mh['held_after_resize']):.1f} MiB "
-          f"(remaining_indices)")
-    c = timing["correctness"]
-    print(f"check: {c['ranks']} plans cover all {c['unconsumed']:,} unconsumed positions exactly once "
-          f"(+{c['padding_entries']} padding); newcomer plan == survivor plan")
-    print(f"ratio elastic_ext/horovod (median time): survivor plan {ratios['survivor_plan_over_horovod_reset']:.2e}, "
-          f"newcomer {ratios['newcomer_over_horovod_reset']:.3f}; target <= {TIME_TARGET_S * 1e3:.0f} ms: survivor "
-          f"{'met' if targets['survivor_met'] else 'MISSED'}, newcomer {'met' if targets['newcomer_met'] else 'MISSED'}")
-
-    labels = ["elastic_ext\nsurvivor", "elastic_ext\nnewcomer", "horovod\nreset()"]
-    common.bar_chart(NAME, f"Re-partitioning {args.size / 1e6:g}M samples, {OLD_WORLD} -> {NEW_WORLD} workers, "
-                           f"CPU ({info['cpus']} cores)", [
-        {"ylabel": "median time (ms, log)", "labels": labels, "log": True,
-         "values": [med("ours_plan") * 1e3, med("ours_newcomer") * 1e3, med("horovod_reset") * 1e3],
-         "target": TIME_TARGET_S * 1e3, "target_label": "50 ms"},
-        {"ylabel": "RSS peak (MiB)", "labels": labels,
-         "values": [max(mib(mo["plan"]["rss_peak"]), 0.0), mib(mo["newcomer"]["rss_peak"]), mib(mh["reset"]["rss_peak"])]},
-    ])
+    harness.write_json(NAME, data)
+    rows = []
+    for size, row in first.items():
+        for system in ("old", "new"):
+            if system in row:
+                r = row[system]
+                rows.append([f"{int(size):,}", system + (" (extrapolated)" if r.get("extrapolated") else ""),
+                             r["time_s"]["median"] * 1e3, r["memory"]["tracemalloc_peak"] / harness.MIB,
+                             r["memory"]["rss_peak"] / harness.MIB])
+    print(harness.table(["samples", "first batch", "median ms", "tracemalloc peak MiB", "RSS peak MiB"], rows))
+    print(harness.table(["resize at %s" % f"{args.size:,}", "median ms", "min ms"],
+                        [[k, v["median"] * 1e3, v["min"] * 1e3] for k, v in t.items()]))
+    print("\n".join(partition_quality.summary_lines(quality)))
+    print(json.dumps({"targets": data["targets"]}))
+    plot(data)
     return 0
+
+
+def main(argv: List[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)),
+                        help="epoch sizes for the first-batch comparison (default %(default)s)")
+    parser.add_argument("--old-max-size", type=int, default=OLD_MAX_SIZE,
+                        help="largest size the old order is built at; above it, extrapolated (default %(default)s)")
+    parser.add_argument("--size", type=int, default=SIZE, help="epoch size of the resize comparison with Horovod")
+    parser.add_argument("--reps", type=int, default=3, help="timed first batches and Horovod resets per size")
+    parser.add_argument("--inner", type=int, default=50, help="survivor plan() calls timed per rep")
+    parser.add_argument("--child", choices=("first-time", "first-memory", "resize", "resize-memory"),
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--system", help=argparse.SUPPRESS)
+    parser.add_argument("--old", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.sizes = [int(s) for s in str(args.sizes).split(",") if s]
+    children = {"first-time": lambda: child_first_batch_time(args.size, args.reps, args.old),
+                "first-memory": lambda: child_first_batch_memory(args.size, args.system),
+                "resize": lambda: child_resize(args.size, args.reps, args.inner),
+                "resize-memory": lambda: child_resize_memory(args.size, args.system)}
+    if args.child:
+        print(json.dumps(children[args.child]()))
+        return 0
+    return drive(args, argv)
 
 
 if __name__ == "__main__":
