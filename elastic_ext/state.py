@@ -39,7 +39,6 @@ from elastic_ext.events import COMMIT, EventLog
 from elastic_ext.run import RollbackRecord
 from elastic_ext.sampler import ElasticPartitioner
 from elastic_ext.tracked import Tracked
-from elastic_ext.tree import join
 from elastic_ext.watchdog import LIVENESS
 
 logger = logging.getLogger(__name__)
@@ -76,23 +75,10 @@ class State:
     def __init__(self, *, framework: Optional[str] = None, binding: Optional[Binding] = None,
                  adapters: Iterable[Adapter] = (), config: Optional[ElasticConfig] = None,
                  per_rank: Iterable[str] = (), **objects: Any) -> None:
-        if not objects:
-            raise StateError("State() needs at least one object to track, e.g. State(model=model, epoch=0)")
-        for name in objects:
-            if name in reserved_names() or name.startswith("_"):
-                raise StateError(f"object name {name!r} is reserved (State has a member of that name, or it "
-                                 "starts with '_'); choose another keyword")
-            if not name.isidentifier():
-                raise StateError(f"object name {name!r} must be a Python identifier")
-        if isinstance(per_rank, str):
-            per_rank = (per_rank,)
-        unknown = sorted(set(per_rank) - set(objects))
-        if unknown:
-            raise StateError(f"per_rank names {unknown} that are not tracked objects (tracked: {sorted(objects)})")
         s = object.__setattr__
         s(self, "_liveness", LIVENESS)
         s(self, "_config", config or ElasticConfig.from_env())
-        s(self, "_tracked", Tracked(objects, adapters, frozenset(per_rank)))
+        s(self, "_tracked", Tracked(objects, adapters, per_rank, reserved_names()))
         for name, obj in objects.items():
             self._track(name, obj)
         frameworks = self._tracked.frameworks()  # also finds every adapter: StateError if one is missing
@@ -232,17 +218,15 @@ class State:
     def sync(self) -> None:
         """Makes every rank hold the same commit and the same live synced objects.
 
-        Survivors (ranks that went through an earlier sync) may hold ids one
-        apart; the newest is broadcast from the lowest rank holding it and
-        loaded by every rank not holding exactly those bytes; when every rank
-        already does, only one allgather runs. A fresh job's root first
-        resumes from the newest checkpoint. See :mod:`elastic_ext.sync`.
+        The newest commit among survivors is broadcast from the lowest rank
+        holding it to every rank not holding exactly those bytes (only one
+        allgather runs when all do); a fresh job's root first resumes from
+        the newest checkpoint. The steps are in :mod:`elastic_ext.sync`.
 
         Raises:
             StateDivergenceError: survivors' commit ids differ by more than
-                one, or survivors with the same id differ in something that
-                must agree (parameters, optimizer state, plain values, sampler
-                position); the message names the first differing entry.
+                one, or survivors at the same id differ in what must agree
+                (the message names the first differing entry).
             CheckpointError: a fresh job cannot resume from its checkpoints.
         """
         if self._buffers.entries is None or self._buffers.torn:
@@ -289,11 +273,8 @@ class State:
         if writer is None or self._safe_rank() != 0 or not (force or writer.due(self.commit_id)):
             return
         names = self._tracked.synced(self._buffers.entries)
-        cursors = {name: {k: v for k, v in join(self._buffers.entries[name].meta, {}).items()
-                          if k in ("epoch", "cursor")}
-                   for name in names if isinstance(self._tracked.objects[name], ElasticPartitioner)}
         info = {"world_size": self._binding.size(), "written_by_rank": 0, "generation": self.generation,
-                "commit_time": self._commit_time, "data_cursor": cursors,
+                "commit_time": self._commit_time, "data_cursor": self._tracked.cursors(self._buffers.entries),
                 "adapters": {name: self._tracked.adapter(name).name for name in names}}
         writer.on_commit(self.commit_id, names, info, force=force)
 

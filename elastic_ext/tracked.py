@@ -14,7 +14,9 @@ from typing import Any, Dict, FrozenSet, Iterable, List
 from elastic_ext import adapters as _adapters
 from elastic_ext.adapters import Adapter
 from elastic_ext.errors import StateError
+from elastic_ext.sampler import ElasticPartitioner
 from elastic_ext.snapshot import Capture, Entry
+from elastic_ext.tree import join
 
 
 class Tracked:
@@ -24,11 +26,30 @@ class Tracked:
         objects: the objects by name.
         adapters: extra adapters tried before the built-in ones.
         per_rank: names of objects that are never compared nor broadcast.
+        reserved: names no object may take (the State's own members).
+
+    Raises:
+        StateError: no objects, a name is reserved, starts with ``_`` or is
+            not an identifier, or ``per_rank`` names an object not tracked.
     """
 
-    def __init__(self, objects: Dict[str, Any], adapters: Iterable[Adapter], per_rank: FrozenSet[str]) -> None:
+    def __init__(self, objects: Dict[str, Any], adapters: Iterable[Adapter], per_rank: Iterable[str],
+                 reserved: FrozenSet[str] = frozenset()) -> None:
+        if not objects:
+            raise StateError("State() needs at least one object to track, e.g. State(model=model, epoch=0)")
+        for name in objects:
+            if name in reserved or name.startswith("_"):
+                raise StateError(f"object name {name!r} is reserved (State has a member of that name, or it "
+                                 "starts with '_'); choose another keyword")
+            if not name.isidentifier():
+                raise StateError(f"object name {name!r} must be a Python identifier")
+        if isinstance(per_rank, str):
+            per_rank = (per_rank,)
+        unknown = sorted(set(per_rank) - set(objects))
+        if unknown:
+            raise StateError(f"per_rank names {unknown} that are not tracked objects (tracked: {sorted(objects)})")
         self.objects: Dict[str, Any] = dict(objects)
-        self.per_rank = per_rank
+        self.per_rank = frozenset(per_rank)
         self._table: List[Adapter] = _adapters.adapter_table(adapters)
         self._adapter_of: Dict[str, Adapter] = {}
 
@@ -91,6 +112,11 @@ class Tracked:
     def synced(self, names: Iterable[str]) -> List[str]:
         """Those of ``names`` whose objects are compared and broadcast across ranks."""
         return [name for name in names if name not in self.per_rank and self.adapter(name).synced]
+
+    def cursors(self, entries: Dict[str, Entry]) -> Dict[str, Dict[str, Any]]:
+        """The committed epoch and cursor of every synced elastic sampler (a checkpoint's ``data_cursor``)."""
+        return {name: {k: v for k, v in join(entries[name].meta, {}).items() if k in ("epoch", "cursor")}
+                for name in self.synced(entries) if isinstance(self.objects[name], ElasticPartitioner)}
 
     def buffer_keys(self, name: str) -> FrozenSet[str]:
         """Array keys of ``name`` that may differ across ranks (BatchNorm statistics...)."""
