@@ -164,7 +164,7 @@ class ElasticPartitioner:
 
     def on_world_change(self) -> None:
         """Called by ``State.reset()`` after a resize. It only logs: nothing needs
-        resetting, since every :meth:`plan` asks :attr:`world` for the rank and size."""
+        resetting, since every :meth:`plan` asks :meth:`world` for the rank and size."""
         logger.debug("world changed at epoch %d cursor %d", self.epoch, self.cursor)
 
     # ------------------------------------------------------- committed state
