@@ -83,6 +83,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the training steps")
+    parser.add_argument("--name", default="checkpoint", help="result file stem under bench/results")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -171,7 +172,7 @@ def main() -> None:
         "target": "added stall <= 0.1 x torch.save",
     }
     result["meets_target"] = result["ratio_added_stall_to_torch_save"] <= 0.1
-    path = harness.write_json("checkpoint", result)
+    path = harness.write_json(args.name, result)
 
     print(f"\n{params / 1e6:.1f}M parameters + Adam, {state_bytes / 2**20:.0f} MiB of state, "
           f"median of {args.reps} repetitions")
