@@ -243,7 +243,7 @@ def first_batches(args: argparse.Namespace) -> Dict[str, Any]:
     return rows
 
 
-def plot(data: Dict[str, Any]) -> None:
+def plot(data: Dict[str, Any], name: str) -> None:
     plt = harness.pyplot()
     rows, sizes = data["first_batch"], [int(s) for s in data["first_batch"]]
     fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
@@ -292,7 +292,7 @@ def plot(data: Dict[str, Any]) -> None:
     axes[3].legend(fontsize=7)
     fig.suptitle(f"Epoch order: newcomer's first batch and re-partitioning, CPU ({data['machine']['cpus']} cores)",
                  fontsize=10)
-    harness.save_figure(fig, NAME, dpi=110)
+    harness.save_figure(fig, name, dpi=110)
 
 
 def drive(args: argparse.Namespace, argv: List[str]) -> int:
@@ -330,7 +330,7 @@ def drive(args: argparse.Namespace, argv: List[str]) -> int:
             "resize_met": t["survivor_plan"]["median"] <= RESIZE_TARGET_S,
         },
     }
-    harness.write_json(NAME, data)
+    harness.write_json(args.name, data)
     rows = []
     for size, row in first.items():
         for system in ("old", "new"):
@@ -344,7 +344,7 @@ def drive(args: argparse.Namespace, argv: List[str]) -> int:
                         [[k, v["median"] * 1e3, v["min"] * 1e3] for k, v in t.items()]))
     print("\n".join(partition_quality.summary_lines(quality)))
     print(json.dumps({"targets": data["targets"]}))
-    plot(data)
+    plot(data, args.name)
     return 0
 
 
@@ -357,6 +357,7 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--size", type=int, default=SIZE, help="epoch size of the resize comparison with Horovod")
     parser.add_argument("--reps", type=int, default=3, help="timed first batches and Horovod resets per size")
     parser.add_argument("--inner", type=int, default=50, help="survivor plan() calls timed per rep")
+    parser.add_argument("--name", default=NAME, help="result file stem under bench/results (default %(default)s)")
     parser.add_argument("--child", choices=("first-time", "first-memory", "resize", "resize-memory"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--system", help=argparse.SUPPRESS)
