@@ -7,27 +7,25 @@ failing. This module decides whether a step is such a *numeric fault*; the
 back to the last commit together and skips the offending step's samples.
 
 Agreement without an extra vote: the decision is a pure function of values
-that every rank already holds bit for bit,
-
-- the step's :class:`GlobalSignal`, built by :func:`agree` from ONE small
-  allgather (``Binding.allgather``) of each rank's :class:`LocalSignal`
-  (a 5-number float64 row), which every rank then reduces in rank order; and
-- the :class:`LossWindow` of accepted global losses, which is committed state
-  (restored on rollback, sent to newcomers by ``sync``).
-
-So :meth:`NumericGuard.judge` returns the same :class:`Verdict` on every rank.
-The allgather (rather than a sum allreduce) also says *which* ranks saw the
-non-finite values, for the event. ``elastic_ext.torch.guard`` and
-``elastic_ext.tensorflow.guard`` compute the local row from a framework's
-loss and gradients.
+every rank holds bit for bit: the step's :class:`GlobalSignal`, which
+:func:`agree` builds from ONE small allgather (``Binding.allgather``) of each
+rank's 5-number :class:`LocalSignal` row, reduced in rank order; and the
+:class:`LossWindow` of accepted global losses, which is committed state
+(restored on rollback, sent to newcomers by ``sync``). So
+:meth:`NumericGuard.judge` returns the same :class:`Verdict` on every rank.
+An allgather rather than a sum also says *which* ranks saw non-finite values.
+The signal and its agreement are :mod:`elastic_ext.numeric_signal`'s; this
+module owns the rules, the verdict, the loss window and the rollback count.
+``elastic_ext.torch.guard`` and ``elastic_ext.tensorflow.guard`` compute the
+local row from a framework's loss and gradients.
 
 The spike rule: after ``min_history`` accepted steps, a finite loss is a
 spike when ``loss > median + spike_k * scale`` over the last ``window``
-accepted losses, where ``scale = max(1.4826 * MAD, min_spread * |median|)``.
-The median absolute deviation (MAD) ignores a few outliers in the window
-(unlike a mean and standard deviation), the factor 1.4826 makes ``spike_k``
-read as standard deviations for Gaussian noise, and the ``min_spread``
-floor keeps a flat window (MAD near 0) from calling every wiggle a spike.
+accepted losses, ``scale = max(1.4826 * MAD, min_spread * |median|)``. The
+median absolute deviation (MAD) ignores a few outliers (unlike a standard
+deviation), 1.4826 makes ``spike_k`` read as standard deviations for
+Gaussian noise, and the ``min_spread`` floor keeps a flat window (MAD near
+0) from calling every wiggle a spike.
 """
 
 from __future__ import annotations
@@ -35,11 +33,17 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Any, Deque, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Deque, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from elastic_ext.errors import ConfigError, ElasticExtError, RollbackLimitError
+# The signal and its agreement live in numeric_signal.py; guard.X keeps working for them.
+from elastic_ext.numeric_signal import SIGNAL_WIDTH, GlobalSignal, LocalSignal, agree, reduce_rows
+
+__all__ = ["EVENT_NUMERIC_ROLLBACK", "LOSS_SPIKE", "MAD_TO_SIGMA", "NONFINITE_GRADIENT", "NONFINITE_LOSS",
+           "REASONS", "SIGNAL_WIDTH", "FaultCounter", "GlobalSignal", "LocalSignal", "LossWindow", "NumericFaultError",
+           "NumericGuard", "NumericRollbackLimitError", "Verdict", "agree", "reduce_rows"]
 
 #: Event written by every rank when a numeric fault rolls the job back (fields: Verdict.fields(), commit_id,
 #: rollbacks_in_a_row, skipped positions).
@@ -54,8 +58,6 @@ REASONS = (NONFINITE_LOSS, NONFINITE_GRADIENT, LOSS_SPIKE)
 MAD_TO_SIGMA = 1.4826
 #: Keeps the threshold above the median when the window is exactly flat at 0.
 _ABS_FLOOR = 1e-12
-#: Columns of a local signal row (see :class:`LocalSignal`).
-SIGNAL_WIDTH = 5
 
 
 class NumericFaultError(ElasticExtError):
@@ -81,98 +83,6 @@ class NumericRollbackLimitError(RollbackLimitError):
     poisoned dataset), not one batch: skipping more steps would only lose data.
     """
 
-
-@dataclasses.dataclass(frozen=True)
-class LocalSignal:
-    """What one rank saw in one step, before agreement.
-
-    Attributes:
-        loss: this rank's mean loss over its samples (may be NaN/Inf).
-        samples: how many samples the loss averages (weights the global mean).
-        loss_finite: False if the loss is NaN or infinite.
-        grad_finite: False if any gradient element is NaN or infinite (a
-            float32 norm that overflows counts as non-finite).
-        grad_sq: squared L2 norm of this rank's gradients (0 if not measured).
-    """
-
-    loss: float
-    samples: int = 1
-    loss_finite: bool = True
-    grad_finite: bool = True
-    grad_sq: float = 0.0
-
-    def row(self) -> np.ndarray:
-        """The float64 row of 5 numbers that :func:`agree` allgathers."""
-        return np.array([[self.loss, self.samples, 0.0 if self.loss_finite else 1.0,
-                          0.0 if self.grad_finite else 1.0, self.grad_sq]], dtype=np.float64)
-
-
-@dataclasses.dataclass(frozen=True)
-class GlobalSignal:
-    """A step's numeric signal as every rank holds it after :func:`agree` (identical bits).
-
-    Attributes:
-        loss: sample-weighted mean of the ranks' losses.
-        loss_finite: every rank's loss was finite.
-        grad_finite: every rank's gradients were finite.
-        grad_norm: ``sqrt(sum of the ranks' squared norms / ranks)``: the norm
-            of the averaged gradient when each rank measured it after the
-            gradient allreduce, the RMS of the ranks' own norms before it.
-        bad_ranks: ranks that reported a non-finite loss or gradient.
-    """
-
-    loss: float
-    loss_finite: bool = True
-    grad_finite: bool = True
-    grad_norm: Optional[float] = None
-    bad_ranks: Tuple[int, ...] = ()
-
-
-def reduce_rows(table: np.ndarray) -> GlobalSignal:
-    """Reduces the allgathered ``(ranks, 5)`` table in rank order (the same arithmetic on every rank).
-
-    Raises:
-        ValueError: the table is not ``(ranks >= 1, 5)``.
-    """
-    table = np.asarray(table, dtype=np.float64)
-    if table.ndim != 2 or table.shape[0] < 1 or table.shape[1] != SIGNAL_WIDTH:
-        raise ValueError(f"signal table shape {table.shape} must be (ranks >= 1, {SIGNAL_WIDTH})")
-    weighted = 0.0
-    samples = 0.0
-    grad_sq = 0.0
-    bad: List[int] = []
-    loss_finite = grad_finite = True
-    for rank, (loss, count, loss_bad, grad_bad, sq) in enumerate(table.tolist()):
-        loss_ok = loss_bad == 0.0 and math.isfinite(loss)
-        grad_ok = grad_bad == 0.0 and math.isfinite(sq)
-        loss_finite &= loss_ok
-        grad_finite &= grad_ok
-        if not (loss_ok and grad_ok):
-            bad.append(rank)
-        weighted += loss * count
-        samples += count
-        grad_sq += sq
-    mean = weighted / samples if samples > 0 and loss_finite else float("nan")
-    norm = math.sqrt(grad_sq / table.shape[0]) if grad_finite else None
-    return GlobalSignal(loss=mean, loss_finite=loss_finite and math.isfinite(mean), grad_finite=grad_finite,
-                        grad_norm=norm, bad_ranks=tuple(bad))
-
-
-def agree(binding: Any, local: Union[LocalSignal, np.ndarray], name: str = "elastic_ext.guard") -> GlobalSignal:
-    """The one collective of the guard: allgathers every rank's row, reduces it locally.
-
-    ``binding`` is an :class:`elastic_ext.binding.Binding` (its ``allgather``
-    over a ``(1, 5)`` float64 array); ``local`` a :class:`LocalSignal` or its
-    row (what a framework helper computed on the device).
-
-    Raises:
-        ValueError: ``local`` is a row of the wrong shape.
-        HorovodInternalError: the collective failed (a peer is gone).
-    """
-    row = local.row() if isinstance(local, LocalSignal) else np.asarray(local, dtype=np.float64).reshape(1, -1)
-    if row.shape != (1, SIGNAL_WIDTH):
-        raise ValueError(f"a local signal row must hold {SIGNAL_WIDTH} numbers, got shape {row.shape}")
-    return reduce_rows(binding.allgather(row, name))
 
 
 @dataclasses.dataclass(frozen=True)
