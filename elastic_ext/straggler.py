@@ -34,8 +34,10 @@ ratio, the lowest rank on a tie.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
+import statistics
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -126,21 +128,9 @@ def ratios(compute_s: Sequence[float], samples: Sequence[int]) -> List[Optional[
         return result
     ordered = sorted(per_sample.values())
     for rank, value in per_sample.items():
-        reference = _median_without(ordered, _index_of(ordered, value))
+        reference = _median_without(ordered, bisect.bisect_left(ordered, value))  # O(log n) per rank
         result[rank] = value / reference if reference > 0 else None
     return result
-
-
-def _index_of(ordered: List[float], value: float) -> int:
-    """The first index of ``value`` in ``ordered`` (binary search: O(log n) per rank)."""
-    low, high = 0, len(ordered)
-    while low < high:
-        middle = (low + high) // 2
-        if ordered[middle] < value:
-            low = middle + 1
-        else:
-            high = middle
-    return low
 
 
 def _median_without(ordered: List[float], skip: int) -> float:
@@ -152,12 +142,6 @@ def _median_without(ordered: List[float], skip: int) -> float:
 
     middle = n // 2
     return at(middle) if n % 2 else (at(middle - 1) + at(middle)) / 2.0
-
-
-def _median(ordered: Sequence[float]) -> float:
-    n = len(ordered)
-    middle = n // 2
-    return ordered[middle] if n % 2 else (ordered[middle - 1] + ordered[middle]) / 2.0
 
 
 class StragglerTracker:
@@ -343,10 +327,10 @@ class StepTimer:
 
         ``(None, 0)`` when no step closed since then.
         """
-        steps, self._steps = sorted(self._steps), []
+        steps, self._steps = self._steps, []
         if not steps:
             return None, 0
-        return _median(steps), len(steps)
+        return statistics.median(steps), len(steps)
 
     def __enter__(self) -> "StepTimer":
         self.start()
