@@ -24,6 +24,11 @@ HOW = ("kill", "stop", "term", "exit", "raise", "hang")
 WHERE = ("step", "allreduce", "commit")
 
 
+# The exit status of an injected "exit" fault: non-zero so Horovod's driver
+# records a failure, and distinct from signals (128+n), Python errors (1) and
+# the leave code (143), so a test can tell the injected exit from a crash.
+FAULT_EXIT_CODE = 17
+
 @dataclasses.dataclass(frozen=True)
 class Fault:
     """One injected fault: on ``rank`` at ``step``, at point ``where``, do ``how``.
@@ -111,7 +116,7 @@ class FaultSchedule:
             while True:  # a step that never ends (the process stays responsive)
                 time.sleep(0.01)
         elif fault.how == "exit":
-            os._exit(17)
+            os._exit(FAULT_EXIT_CODE)
         else:
             raise RuntimeError(f"injected fault at rank {rank} step {step}")
 
