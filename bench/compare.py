@@ -48,7 +48,7 @@ over the stretches at 4 workers between failures is kept as a cross-check),
 commit cost (seconds in commit or checkpoint on rank 0, per
 commit and per step), and samples duplicated or skipped over the committed
 history (every worker logs its per-step sample ids in the format of
-``elastic_ext.ledger``; each generation undoes the steps at or after the
+``elastic_ext.testing.ledger``; each generation undoes the steps at or after the
 position it resumed from: for torchrun, the checkpoint the restart loaded).
 
     .venv/bin/python -m bench.compare [--failures 3] [--uptime-s 10] [--overhead-s 12]

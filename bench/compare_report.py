@@ -54,7 +54,7 @@ def committed_history(records: List[dict]) -> List[dict]:
     """The steps whose effect is in the final state, over generations in order.
 
     Each generation undoes every step at or after the position it resumed
-    from, whichever generation ran it. This is ``elastic_ext.ledger``'s rule
+    from, whichever generation ran it. This is ``elastic_ext.testing.ledger``'s rule
     made general: the ledger only cuts the generation just before, which is
     all a rollback inside one job needs, but a job relaunched from scratch
     (or from a checkpoint older than the last generation) undoes more.
