@@ -198,7 +198,7 @@ class Job:
         self.world = new_world
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(size=st.integers(0, 300), batch=st.integers(1, 9), policy=st.sampled_from(["drop", "pad"]),
        constant=st.booleans(),
        actions=st.lists(st.tuples(st.sampled_from(["step", "step", "step", "commit", "fail", "resize"]),
