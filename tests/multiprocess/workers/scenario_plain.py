@@ -9,8 +9,22 @@ with Horovod's Commit/UpdateBatch/UpdateEpoch callbacks around
 ``model.fit``); --keras 2 runs the TF flavours on tf_keras
 (TF_USE_LEGACY_KERAS=1). Same flags and epoch log as scenario_train.py:
 rank 0 appends epoch, start_rank, size, hostname and generation (1 + the
-resets this job went through, kept in Horovod's state) to --logfile, which
-schedule_discovery.py reads. Data: each global batch of 32 digits split by
+resets this process went through) to --logfile, which
+schedule_discovery.py reads.
+
+Two differences from scenario_train.py, both so that the script is correct
+under Horovod's own semantics rather than failing for our bookkeeping:
+- resets are counted per process, not in the state: Horovod's
+  ``ObjectState.sync`` broadcasts the committed values and sets them again
+  after the reset callbacks ran, so a counter a callback bumps in the state
+  is back at its committed value when training resumes. Rank 0 is always a
+  survivor (Horovod keeps the existing hosts first), so its count is the
+  job's. A scheduled exit fires only in a process that has not been through a
+  reset, as in scenario_train.py.
+- the TF2 loop builds the optimizer's variables with one local step (no
+  allreduce) before the state is made, as Horovod's own TF2 elastic scripts
+  do: otherwise a newcomer's optimizer has fewer variables than the
+  survivors' and the state's broadcast does not match. Data: each global batch of 32 digits split by
 rank, the batch index kept in the state (Horovod has no sampler for TF).
 """
 
@@ -66,10 +80,11 @@ else:
 hvd.init()
 start_rank = hvd.rank()
 fired = set()
+resets = [0]  # this process's resets (see the module docstring)
 
 
 def maybe_exit(state, epoch, batch):
-    if state.generation != 1 or (epoch, batch) in fired or hvd.rank() not in exits.get((epoch, batch), ()):
+    if resets[0] or (epoch, batch) in fired or hvd.rank() not in exits.get((epoch, batch), ()):
         return
     fired.add((epoch, batch))
     if args.exit_mode == "kill":
@@ -82,7 +97,7 @@ def log_epoch(state, epoch):
         with open(args.logfile, "a") as handle:
             handle.write(json.dumps({"epoch": epoch, "rank": hvd.rank(), "start_rank": start_rank,
                                      "size": hvd.size(), "hostname": hostname,
-                                     "generation": state.generation}) + "\n")
+                                     "generation": 1 + resets[0]}) + "\n")
     if args.epoch_wait_s:
         time.sleep(args.epoch_wait_s)
 
@@ -94,7 +109,7 @@ def shard(batch):
 
 
 def count_reset(state):
-    state.register_reset_callbacks([lambda: setattr(state, "generation", state.generation + 1)])
+    state.register_reset_callbacks([lambda: resets.__setitem__(0, resets[0] + 1)])
 
 
 def loop(state, step):
@@ -116,7 +131,7 @@ if args.flavour == "torch":
     model = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10))
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
                                          named_parameters=model.named_parameters())
-    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, epoch=0, batch=0, generation=1)
+    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, epoch=0, batch=0)
     count_reset(state)
 
     def step(x, y):
@@ -131,15 +146,18 @@ elif args.flavour == "tf":
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(10)])
     optimizer = keras.optimizers.SGD(0.05)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    state = hvd.elastic.TensorFlowKerasState(model, optimizer, epoch=0, batch=0, generation=1)
-    count_reset(state)
 
-    def step(x, y):
+    def step(x, y, allreduce=True):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
-        tape = hvd.DistributedGradientTape(tape)
+        if allreduce:
+            tape = hvd.DistributedGradientTape(tape)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    step(*shard(0), allreduce=False)  # builds the optimizer's variables; the sync overwrites the result
+    state = hvd.elastic.TensorFlowKerasState(model, optimizer, epoch=0, batch=0)
+    count_reset(state)
 
     hvd.elastic.run(lambda state: loop(state, step))(state)
 
@@ -148,7 +166,7 @@ else:
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(10)])
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    state = hvd.elastic.KerasState(model, epoch=0, batch=0, generation=1)
+    state = hvd.elastic.KerasState(model, epoch=0, batch=0)
     count_reset(state)
 
     class Scenario(keras.callbacks.Callback):
