@@ -74,6 +74,33 @@ class RollbackLimitError(ElasticExtError):
     """Too many consecutive rollbacks happened without a new commit."""
 
 
+class NumericFaultError(ElasticExtError):
+    """A step's loss or gradient is non-finite or spiked; every rank raises it together.
+
+    A signal for the ``run`` decorator (roll back, skip the step's samples,
+    continue), like Horovod's ``HorovodInternalError`` for a failed
+    collective. ``step`` is the global step, ``reason`` one of
+    ``elastic_ext.guard.REASONS``, ``verdict`` the full ``elastic_ext.guard.Verdict``;
+    ``skips`` the sample ranges ``(sampler name, epoch, start, stop)`` the
+    step would have consumed (filled by ``State.guard_step``).
+    """
+
+    def __init__(self, verdict) -> None:
+        super().__init__(verdict.describe())
+        self.verdict = verdict
+        self.step = verdict.step
+        self.reason = verdict.reason
+        self.skips: list = []
+
+
+class NumericRollbackLimitError(RollbackLimitError):
+    """More numeric rollbacks in a row than ``NumericGuard.max_rollbacks`` without a new commit.
+
+    The training itself is broken (diverged, a learning rate too high, a
+    poisoned dataset), not one batch: skipping more steps would only lose data.
+    """
+
+
 __all__ = [
     "ElasticExtError",
     "ConfigError",
@@ -89,4 +116,6 @@ __all__ = [
     "CorruptCheckpointError",
     "CheckpointReadError",
     "RollbackLimitError",
+    "NumericFaultError",
+    "NumericRollbackLimitError",
 ]

@@ -37,7 +37,8 @@ from typing import Any, Deque, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from elastic_ext.errors import ConfigError, ElasticExtError, RollbackLimitError
+# The errors live in errors.py; guard.NumericFaultError and guard.NumericRollbackLimitError keep working.
+from elastic_ext.errors import ConfigError, NumericFaultError, NumericRollbackLimitError
 # The signal and its agreement live in numeric_signal.py; guard.X keeps working for them.
 from elastic_ext.numeric_signal import SIGNAL_WIDTH, GlobalSignal, LocalSignal, agree, reduce_rows
 
@@ -58,31 +59,6 @@ REASONS = (NONFINITE_LOSS, NONFINITE_GRADIENT, LOSS_SPIKE)
 MAD_TO_SIGMA = 1.4826
 #: Keeps the threshold above the median when the window is exactly flat at 0.
 _ABS_FLOOR = 1e-12
-
-
-class NumericFaultError(ElasticExtError):
-    """A step's loss or gradient is non-finite or spiked; every rank raises it together.
-
-    A signal for the ``run`` decorator (roll back, skip the step's samples,
-    continue), like Horovod's ``HorovodInternalError`` for a failed
-    collective. ``step`` is the global step, ``reason`` one of
-    :data:`REASONS`, ``verdict`` the full :class:`Verdict`.
-    """
-
-    def __init__(self, verdict: "Verdict") -> None:
-        super().__init__(verdict.describe())
-        self.verdict = verdict
-        self.step = verdict.step
-        self.reason = verdict.reason
-
-
-class NumericRollbackLimitError(RollbackLimitError):
-    """More numeric rollbacks in a row than ``NumericGuard.max_rollbacks`` without a new commit.
-
-    The training itself is broken (diverged, a learning rate too high, a
-    poisoned dataset), not one batch: skipping more steps would only lose data.
-    """
-
 
 
 @dataclasses.dataclass(frozen=True)
