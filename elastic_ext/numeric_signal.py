@@ -58,7 +58,10 @@ class GlobalSignal:
         grad_norm: ``sqrt(sum of the ranks' squared norms / ranks)``: the norm
             of the averaged gradient when each rank measured it after the
             gradient allreduce, the RMS of the ranks' own norms before it.
-        bad_ranks: ranks that reported a non-finite loss or gradient.
+        bad_ranks: ranks that reported a non-finite loss, or, when every
+            loss is finite, ranks that reported a non-finite gradient. A NaN
+            loss on one rank reaches every rank's gradients through the
+            allreduce; this still names only the rank where it began.
     """
 
     loss: float
@@ -78,22 +81,25 @@ def reduce_rows(table: np.ndarray) -> GlobalSignal:
     if table.ndim != 2 or table.shape[0] < 1 or table.shape[1] != SIGNAL_WIDTH:
         raise ValueError(f"signal table shape {table.shape} must be (ranks >= 1, {SIGNAL_WIDTH})")
     weighted = samples = grad_sq = 0.0
-    bad: List[int] = []
+    bad_loss: List[int] = []
+    bad_grad: List[int] = []
     loss_finite = grad_finite = True
     for rank, (loss, count, loss_bad, grad_bad, sq) in enumerate(table.tolist()):
         loss_ok = loss_bad == 0.0 and math.isfinite(loss)
         grad_ok = grad_bad == 0.0 and math.isfinite(sq)
         loss_finite &= loss_ok
         grad_finite &= grad_ok
-        if not (loss_ok and grad_ok):
-            bad.append(rank)
+        if not loss_ok:
+            bad_loss.append(rank)
+        if not grad_ok:
+            bad_grad.append(rank)
         weighted += loss * count
         samples += count
         grad_sq += sq
     mean = weighted / samples if samples > 0 and loss_finite else float("nan")
     norm = math.sqrt(grad_sq / table.shape[0]) if grad_finite else None
     return GlobalSignal(loss=mean, loss_finite=loss_finite and math.isfinite(mean), grad_finite=grad_finite,
-                        grad_norm=norm, bad_ranks=tuple(bad))
+                        grad_norm=norm, bad_ranks=tuple(bad_loss or bad_grad))
 
 
 def agree(binding: Any, local: Union[LocalSignal, np.ndarray], name: str = "elastic_ext.guard") -> GlobalSignal:
