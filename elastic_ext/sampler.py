@@ -5,14 +5,18 @@ global cursor) and turns it into this rank's batches with
 :func:`elastic_ext.partition.plan`. Put it in the :class:`~elastic_ext.State`
 (its ``state_dict`` is plain values), call :meth:`record_step` after every
 optimizer step, and it rolls back with the weights on failure and
-re-partitions what is left on a resize. ``elastic_ext.torch.ElasticSampler``
+re-partitions what is left on a resize. A numeric rollback (the guard,
+``State(guard=...)``) adds the bad step's positions to a *skip list*,
+committed with the cursor: a step that would start at a skipped range's
+first position moves past the range first (:meth:`skip`).
+``elastic_ext.torch.ElasticSampler``
 and ``elastic_ext.tensorflow.index_dataset`` wrap it for each framework.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterator, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -72,6 +76,8 @@ class ElasticPartitioner:
         self._world = world
         self.epoch = 0
         self.cursor = 0
+        # Skipped position ranges [epoch, start, stop) of the order (committed; see skip()).
+        self.skipped: List[List[int]] = []
         self._order: Optional[partition.EpochOrder] = None
         self._order_key: Optional[tuple] = None
         # Called at every record_step(): a State tracking this sampler sets it to
@@ -109,6 +115,50 @@ class ElasticPartitioner:
         if epoch != self.epoch:
             self.epoch = int(epoch)
             self.cursor = 0
+            self.skipped = [r for r in self.skipped if r[0] >= self.epoch]  # past epochs' skips are spent
+
+    # ------------------------------------------------------------ skip list
+
+    def skip(self, epoch: int, start: int, stop: int) -> bool:
+        """Never hands out positions ``[start, stop)`` of ``epoch``'s order (a bad step's samples).
+
+        A step that would start at ``start`` moves the cursor to ``stop``
+        first. The range is a whole step recorded at the cursor it started
+        from, so it lines up with the steps replayed from the last commit as
+        long as the global batch is the same (always with
+        ``global_batch_size``). Adding a range twice is a no-op.
+        Returns True if the range is new.
+
+        Raises:
+            PartitionError: the range is empty or outside ``[0, size]``.
+        """
+        epoch, start, stop = int(epoch), int(start), int(stop)
+        if epoch < 0 or not 0 <= start < stop <= self.size:
+            raise PartitionError(f"skipped range epoch {epoch} [{start}, {stop}) must be a non-empty range "
+                                 f"within [0, {self.size}] of an epoch >= 0")
+        if [epoch, start, stop] in self.skipped:
+            return False
+        self.skipped.append([epoch, start, stop])
+        self.skipped.sort()
+        return True
+
+    def skip_ahead(self) -> None:
+        """Moves the cursor past every skipped range that starts where it stands."""
+        self.cursor = self._past_skips(self.cursor)
+
+    def _past_skips(self, position: int) -> int:
+        moved = True
+        while moved:
+            moved = False
+            for epoch, start, stop in self.skipped:
+                if epoch == self.epoch and start == position:
+                    position, moved = stop, True
+        return position
+
+    def _next_skip(self, position: int) -> Optional[int]:
+        """First position of the nearest skipped range after ``position`` in this epoch (None: none)."""
+        return min((start for epoch, start, _ in self.skipped if epoch == self.epoch and start > position),
+                   default=None)
 
     def _step_advance(self) -> int:
         left = self.size - self.cursor
@@ -120,8 +170,14 @@ class ElasticPartitioner:
 
     @property
     def epoch_done(self) -> bool:
-        """No step is left in this epoch at the current world size."""
+        """No step is left in this epoch at the current world size (skipped ranges left out)."""
+        self.skip_ahead()
         return self._step_advance() == 0
+
+    def step_range(self) -> Tuple[int, int, int]:
+        """``(epoch, start, stop)``: the positions the step starting at the cursor consumes."""
+        self.skip_ahead()
+        return self.epoch, self.cursor, self.cursor + self._step_advance()
 
     def record_step(self) -> None:
         """Records that one global step was processed (call after each optimizer step).
@@ -129,11 +185,13 @@ class ElasticPartitioner:
         Raises:
             PartitionError: the epoch has no step left.
         """
+        self.skip_ahead()
         advance = self._step_advance()
         if advance == 0:
             raise PartitionError(f"record_step() at cursor {self.cursor} of {self.size} with global batch "
                                  f"{self.global_batch} and policy {self.policy!r}: the epoch has no step left")
         self.cursor += advance
+        self.skip_ahead()
         if self.on_progress is not None:
             self.on_progress()
 
@@ -154,13 +212,33 @@ class ElasticPartitioner:
         return partition.plan(self.order(), self.cursor, self.global_batch, size, rank, self.policy)
 
     def batches(self) -> Iterator[Tuple[np.ndarray, np.ndarray]]:
-        """Yields ``(indices, pad_mask)`` per step from the cursor on (planned once, at the start;
-        indices computed step by step, the first one alone so it comes at once)."""
-        yield from self.plan().batches()
+        """Yields ``(indices, pad_mask)`` per step from the cursor on (planned once per stretch
+        between skipped ranges; indices computed step by step, the first one alone so it comes at once).
+
+        Skipped ranges are left out; :meth:`record_step` moves the cursor
+        past one when it reaches it.
+        """
+        self.skip_ahead()
+        rank, size = self.world()
+        position = self.cursor
+        while True:
+            position = self._past_skips(position)
+            planned = partition.plan(self.order(), position, self.global_batch, size, rank, self.policy)
+            limit = self._next_skip(position)
+            for step, batch in enumerate(planned.batches()):
+                if limit is not None and position + step * planned.global_batch >= limit:
+                    break  # a skipped range starts here: plan again past it
+                yield batch
+            else:
+                return
+            position = limit
 
     def __len__(self) -> int:
-        """Steps left in this epoch at the current world size."""
-        return partition.steps_left(self.size, self.cursor, self.global_batch, self.policy)
+        """Steps left in this epoch at the current world size (skipped steps left out)."""
+        self.skip_ahead()
+        ahead = sum(stop - start for epoch, start, stop in self.skipped if epoch == self.epoch and start > self.cursor)
+        return partition.steps_left(self.size, self.cursor, self.global_batch, self.policy) - \
+            -(-ahead // self.global_batch)
 
     def on_world_change(self) -> None:
         """Called by ``State.reset()`` after a resize. It only logs: nothing needs
@@ -171,7 +249,7 @@ class ElasticPartitioner:
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor, "size": self.size, "seed": self.seed,
-                "shuffle": self.shuffle, "policy": self.policy}
+                "shuffle": self.shuffle, "policy": self.policy, "skipped": [list(r) for r in self.skipped]}
 
     def load_state_dict(self, state: dict) -> None:
         """Restores epoch and cursor.
@@ -188,3 +266,4 @@ class ElasticPartitioner:
             raise PartitionError(f"committed cursor ({state['cursor']}) must be in [0, {self.size}]")
         self.epoch = int(state["epoch"])
         self.cursor = int(state["cursor"])
+        self.skipped = [[int(v) for v in r] for r in state.get("skipped", [])]  # absent in older commits

@@ -7,7 +7,9 @@ cursor the step started from, and the sample indices it processed. At each
 *committed history*: for generation g, the steps between g's start position
 and the position generation g+1 resumed from (g's last commit, as chosen by
 sync). Steps a rollback threw away drop out; everything left must cover each
-sample exactly once per epoch.
+sample exactly once per epoch. A numeric rollback's skipped samples are
+written as ``skipped`` records (:meth:`Ledger.skipped`): the audit counts
+them as accounted for, once, and reports them per epoch.
 """
 
 from __future__ import annotations
@@ -37,6 +39,12 @@ class Ledger:
              indices: Sequence[int], pads: int = 0) -> None:
         self._write({"gen": generation, "epoch": epoch, "cursor": cursor, "step": step, "rank": rank,
                      "size": size, "indices": [int(i) for i in indices], "pads": int(pads), "t": time.time()})
+
+    def skipped(self, epoch: int, start: int, stop: int, indices: Sequence[int], reason: str, step: int,
+                rank: int) -> None:
+        """Positions ``[start, stop)`` of ``epoch`` (sample ``indices``) were skipped on purpose (``reason``)."""
+        self._write({"skipped": [int(epoch), int(start), int(stop)], "epoch": int(epoch), "reason": reason,
+                     "indices": [int(i) for i in indices], "step": int(step), "rank": int(rank), "t": time.time()})
 
     def end(self, step: int, rank: int, size: int) -> None:
         self._write({"end": True, "step": step, "rank": rank, "size": size})
@@ -82,20 +90,27 @@ def committed_history(records: List[dict]) -> List[dict]:
 def audit(records: List[dict], dataset_size: int, epochs: int) -> dict:
     """Counts, per epoch, samples processed twice and never in the committed history.
 
-    Returns ``{"epochs": [{"epoch", "processed", "duplicated", "missing",
-    "duplicated_ids", "missing_ids"}], "lost_steps": steps thrown away by
-    rollbacks, "exactly_once": bool}``.
+    Skipped samples (``skipped`` records, each range counted once however
+    many ranks wrote it) count as accounted for; a sample both skipped and
+    processed is duplicated.
+
+    Returns ``{"epochs": [{"epoch", "processed", "skipped", "duplicated",
+    "missing", "duplicated_ids", "missing_ids"}], "lost_steps": steps thrown
+    away by rollbacks, "exactly_once": bool}``.
     """
     history = committed_history(records)
+    skips = {tuple(r["skipped"]): r["indices"] for r in records if "skipped" in r}
     report: Dict[str, Any] = {"epochs": []}
     ok = True
     for epoch in range(epochs):
         seen = [i for r in history if r["epoch"] == epoch for i in r["indices"]]
-        counts = np.bincount(np.asarray(seen, dtype=np.int64), minlength=dataset_size)
+        dropped = [i for key, ids in sorted(skips.items()) if key[0] == epoch for i in ids]
+        counts = np.bincount(np.asarray(seen + dropped, dtype=np.int64), minlength=dataset_size)
         twice = np.flatnonzero(counts > 1)
         never = np.flatnonzero(counts == 0)
         ok = ok and twice.size == 0 and never.size == 0
-        report["epochs"].append({"epoch": epoch, "processed": int(len(seen)), "duplicated": int(twice.size),
+        report["epochs"].append({"epoch": epoch, "processed": int(len(seen)), "skipped": int(len(dropped)),
+                                 "duplicated": int(twice.size),
                                  "missing": int(never.size), "duplicated_ids": twice[:20].tolist(),
                                  "missing_ids": never[:20].tolist()})
     all_steps = {(r["gen"], r["epoch"], r["cursor"]) for r in records if "gen" in r}
