@@ -8,8 +8,9 @@ The core imports no framework: ``elastic_ext.torch`` and
 from elastic_ext.adapters import Adapter, Capture, Entry, GlobalRNG
 from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import (CheckpointError, ConfigError, CorruptCheckpointError, DiscoveryError,
-                                ElasticExtError, NotCommittedError, PartitionError, RollbackLimitError,
-                                StateDivergenceError, StateError)
+                                ElasticExtError, NotCommittedError, NumericFaultError, NumericRollbackLimitError,
+                                PartitionError, RollbackLimitError, StateDivergenceError, StateError)
+from elastic_ext.guard import LossWindow, NumericGuard
 from elastic_ext.run import run
 from elastic_ext.sampler import ElasticPartitioner
 from elastic_ext.state import State
@@ -21,4 +22,5 @@ __all__ = [
     "Adapter", "Capture", "Entry", "GlobalRNG", "ElasticConfig", "ElasticPartitioner", "State", "run", "phase", "progress",
     "ElasticExtError", "ConfigError", "DiscoveryError", "PartitionError", "StateError", "NotCommittedError",
     "StateDivergenceError", "CheckpointError", "CorruptCheckpointError", "RollbackLimitError",
+    "NumericGuard", "LossWindow", "NumericFaultError", "NumericRollbackLimitError",
 ]

@@ -29,6 +29,14 @@ The run loop (``run.py``):
 - ``recovered`` (:data:`RECOVERED`): the first sync after a rollback or
   resize is done; the fields of that ``rollback``/``resize`` plus ``size``,
   ``generation`` and ``recovery_s``.
+- ``numeric_rollback`` (:data:`NUMERIC_ROLLBACK`): the numeric guard
+  (``State(guard=...)``) judged a step bad, every rank went back to the last
+  commit without a Horovod reset and skips that step's samples; the
+  verdict's fields (``step``, ``reason``, ``loss``, ``bad_ranks``, ...),
+  ``commit_id``, ``rollbacks_in_a_row``, ``steps_rolled_back``, ``skipped``
+  (``[sampler, epoch, start, stop]`` ranges). A numeric rollback over
+  ``NumericGuard.max_rollbacks`` writes ``rollback_limit`` with ``cause``
+  ``"numeric"`` and the verdict's fields instead.
 - ``finish`` (:data:`FINISH`): the training function returned; ``commit_id``,
   ``duration_s``.
 - ``stall`` (:data:`STALL`): this worker declared itself stuck; ``idle_s``.
@@ -79,10 +87,11 @@ CHECKPOINT = "checkpoint"
 CHECKPOINT_SKIPPED = "checkpoint_skipped"
 CHECKPOINT_FAILED = "checkpoint_failed"
 CHECKPOINT_RESUMED = "checkpoint_resumed"
+NUMERIC_ROLLBACK = "numeric_rollback"
 
 #: Every event name elastic_ext emits (the module docstring says what each means).
 ALL_EVENTS = (COMMIT, SYNC, ROLLBACK, ROLLBACK_LIMIT, RESIZE, RESET, RECOVERED, FINISH, STALL, SUSPENDED,
-              LEAVE, CHECKPOINT, CHECKPOINT_SKIPPED, CHECKPOINT_FAILED, CHECKPOINT_RESUMED)
+              LEAVE, CHECKPOINT, CHECKPOINT_SKIPPED, CHECKPOINT_FAILED, CHECKPOINT_RESUMED, NUMERIC_ROLLBACK)
 
 
 class EventLog:

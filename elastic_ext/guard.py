@@ -39,6 +39,7 @@ import numpy as np
 
 # The errors live in errors.py; guard.NumericFaultError and guard.NumericRollbackLimitError keep working.
 from elastic_ext.errors import ConfigError, NumericFaultError, NumericRollbackLimitError
+from elastic_ext.events import NUMERIC_ROLLBACK
 # The signal and its agreement live in numeric_signal.py; guard.X keeps working for them.
 from elastic_ext.numeric_signal import SIGNAL_WIDTH, GlobalSignal, LocalSignal, agree, reduce_rows
 
@@ -47,8 +48,8 @@ __all__ = ["EVENT_NUMERIC_ROLLBACK", "LOSS_SPIKE", "MAD_TO_SIGMA", "NONFINITE_GR
            "NumericGuard", "NumericRollbackLimitError", "Verdict", "agree", "reduce_rows"]
 
 #: Event written by every rank when a numeric fault rolls the job back (fields: Verdict.fields(), commit_id,
-#: rollbacks_in_a_row, skipped positions).
-EVENT_NUMERIC_ROLLBACK = "numeric_rollback"
+#: rollbacks_in_a_row, steps_rolled_back, skipped positions); the constant is events.NUMERIC_ROLLBACK.
+EVENT_NUMERIC_ROLLBACK = NUMERIC_ROLLBACK
 
 NONFINITE_LOSS = "nonfinite_loss"
 NONFINITE_GRADIENT = "nonfinite_gradient"

@@ -6,8 +6,10 @@ Control flow, per worker (the same on every rank)::
       ^          │
       │          ├─ HorovodInternalError (a collective failed):
       │          │     restore last commit, count the rollback, reset Horovod
-      │          └─ HostsUpdatedInterrupt (hosts added or removed, raised by commit):
-      │                no rollback; reset Horovod
+      │          ├─ HostsUpdatedInterrupt (hosts added or removed, raised by commit):
+      │          │     no rollback; reset Horovod
+      │          └─ NumericFaultError (state.guard_step judged a step bad, on every rank):
+      │                restore last commit, skip the step's samples; no reset
       └──────────┘  (sync sends no state when every rank already holds the agreed commit)
 
 Differences from ``hvd.elastic.run``: one decorator for both frameworks;
@@ -53,7 +55,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, TypeVar
 import numpy as np
 
 from elastic_ext.connections import CollectiveConnections
-from elastic_ext.errors import RollbackLimitError
+from elastic_ext.errors import NumericFaultError, RollbackLimitError
+from elastic_ext.numeric_rollback import NumericRecovery
 from elastic_ext.events import FINISH, LEAVE, RECOVERED, RESET, RESIZE, ROLLBACK, ROLLBACK_LIMIT, STALL, SUSPENDED
 from elastic_ext.watchdog import LEAVE_EXIT_CODE, LIVENESS, Liveness, Watchdog, install_sigterm
 
@@ -193,6 +196,7 @@ def run(func: Optional[F] = None, *, counter: Optional[str] = "step") -> Any:
         links = CollectiveConnections()
         cut_links = config.abort_connections and kind == "gloo"
         pending: Optional[Recovery] = None
+        numeric = NumericRecovery()
         started = time.perf_counter()
         try:
             while True:
@@ -206,9 +210,7 @@ def run(func: Optional[F] = None, *, counter: Optional[str] = "step") -> Any:
                     try:
                         with liveness.training():
                             result = func(state, *args, **kwargs)
-                    except HorovodInternalError:
-                        raise
-                    except HostsUpdatedInterrupt:
+                    except (HorovodInternalError, HostsUpdatedInterrupt, NumericFaultError):
                         raise
                     except Exception as exc:
                         translated = binding.as_internal_error(exc)
@@ -217,6 +219,10 @@ def run(func: Optional[F] = None, *, counter: Optional[str] = "step") -> Any:
                         raise translated from exc
                     events.emit(FINISH, commit_id=state.commit_id, duration_s=time.perf_counter() - started)
                     return result
+                except NumericFaultError as exc:
+                    # Every rank raised it together and no collective failed: no Horovod reset.
+                    numeric.roll_back(state, exc, steps_now(state), steps_now)
+                    continue
                 except HorovodInternalError as exc:
                     t0 = time.perf_counter()
                     if kind == "mpi":
@@ -235,6 +241,7 @@ def run(func: Optional[F] = None, *, counter: Optional[str] = "step") -> Any:
                             f"{count} rollbacks in a row without a new commit (commit id {state.commit_id}) "
                             f"exceed rollback_limit ({config.rollback_limit}); last cause: {exc}") from exc
                     state.restore()
+                    numeric.reapply(state)  # skips of numeric rollbacks no commit holds yet
                     step_committed = steps_now(state)
                     steps_back = (step_now - step_committed
                                   if step_now is not None and step_committed is not None else None)

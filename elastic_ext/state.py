@@ -36,6 +36,8 @@ from elastic_ext.buffers import CommitBuffers
 from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import NotCommittedError, StateError
 from elastic_ext.events import COMMIT, EventLog
+from elastic_ext import numeric_rollback as _numeric
+from elastic_ext.guard import NumericGuard, Verdict
 from elastic_ext.run import RollbackRecord
 from elastic_ext.sampler import ElasticPartitioner
 from elastic_ext.tracked import Tracked
@@ -63,6 +65,9 @@ class State:
             per-rank metric, a rank's own data-loader state): committed and
             restored locally, never compared nor broadcast, not in durable
             checkpoints, like RNG streams.
+        guard: an :class:`elastic_ext.NumericGuard` (opt-in): enables
+            :meth:`guard_step`; its loss window is committed as
+            ``numeric_guard_window`` (see :mod:`elastic_ext.numeric_rollback`).
         **objects: the objects to track, by name.
 
     Raises:
@@ -74,13 +79,15 @@ class State:
 
     def __init__(self, *, framework: Optional[str] = None, binding: Optional[Binding] = None,
                  adapters: Iterable[Adapter] = (), config: Optional[ElasticConfig] = None,
-                 per_rank: Iterable[str] = (), **objects: Any) -> None:
+                 per_rank: Iterable[str] = (), guard: Optional[NumericGuard] = None, **objects: Any) -> None:
         s = object.__setattr__
         s(self, "_liveness", LIVENESS)
         s(self, "_config", config or ElasticConfig.from_env())
         s(self, "_tracked", Tracked(objects, adapters, per_rank, reserved_names()))
         for name, obj in objects.items():
             self._track(name, obj)
+        _numeric.attach(self._tracked, guard)
+        s(self, "_guard", guard)
         frameworks = self._tracked.frameworks()  # also finds every adapter: StateError if one is missing
         self._tracked.prepare()  # e.g. Keras optimizers build their slots here, before any sync
         if binding is None:
@@ -140,6 +147,14 @@ class State:
     binding = property(lambda self: self._binding, doc="The Horovod operations in use.")
     events = property(lambda self: self._events, doc="This rank's :class:`EventLog`.")
     rollbacks = property(lambda self: self._rollbacks, doc="Rollbacks in a row without a new commit (``run``).")
+    guard = property(lambda self: self._guard, doc="The :class:`NumericGuard` given, or None.")
+
+    def guard_step(self, loss: Any, grads: Iterable[Any] = (), samples: int = 1,
+                   step: Optional[int] = None) -> Verdict:
+        """Judges a step on every rank together; a bad one raises ``NumericFaultError``, which ``run``
+        turns into a rollback that skips the step's samples. Call it after the gradient allreduce, before
+        the weights change and before ``commit()`` (see :func:`elastic_ext.numeric_rollback.guard_step`)."""
+        return _numeric.guard_step(self, loss, grads, samples, step)
     # What tests inspect: the last commit's entries, and the adapter found per name.
     _entries = property(lambda self: self._buffers.entries)
     _adapter_of = property(lambda self: self._tracked._adapter_of)
@@ -325,4 +340,4 @@ def reserved_names() -> FrozenSet[str]:
 
 _RESERVED: FrozenSet[str] = frozenset(
     {name for name in dir(State) if not name.startswith("_")}
-    | {"framework", "binding", "adapters", "config", "per_rank"})
+    | {"framework", "binding", "adapters", "config", "per_rank", "guard", _numeric.WINDOW_NAME})

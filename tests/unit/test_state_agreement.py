@@ -310,7 +310,7 @@ def test_every_public_member_of_state_is_a_reserved_name():
     assert public <= reserved_names()
     assert {"generation", "verify", "rollbacks", "host_update_pending", "seconds_since_commit",
             "register_adapter", "per_rank"} <= reserved_names()
-    keywords = {"framework", "binding", "adapters", "config", "per_rank"}  # never reach **objects
+    keywords = {"framework", "binding", "adapters", "config", "per_rank", "guard"}  # never reach **objects
     for name in sorted(public - keywords):
         with pytest.raises(StateError, match=f"object name '{name}' is reserved"):
             State(binding=SoloBinding(), **{name: 7})
