@@ -204,6 +204,7 @@ def run(func: Optional[F] = None, *, counter: Optional[str] = "step") -> Any:
                     if cut_links:
                         links.learn_from_peers(binding)
                     state.sync()
+                    numeric.reapply(state)  # sync loads the commit, which may not hold a numeric skip yet
                     if pending is not None:
                         events.emit(RECOVERED, **pending.event(binding.size(), state.generation))
                         pending = None

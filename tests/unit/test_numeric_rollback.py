@@ -116,3 +116,27 @@ def test_the_loss_window_rolls_back_with_the_commit():
     state.guard_step(3.0)
     state.restore()
     assert state.objects[WINDOW_NAME].losses == [1.0]
+
+
+def test_a_sync_that_loads_the_commit_keeps_the_uncommitted_skip():
+    # A rank other than the sync's root loads the root's commit into its live objects when their
+    # bytes differ (BatchNorm statistics always do): the skip, not committed yet, must survive it.
+    state = make_state()
+
+    def loading_sync():
+        State.sync(state)
+        if state.commit_id > 0:
+            state.restore()  # what loading the root's commit does to this rank's live objects
+
+    state.sync = loading_sync
+    calls = []
+
+    @elastic_ext.run
+    def train(state):
+        calls.append(1)
+        if len(calls) == 1:
+            state.commit()
+            state.guard_step(float("nan"))
+        return state.sampler.step_range()
+
+    assert train(state) == (0, 4, 8)
