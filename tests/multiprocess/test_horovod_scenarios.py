@@ -3,14 +3,14 @@ for a job that uses elastic_ext's State and run: our own tests of the same
 situations, with a PyTorch loop, a TF2 loop (Keras 3 model, elastic_ext's
 DistributedGradientTape) and Keras 3 ``model.fit`` with ElasticCallback.
 
-Covered: hosts added then removed (discovery follows the epochs rank 0
-finished), within a reset limit that allows exactly those resets and
-beyond one that does not (the job fails with Horovod's message); a single
-rank failing (by exception and by SIGKILL) on two hosts; the same with fixed
-hosts (-H, no discovery: fault tolerance without scaling); a failed host
-that comes back after its blacklist cooldown; and every rank failing. Each
-successful job also trains every sample exactly once per epoch in its
-committed history.
+Every scenario runs in all three flavours. Covered: hosts added then
+removed (discovery follows the epochs rank 0 finished), within a reset
+limit that allows exactly those resets and beyond one that does not (the
+job fails with Horovod's message); a single rank failing (by exception and
+by SIGKILL) on two hosts; the same with fixed hosts (-H, no discovery:
+fault tolerance without scaling); a failed host that comes back after its
+blacklist cooldown; and every rank failing. Each successful job also trains
+every sample exactly once per epoch in its committed history.
 """
 
 import json
@@ -94,9 +94,10 @@ def test_hosts_added_and_removed(tmp_path, flavour):
 
 
 @pytest.mark.timeout(400)
-def test_reset_limit_exceeded_fails_the_job_with_horovods_message(tmp_path):
+@pytest.mark.parametrize("flavour", ["torch", "tf", "keras"])
+def test_reset_limit_exceeded_fails_the_job_with_horovods_message(tmp_path, flavour):
     # The same two host changes with a limit of one reset: the second change stops the job.
-    code, output, epochs, _ = run_scenario(tmp_path, "torch", ADD_THEN_REMOVE, "--epoch-wait-s", "3",
+    code, output, epochs, _ = run_scenario(tmp_path, flavour, ADD_THEN_REMOVE, "--epoch-wait-s", "3",
                                            horovodrun_args=("--reset-limit", "1"))
     assert code != 0, "a job past its reset limit must fail"
     assert "number of resets during elastic job exceeded limit: 1" in output, output[-3000:]
@@ -119,7 +120,7 @@ def test_single_rank_failure_continues_on_the_other_host(tmp_path, flavour, exit
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("flavour, exit_mode", [("torch", "kill"), ("keras", "exception")])
+@pytest.mark.parametrize("flavour, exit_mode", [("torch", "kill"), ("tf", "exception"), ("keras", "exception")])
 def test_fault_tolerance_without_scaling_on_fixed_hosts(tmp_path, flavour, exit_mode):
     # No discovery script: the hosts are fixed (-H); the failed host is blacklisted for good.
     code, output, epochs, out = run_scenario(tmp_path, flavour, None, "--exit-schedule", '{"1,0": [0]}',
@@ -134,10 +135,11 @@ def test_fault_tolerance_without_scaling_on_fixed_hosts(tmp_path, flavour, exit_
 
 
 @pytest.mark.timeout(400)
-def test_blacklisted_host_comes_back_after_its_cooldown(tmp_path):
+@pytest.mark.parametrize("flavour", ["torch", "tf", "keras"])
+def test_blacklisted_host_comes_back_after_its_cooldown(tmp_path, flavour):
     # Rank 3 fails in epoch 1: its host is blacklisted for 1-2 s, then discovery
     # offers it again and the job grows back to four workers.
-    code, output, epochs, out = run_scenario(tmp_path, "torch", TWO_HOSTS, "--exit-schedule", '{"1,0": [3]}',
+    code, output, epochs, out = run_scenario(tmp_path, flavour, TWO_HOSTS, "--exit-schedule", '{"1,0": [3]}',
                                              "--epochs", "4", "--epoch-wait-s", "2", np_=4,
                                              horovodrun_args=("--blacklist-cooldown-range", "1", "2"))
     assert code == 0, output[-5000:]
@@ -150,8 +152,9 @@ def test_blacklisted_host_comes_back_after_its_cooldown(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_all_ranks_failing_fails_the_job(tmp_path):
-    code, output, epochs, _ = run_scenario(tmp_path, "torch", TWO_HOSTS, "--exit-schedule", '{"1,0": [0, 1, 2, 3]}',
+@pytest.mark.parametrize("flavour", ["torch", "tf", "keras"])
+def test_all_ranks_failing_fails_the_job(tmp_path, flavour):
+    code, output, epochs, _ = run_scenario(tmp_path, flavour, TWO_HOSTS, "--exit-schedule", '{"1,0": [0, 1, 2, 3]}',
                                            np_=4, timeout_s=240)
     assert code != 0, "a job whose every worker failed must fail"
     assert "exited with non-zero status" in output, output[-3000:]

@@ -23,8 +23,12 @@ under Horovod's own semantics rather than failing for our bookkeeping:
   reset, as in scenario_train.py.
 - the TF2 loop builds the optimizer's variables with one local step (no
   allreduce) before the state is made, as Horovod's own TF2 elastic scripts
-  do: otherwise a newcomer's optimizer has fewer variables than the
-  survivors' and the state's broadcast does not match. Data: each global batch of 32 digits split by
+  do, and the ``fit`` flavour builds them with ``optimizer.build``:
+  otherwise a newcomer's optimizer has fewer variables than the survivors'
+  and the state's broadcast does not match (the job hangs).
+- the ``fit`` callbacks come in the order that makes Horovod's epoch-end
+  commit hold the next epoch (UpdateEpoch, UpdateBatch, then Commit); with
+  Commit first, a failure early in an epoch replays the previous epoch's end. Data: each global batch of 32 digits split by
 rank, the batch index kept in the state (Horovod has no sampler for TF).
 """
 
@@ -166,6 +170,7 @@ else:
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(10)])
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.optimizer.build(model.trainable_variables)  # see the module docstring
     state = hvd.elastic.KerasState(model, epoch=0, batch=0)
     count_reset(state)
 
@@ -184,7 +189,8 @@ else:
             lambda: (shard(b % args.batches) for b in range(state.batch, args.batches * args.epochs)),
             output_signature=(tf.TensorSpec((None, 64), tf.float32), tf.TensorSpec((None,), tf.int64)))
         model.fit(data, steps_per_epoch=args.batches, initial_epoch=state.epoch, epochs=args.epochs, verbose=0,
-                  callbacks=[Scenario(), hvd.elastic.CommitStateCallback(state, batches_per_commit=args.commit_every),
-                             hvd.elastic.UpdateBatchStateCallback(state), hvd.elastic.UpdateEpochStateCallback(state)])
+                  callbacks=[Scenario(), hvd.elastic.UpdateEpochStateCallback(state),
+                             hvd.elastic.UpdateBatchStateCallback(state),
+                             hvd.elastic.CommitStateCallback(state, batches_per_commit=args.commit_every)])
 
     train(state)
