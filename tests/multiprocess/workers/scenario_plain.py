@@ -28,7 +28,10 @@ under Horovod's own semantics rather than failing for our bookkeeping:
   and the state's broadcast does not match (the job hangs).
 - the ``fit`` callbacks come in the order that makes Horovod's epoch-end
   commit hold the next epoch (UpdateEpoch, UpdateBatch, then Commit); with
-  Commit first, a failure early in an epoch replays the previous epoch's end. Data: each global batch of 32 digits split by
+  Commit first, a failure early in an epoch replays the previous epoch's end.
+  ``fit`` gets ``epochs=left`` and no ``initial_epoch``: the callback counts
+  the committed epoch plus fit's own epoch index, which would count an
+  ``initial_epoch`` twice and skip epochs. Data: each global batch of 32 digits split by
 rank, the batch index kept in the state (Horovod has no sampler for TF).
 """
 
@@ -184,11 +187,13 @@ else:
     @hvd.elastic.run
     def train(state):
         # Horovod's callbacks keep the epoch and the last finished batch; fit
-        # starts from the committed epoch and skips the batches already done.
+        # runs the epochs left (UpdateEpochStateCallback adds the epoch fit
+        # counts from 0 to the committed one, so no initial_epoch) and skips
+        # the batches already done.
         data = tf.data.Dataset.from_generator(
             lambda: (shard(b % args.batches) for b in range(state.batch, args.batches * args.epochs)),
             output_signature=(tf.TensorSpec((None, 64), tf.float32), tf.TensorSpec((None,), tf.int64)))
-        model.fit(data, steps_per_epoch=args.batches, initial_epoch=state.epoch, epochs=args.epochs, verbose=0,
+        model.fit(data, steps_per_epoch=args.batches, epochs=args.epochs - state.epoch, verbose=0,
                   callbacks=[Scenario(), hvd.elastic.UpdateEpochStateCallback(state),
                              hvd.elastic.UpdateBatchStateCallback(state),
                              hvd.elastic.CommitStateCallback(state, batches_per_commit=args.commit_every)])
