@@ -63,7 +63,10 @@ def run_and_kill_everything(out, name, hosts, np_, *worker_args, timeout_s=240):
         driver = psutil.Process(job.proc.pid)
         workers = [psutil.Process(pid) for pid in job.descendants if psutil.pid_exists(pid)]
         for proc in [driver] + workers:  # the driver first: nothing may react to the workers' death
-            proc.kill()
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass  # it ended between the listing and the kill (a shell whose parent just died)
         gone, alive = psutil.wait_procs([driver] + workers, timeout=30)
     finally:
         launch.kill_tree(job.proc.pid)
