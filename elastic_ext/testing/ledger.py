@@ -22,6 +22,9 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from elastic_ext.events import NUMERIC_ROLLBACK
+from elastic_ext.partition import epoch_order
+
 
 class Ledger:
     """Appends this process's steps to ``<directory>/steps-<pid>.jsonl`` (line-buffered)."""
@@ -30,6 +33,7 @@ class Ledger:
         os.makedirs(directory, exist_ok=True)
         self._file = open(os.path.join(directory, f"steps-{os.getpid()}.jsonl"), "a", buffering=1,
                           encoding="utf-8")
+        self._rollbacks_written = 0  # numeric_rollback events already written as skipped records
 
     def start(self, generation: int, epoch: int, cursor: int, step: int, rank: int, size: int) -> None:
         self._write({"start": generation, "epoch": epoch, "cursor": cursor, "step": step, "rank": rank,
@@ -45,6 +49,17 @@ class Ledger:
         """Positions ``[start, stop)`` of ``epoch`` (sample ``indices``) were skipped on purpose (``reason``)."""
         self._write({"skipped": [int(epoch), int(start), int(stop)], "epoch": int(epoch), "reason": reason,
                      "indices": [int(i) for i in indices], "step": int(step), "rank": int(rank), "t": time.time()})
+
+    def skipped_by_rollbacks(self, events: Sequence[dict], sampler: Any, rank: int) -> None:
+        """Writes a ``skipped`` record per range of each ``numeric_rollback`` event in ``events``
+        not written yet (call it at the start of every generation with ``state.events.history``);
+        the sample ids come from ``sampler``'s epoch order."""
+        rollbacks = [e for e in events if e["event"] == NUMERIC_ROLLBACK]
+        for event in rollbacks[self._rollbacks_written:]:
+            for _name, epoch, start, stop in event["skipped"]:
+                ids = epoch_order(sampler.size, sampler.seed, epoch, sampler.shuffle).take(np.arange(start, stop))
+                self.skipped(epoch, start, stop, ids, event["reason"], event["step"], rank)
+        self._rollbacks_written = len(rollbacks)
 
     def end(self, step: int, rank: int, size: int) -> None:
         self._write({"end": True, "step": step, "rank": rank, "size": size})

@@ -22,8 +22,6 @@ import keras
 import horovod.tensorflow as hvd
 
 import elastic_ext
-from elastic_ext.events import NUMERIC_ROLLBACK
-from elastic_ext.partition import epoch_order
 from elastic_ext.tensorflow import ElasticSampler, index_dataset
 from elastic_ext.testing.ledger import Ledger
 
@@ -54,7 +52,6 @@ sampler = ElasticSampler(int(X.shape[0]), global_batch_size=args.global_batch, s
 book = Ledger(args.out)
 loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 fired = []
-skips_written = []
 
 
 def train_step(state, indices):
@@ -70,17 +67,9 @@ def train_step(state, indices):
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
 
-def write_skips(state):
-    for event in [e for e in state.events.history if e["event"] == NUMERIC_ROLLBACK][len(skips_written):]:
-        skips_written.append(event)
-        for _name, epoch, start, stop in event["skipped"]:
-            ids = epoch_order(sampler.size, sampler.seed, epoch, sampler.shuffle).take(np.arange(start, stop))
-            book.skipped(epoch, start, stop, ids, event["reason"], event["step"], hvd.rank())
-
-
 @elastic_ext.run
 def train(state):
-    write_skips(state)
+    book.skipped_by_rollbacks(state.events.history, sampler, hvd.rank())
     book.start(state.generation, sampler.epoch, sampler.cursor, state.step, hvd.rank(), hvd.size())
     while state.epoch < args.epochs:
         sampler.set_epoch(state.epoch)

@@ -21,8 +21,6 @@ from sklearn.datasets import load_digits
 import horovod.torch as hvd
 
 import elastic_ext
-from elastic_ext.events import NUMERIC_ROLLBACK
-from elastic_ext.partition import epoch_order
 from elastic_ext.testing.ledger import Ledger
 from elastic_ext.torch import ElasticSampler
 
@@ -53,7 +51,6 @@ optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.0
 sampler = ElasticSampler(len(X), global_batch_size=args.global_batch, seed=1, policy="drop")
 book = Ledger(args.out)
 fired = []
-skips_written = []
 
 
 def train_step(state, indices):
@@ -72,17 +69,8 @@ def train_step(state, indices):
         optimizer.step()
 
 
-def write_skips(state):
-    """One ledger record per sample range the numeric rollbacks skipped (indices from the epoch's order)."""
-    for event in [e for e in state.events.history if e["event"] == NUMERIC_ROLLBACK][len(skips_written):]:
-        skips_written.append(event)
-        for _name, epoch, start, stop in event["skipped"]:
-            ids = epoch_order(sampler.size, sampler.seed, epoch, sampler.shuffle).take(np.arange(start, stop))
-            book.skipped(epoch, start, stop, ids, event["reason"], event["step"], hvd.rank())
-
-
 def train(state):
-    write_skips(state)
+    book.skipped_by_rollbacks(state.events.history, sampler, hvd.rank())
     book.start(state.generation, sampler.epoch, sampler.cursor, state.step, hvd.rank(), hvd.size())
     while state.epoch < args.epochs:
         sampler.set_epoch(state.epoch)
