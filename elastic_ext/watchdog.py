@@ -239,6 +239,7 @@ class Watchdog:
         self._guardian: Optional[subprocess.Popen] = None
         self._thread: Optional[threading.Thread] = None
         self._on_stall = on_stall
+        self._waited_at = float("-inf")  # when the main thread was last seen waiting in a collective
 
     def start(self) -> None:
         if self._config.hang_timeout_s:
@@ -264,6 +265,23 @@ class Watchdog:
             except subprocess.TimeoutExpired:
                 self._guardian.kill()
 
+    def stall_check(self, now: float, in_collective: bool) -> Optional[str]:
+        """One tick of the stall check: why this worker is stuck, or None.
+
+        Time spent waiting in a collective is not idle time: a rank that
+        waited there for a slow peer (an evaluation phase elsewhere) leaves it
+        with a fresh ``stall_timeout_s`` to reach its next progress. Counting
+        from the last progress instead killed such a rank when a tick fell in
+        the few milliseconds between the end of its wait and its next
+        ``record_step``.
+        """
+        live = self._liveness
+        if in_collective:
+            self._waited_at = now
+        idle = now - max(live.last_progress, self._waited_at)
+        return stall_verdict(idle, self._config.stall_timeout_s, self._config.first_step_timeout_s,
+                             live.first_step_pending, live.open_phases(), live.in_training, in_collective)
+
     def _beat(self) -> None:
         live = self._liveness
         period = self._config.heartbeat_period_s
@@ -286,11 +304,10 @@ class Watchdog:
                 except (BrokenPipeError, ValueError, OSError):
                     logger.error("guardian process is gone; hang detection is off for this worker")
                     self._guardian = None
-            idle = time.monotonic() - live.last_progress
-            verdict = stall_verdict(idle, self._config.stall_timeout_s, self._config.first_step_timeout_s,
-                                    live.first_step_pending, live.open_phases(), live.in_training,
-                                    live.in_training and _main_thread_in_horovod())
+            in_collective = live.in_training and _main_thread_in_horovod()
+            verdict = self.stall_check(time.monotonic(), in_collective)
             if verdict is not None:
+                idle = time.monotonic() - live.last_progress
                 logger.critical("%s: this worker is stuck; killing it so the job can recover", verdict)
                 if self._on_stall is not None:
                     self._on_stall(idle)

@@ -51,8 +51,12 @@ def kinds(out):
 @pytest.mark.timeout(300)
 def test_an_eval_phase_longer_than_the_stall_timeout_does_not_kill(tmp_path):
     # Rank 1 evaluates for 3 x stall_timeout_s at step 9; the others wait in the next allreduce.
+    # A fast heartbeat ticks in the few ms between the end of their wait and
+    # their next record_step (a false stall kill before the stall clock
+    # stopped counting time spent in a collective).
     out, output = run_job(tmp_path, "--phase", "1:9:9", "--step-sleep-s", "0.02",
-                          env={"ELASTIC_EXT_STALL_TIMEOUT_S": "3", "ELASTIC_EXT_HANG_TIMEOUT_S": "5"})
+                          env={"ELASTIC_EXT_STALL_TIMEOUT_S": "3", "ELASTIC_EXT_HANG_TIMEOUT_S": "5",
+                               "ELASTIC_EXT_HEARTBEAT_PERIOD_S": "0.05"})
     seen = kinds(out)
     assert not {"stall", "rollback", "resize"} & set(seen), seen
     assert "guardian" not in output

@@ -52,3 +52,20 @@ def test_leaving_a_phase_counts_as_progress():
         pass
     assert watchdog.LIVENESS.last_progress > 0.0
     assert threading.current_thread() is threading.main_thread()
+
+
+def test_a_long_wait_in_a_collective_gives_a_fresh_stall_timeout_after_it():
+    # A rank waits 9 s in an allreduce for a peer's evaluation, then needs a few
+    # ms to reach its next record_step. A tick in those ms must not kill it.
+    from elastic_ext.config import ElasticConfig
+    live = watchdog.Liveness()
+    dog = watchdog.Watchdog(ElasticConfig(stall_timeout_s=3.0, hang_timeout_s=0), liveness=live)
+    with live.training():
+        live.progress()
+        t0 = live.last_progress
+        for second in range(1, 10):
+            assert dog.stall_check(t0 + second, in_collective=True) is None
+        assert dog.stall_check(t0 + 9.01, in_collective=False) is None  # just out of the wait
+        assert dog.stall_check(t0 + 11.9, in_collective=False) is None
+        verdict_after = dog.stall_check(t0 + 12.1, in_collective=False)  # 3.1 s outside with no progress
+        assert verdict_after is not None and "stall_timeout_s=3.0" in verdict_after
