@@ -14,6 +14,7 @@ from elastic_ext.guard import LossWindow, NumericGuard
 from elastic_ext.run import run
 from elastic_ext.sampler import ElasticPartitioner
 from elastic_ext.state import State
+from elastic_ext.straggler import StepTimer, StragglerPolicy
 from elastic_ext.watchdog import phase, progress
 
 __version__ = "0.1.0"
@@ -23,4 +24,5 @@ __all__ = [
     "ElasticExtError", "ConfigError", "DiscoveryError", "PartitionError", "StateError", "NotCommittedError",
     "StateDivergenceError", "CheckpointError", "CorruptCheckpointError", "RollbackLimitError",
     "NumericGuard", "LossWindow", "NumericFaultError", "NumericRollbackLimitError",
+    "StragglerPolicy", "StepTimer",
 ]

@@ -45,6 +45,10 @@ The run loop (``run.py``):
 - ``leave`` (:data:`LEAVE`): a SIGTERMed worker, or every rank under MPI,
   leaves at a commit; ``commit_id``, ``cause``, ``durable_commit_id`` (the
   newest checkpoint rank 0 made durable first).
+- ``straggler`` (:data:`STRAGGLER`): every rank, when the commit's table
+  shows one rank slow for long enough (:mod:`elastic_ext.eviction`);
+  ``commit_id``, ``evicted_rank``, ``step``, ``ratio``, ``slow_since``,
+  ``slow_steps``, ``ratios``, and ``host`` on the evicted rank.
 
 Durable checkpoints (the checkpoint writer, and State on resume):
 
@@ -88,10 +92,12 @@ CHECKPOINT_SKIPPED = "checkpoint_skipped"
 CHECKPOINT_FAILED = "checkpoint_failed"
 CHECKPOINT_RESUMED = "checkpoint_resumed"
 NUMERIC_ROLLBACK = "numeric_rollback"
+STRAGGLER = "straggler"
 
 #: Every event name elastic_ext emits (the module docstring says what each means).
 ALL_EVENTS = (COMMIT, SYNC, ROLLBACK, ROLLBACK_LIMIT, RESIZE, RESET, RECOVERED, FINISH, STALL, SUSPENDED,
-              LEAVE, CHECKPOINT, CHECKPOINT_SKIPPED, CHECKPOINT_FAILED, CHECKPOINT_RESUMED, NUMERIC_ROLLBACK)
+              LEAVE, CHECKPOINT, CHECKPOINT_SKIPPED, CHECKPOINT_FAILED, CHECKPOINT_RESUMED, NUMERIC_ROLLBACK,
+              STRAGGLER)
 
 
 class EventLog:

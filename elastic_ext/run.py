@@ -49,6 +49,7 @@ import importlib
 import logging
 import os
 import signal
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, TypeVar
 
@@ -147,9 +148,30 @@ def _leave(state: "State", liveness: Liveness, kind: str, cause: str) -> None:
         # Every rank waits for rank 0's write: mpirun kills the others as soon as one exits.
         state.binding.allreduce_max(np.zeros(1, dtype=np.int64), "elastic_ext.leave")
     state.events.emit(LEAVE, commit_id=state.commit_id, cause=cause, durable_commit_id=durable)
+    if kind == "gloo":
+        _shut_down_with_the_others(state.binding, max(1.0, min(10.0, (liveness.leave_time_left() or 0.0))))
     logging.shutdown()
     # 143 (128 + SIGTERM), not 0: Horovod's driver then shrinks the job rather than ending it.
     os._exit(LEAVE_EXIT_CODE)
+
+
+def _shut_down_with_the_others(binding: Any, timeout_s: float) -> None:
+    """Takes part in Horovod's shutdown, which every other rank runs now too, before exiting.
+
+    Each rank's background loop coordinates with all the others until they
+    agree to shut down. A leaver that exited first broke that last round:
+    the rank coordinating it (rank 0) lost its loop to "connection reset"
+    while its process lived on, and the others waited on it for Gloo's
+    timeout (30 s) before they could re-form. Bounded by ``timeout_s``.
+    """
+    shutdown = getattr(binding, "shutdown", None)
+    if shutdown is None:
+        return
+    worker = threading.Thread(target=shutdown, name="elastic_ext-leave-shutdown", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        logger.warning("Horovod's shutdown did not finish within %.0fs; leaving anyway", timeout_s)
 
 
 def _int_or_none(value: Any) -> Optional[int]:
@@ -255,7 +277,7 @@ def run(func: Optional[F] = None, *, counter: Optional[str] = "step") -> Any:
                     # whether or not it was due (a leaver may be rank 0 itself).
                     state.checkpoint_now()
                     if liveness.leaving() or kind == "mpi":
-                        _leave(state, liveness, kind, "sigterm" if liveness.leaving() else "peer_sigterm")
+                        _leave(state, liveness, kind, liveness.leave_cause if liveness.leaving() else "peer_sigterm")
                     pending = Recovery("hosts_updated", state.commit_id, time.perf_counter(),
                                        {"skip_sync": bool(exc.skip_sync), "steps_rolled_back": 0})
                     events.emit(RESIZE, skip_sync=bool(exc.skip_sync), commit_id=state.commit_id)

@@ -35,11 +35,13 @@ from elastic_ext.binding import Binding, get_binding, guess_framework
 from elastic_ext.buffers import CommitBuffers
 from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import NotCommittedError, StateError
-from elastic_ext.events import COMMIT, EventLog
+from elastic_ext.events import COMMIT, STRAGGLER, EventLog
+from elastic_ext.eviction import StragglerWatch, host_name
 from elastic_ext import numeric_rollback as _numeric
 from elastic_ext.guard import NumericGuard, Verdict
 from elastic_ext.run import RollbackRecord
 from elastic_ext.sampler import ElasticPartitioner
+from elastic_ext.straggler import StepTimer, StragglerPolicy
 from elastic_ext.tracked import Tracked
 from elastic_ext.watchdog import LIVENESS
 
@@ -68,6 +70,10 @@ class State:
         guard: an :class:`elastic_ext.NumericGuard` (opt-in): enables
             :meth:`guard_step`; its loss window is committed as
             ``numeric_guard_window`` (see :mod:`elastic_ext.numeric_rollback`).
+        straggler: an :class:`elastic_ext.StragglerPolicy` with
+            ``enabled=True`` (opt-in): a rank much slower than the others,
+            per ``state.step_timer``, is asked to leave at a commit (see
+            :mod:`elastic_ext.eviction`). Every rank must pass the same policy.
         **objects: the objects to track, by name.
 
     Raises:
@@ -79,7 +85,8 @@ class State:
 
     def __init__(self, *, framework: Optional[str] = None, binding: Optional[Binding] = None,
                  adapters: Iterable[Adapter] = (), config: Optional[ElasticConfig] = None,
-                 per_rank: Iterable[str] = (), guard: Optional[NumericGuard] = None, **objects: Any) -> None:
+                 per_rank: Iterable[str] = (), guard: Optional[NumericGuard] = None,
+                 straggler: Optional[StragglerPolicy] = None, **objects: Any) -> None:
         s = object.__setattr__
         s(self, "_liveness", LIVENESS)
         s(self, "_config", config or ElasticConfig.from_env())
@@ -88,6 +95,7 @@ class State:
             self._track(name, obj)
         _numeric.attach(self._tracked, guard)
         s(self, "_guard", guard)
+        s(self, "_straggler", StragglerWatch(straggler or StragglerPolicy()))
         frameworks = self._tracked.frameworks()  # also finds every adapter: StateError if one is missing
         self._tracked.prepare()  # e.g. Keras optimizers build their slots here, before any sync
         if binding is None:
@@ -148,6 +156,12 @@ class State:
     events = property(lambda self: self._events, doc="This rank's :class:`EventLog`.")
     rollbacks = property(lambda self: self._rollbacks, doc="Rollbacks in a row without a new commit (``run``).")
     guard = property(lambda self: self._guard, doc="The :class:`NumericGuard` given, or None.")
+
+    @property
+    def step_timer(self) -> StepTimer:
+        """Wrap this rank's own compute of a step in it (``with state.step_timer: ...``), not the
+        waits for the others: straggler eviction compares these times (a no-op cost when off)."""
+        return self._straggler.timer
 
     def guard_step(self, loss: Any, grads: Iterable[Any] = (), samples: int = 1,
                    step: Optional[int] = None) -> Verdict:
@@ -229,6 +243,7 @@ class State:
                              "it cannot be restored. Use commit_buffers=2 to keep the previous commit intact")
         for name, entry in self._buffers.entries.items():
             self._tracked.apply(name, entry)
+        self._straggler.reset()  # replayed steps are not measured against the others
 
     def sync(self) -> None:
         """Makes every rank hold the same commit and the same live synced objects.
@@ -301,6 +316,7 @@ class State:
 
     def on_reset(self) -> None:
         self._hosts.clear()
+        self._straggler.reset()
         self.reset()
         for callback in self._reset_callbacks:
             callback()
@@ -326,7 +342,22 @@ class State:
         Raises:
             StateDivergenceError: ranks hold different commit ids.
         """
-        skip_sync = self._hosts.agree(self._binding, self.commit_id, self._liveness.leaving())
+        rank, size = self._binding.rank(), self._binding.size()
+        local_size = getattr(self._binding, "local_size", None)
+        slots = self._straggler.slots(rank, size, self._tracked.objects.values(),
+                                      local_size() if local_size is not None and self._straggler.enabled else 1)
+        skip_sync, reduced = self._hosts.agree(self._binding, self.commit_id, self._liveness.leaving(), slots)
+        evicted = self._straggler.decide(reduced, size) if reduced is not None else None
+        if evicted is not None:
+            # Every rank decided alike: a removal at this commit, like a SIGTERM leave.
+            fields = evicted.fields()
+            if evicted.rank == rank:
+                host = host_name()
+                self._straggler.exclude(host)
+                fields["host"] = host
+                self._liveness.ask_to_leave(self._config.term_grace_s, cause="straggler")
+            self._events.emit(STRAGGLER, commit_id=self.commit_id, **fields)
+            skip_sync = True if skip_sync is None else skip_sync
         if skip_sync is not None:
             from horovod.common.exceptions import HostsUpdatedInterrupt
             raise HostsUpdatedInterrupt(skip_sync)

@@ -46,8 +46,7 @@ import numpy as np
 from elastic_ext import partition
 from elastic_ext.errors import ConfigError
 
-#: Event written (by every rank) when a straggler is asked to leave.
-EVENT_STRAGGLER = "straggler"
+from elastic_ext.events import STRAGGLER as EVENT_STRAGGLER  # written by every rank when one is asked to leave
 _NS = 1e9
 
 
@@ -63,6 +62,12 @@ class StragglerPolicy:
             steps before it is evicted.
         warmup_steps: steps after each reset whose times are ignored.
         min_ranks: fewest measured ranks needed to judge at all (>= 2).
+        exclude_file: when set, the evicted rank appends its host name to
+            this file (a discovery script's exclude list) before it leaves.
+        min_size: never evict when the ranks left would be fewer than this.
+            Horovod's driver takes the evicted rank's whole host out, so the
+            check subtracts the most ranks any host holds. Set it to your
+            ``--min-np``: below it the driver waits for new hosts instead.
 
     Raises:
         ConfigError: a value is out of range; the message quotes it.
@@ -73,6 +78,8 @@ class StragglerPolicy:
     window_steps: int = 50
     warmup_steps: int = 20
     min_ranks: int = 2
+    exclude_file: Optional[str] = None
+    min_size: int = 2
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -81,10 +88,12 @@ class StragglerPolicy:
         if (not isinstance(factor, (int, float)) or isinstance(factor, bool) or not math.isfinite(factor)
                 or factor <= 1):
             raise ConfigError(f"factor ({factor!r}) must be a finite number > 1 (a ratio to the median)")
-        for name, low in (("window_steps", 1), ("warmup_steps", 0), ("min_ranks", 2)):
+        for name, low in (("window_steps", 1), ("warmup_steps", 0), ("min_ranks", 2), ("min_size", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"{name} ({value!r}) must be an integer >= {low}")
+        if self.exclude_file is not None and (not isinstance(self.exclude_file, str) or not self.exclude_file):
+            raise ConfigError(f"exclude_file ({self.exclude_file!r}) must be a non-empty path or None")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -156,9 +156,10 @@ def arrays_of(name: str, arrays: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]
     return {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
 
 
-def agree_at_commit(binding: Binding, commit_id: int, newest: int, flags: int,
-                    leaving: bool) -> Tuple[int, bool, bool, bool]:
-    """The host-update allreduce of a commit; returns (newest timestamp, anyone leaving, removed, added).
+def agree_at_commit(binding: Binding, commit_id: int, newest: int, flags: int, leaving: bool,
+                    extra: Optional[np.ndarray] = None) -> Tuple[int, bool, bool, bool, Optional[np.ndarray]]:
+    """The host-update allreduce of a commit; returns (newest timestamp, anyone leaving, removed, added,
+    the element-wise maximum of every rank's ``extra``, which rides along: the straggler table).
 
     Raises:
         StateDivergenceError: ranks hold different commit ids.
@@ -169,15 +170,17 @@ def agree_at_commit(binding: Binding, commit_id: int, newest: int, flags: int,
     # the commit id at the commit where it happens, not at the next sync.
     vector = np.array([newest, flags & HOSTS_REMOVED, (flags & HOSTS_ADDED) >> 1, int(leaving),
                        commit_id, -commit_id], dtype=np.int64)
+    if extra is not None:
+        vector = np.concatenate([vector, np.asarray(extra, dtype=np.int64)])
     reduced = binding.allreduce_max(vector, "elastic_ext.hosts")
-    newest, removed, added, anyone_leaving, highest, negated_lowest = (int(x) for x in reduced)
+    newest, removed, added, anyone_leaving, highest, negated_lowest = (int(x) for x in reduced[:6])
     lowest = -negated_lowest
     if highest != lowest:
         raise StateDivergenceError(
             f"ranks hold different commit ids at this commit: from {lowest} to {highest} (this rank: "
             f"{commit_id}); every rank must call commit() the same number of times between syncs "
             "(save() is local and does not count for the others)")
-    return newest, bool(anyone_leaving), bool(removed), bool(added)
+    return newest, bool(anyone_leaving), bool(removed), bool(added), (reduced[6:] if extra is not None else None)
 
 
 class HostUpdates:
@@ -196,9 +199,11 @@ class HostUpdates:
     def clear(self) -> None:
         self._messages = queue.Queue()
 
-    def agree(self, binding: Binding, commit_id: int, leaving: bool) -> Optional[bool]:
-        """Runs a commit's host-update allreduce. Returns None if nothing changed, else
-        ``skip_sync`` for the ``HostsUpdatedInterrupt`` every rank then raises together.
+    def agree(self, binding: Binding, commit_id: int, leaving: bool,
+              extra: Optional[np.ndarray] = None) -> Tuple[Optional[bool], Optional[np.ndarray]]:
+        """Runs a commit's host-update allreduce. Returns (None if nothing changed, else
+        ``skip_sync`` for the ``HostsUpdatedInterrupt`` every rank then raises together;
+        the reduced ``extra``, see :func:`agree_at_commit`).
 
         Horovod notifies only the coordinator; a max-allreduce (rather than a
         broadcast from rank 0) lets any rank's notification count.
@@ -212,11 +217,12 @@ class HostUpdates:
             if timestamp > self.last_timestamp:
                 newest = max(newest, timestamp)
                 flags |= update
-        newest, leaving, removed, added = agree_at_commit(binding, commit_id, newest, flags, leaving)
+        newest, leaving, removed, added, reduced = agree_at_commit(binding, commit_id, newest, flags, leaving, extra)
         if newest > self.last_timestamp or leaving:
             self.last_timestamp = newest
-            return (removed or leaving) and not added  # removals need no sync: every remaining rank holds this commit
-        return None
+            # removals need no sync: every remaining rank holds this commit
+            return (removed or leaving) and not added, reduced
+        return None, reduced
 
 
 @dataclasses.dataclass

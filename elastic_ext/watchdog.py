@@ -83,6 +83,7 @@ class Liveness:
         self._leaving = threading.Event()
         self._in_training = threading.Event()
         self._leave_deadline: Optional[float] = None
+        self.leave_cause = "sigterm"
 
     def progress(self) -> None:
         """Marks that training moved forward."""
@@ -133,9 +134,10 @@ class Liveness:
         """True once this worker was asked to leave (SIGTERM) and has not left yet."""
         return self._leaving.is_set()
 
-    def ask_to_leave(self, grace_s: float) -> None:
-        """Records a request to leave at the next commit, within ``grace_s``."""
+    def ask_to_leave(self, grace_s: float, cause: str = "sigterm") -> None:
+        """Records a request to leave at the next commit, within ``grace_s`` (``cause``: for the event)."""
         self._leave_deadline = time.monotonic() + grace_s
+        self.leave_cause = cause
         self._leaving.set()
 
     def leave_time_left(self) -> Optional[float]:

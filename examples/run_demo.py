@@ -200,8 +200,20 @@ def describe(incident, started):
             f"was added.")
 
 
-def plot_timeline(path, records, found, started, host_added_at):
-    """World size and completed steps over time, every transition marked; returns the path."""
+def soft_failures(events):
+    """The first copy of each numeric rollback and straggler eviction (every rank writes one)."""
+    seen, found = set(), []
+    for event in events:
+        key = (event["event"], event.get("commit_id"), event.get("step"))
+        if event["event"] in ("numeric_rollback", "straggler") and key not in seen:
+            seen.add(key)
+            found.append(event)
+    return found
+
+
+def plot_timeline(path, records, found, started, host_added_at, soft=()):
+    """World size and completed steps over time, every transition (and any numeric
+    rollback or straggler eviction in ``soft``) marked; returns the path."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -225,6 +237,10 @@ def plot_timeline(path, records, found, started, host_added_at):
                 marks.append((incident["host_added_at"] - started, "tab:purple", "-", "host added"))
             marks.append((trigger, "tab:purple", "--", "resize (at a commit)"))
         marks.append((resumed, "black", ":", "training resumed"))
+    for event in soft:
+        label = "numeric rollback" if event["event"] == "numeric_rollback" else "straggler evicted"
+        marks.append((event["time"] - started, "tab:brown" if event["event"] == "straggler" else "tab:olive", "-.",
+                      label))
     if host_added_at is not None and not any(i.get("host_added_at") for i in found):
         marks.append((host_added_at - started, "tab:purple", "-", "host added"))
     labelled = set()
@@ -274,7 +290,8 @@ def summarize(job, code, started):
         print("  " + describe(incident, started))
     rolled_back = sum(i["steps_rolled_back"] or 0 for i in failures)
     print(f"steps rolled back in all: {rolled_back} (completed steps undone and trained again)")
-    picture = plot_timeline(os.path.join(job.work, "timeline.png"), records, found, started, job.host_added_at)
+    picture = plot_timeline(os.path.join(job.work, "timeline.png"), records, found, started, job.host_added_at,
+                            soft_failures(events))
     print(f"timeline picture: {picture}")
     print(f"logs: {job.work}")
     problems = []

@@ -58,6 +58,14 @@ class TensorFlowBinding:
         hvd.shutdown()
         hvd.init()
 
+    def local_size(self) -> int:
+        """Ranks on this rank's host (a leave or eviction takes its whole host out)."""
+        return hvd.local_size()
+
+    def shutdown(self) -> None:
+        """Shuts Horovod down with the other ranks (a leaver, before it exits)."""
+        hvd.shutdown()
+
     def as_internal_error(self, exc: BaseException) -> Optional[BaseException]:
         # Inside @tf.function the message names the graph node (the op's
         # name= argument, e.g. "grad_5"), not the op type: Horovod's own

@@ -43,6 +43,14 @@ class TorchBinding:
         hvd.shutdown()
         hvd.init()
 
+    def local_size(self) -> int:
+        """Ranks on this rank's host (a leave or eviction takes its whole host out)."""
+        return hvd.local_size()
+
+    def shutdown(self) -> None:
+        """Shuts Horovod down with the other ranks (a leaver, before it exits)."""
+        hvd.shutdown()
+
     def as_internal_error(self, exc: BaseException) -> Optional[BaseException]:
         # horovod.torch raises HorovodInternalError itself.
         return None

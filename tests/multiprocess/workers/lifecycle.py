@@ -10,6 +10,12 @@ ELASTIC_EXT_EVENTS_PATH, checkpoints via ELASTIC_EXT_CHECKPOINT_*), plus:
                                    use it after training: side-<pid>.json says if it still works
 --resize-at                        as in train_torch.py (elastic_ext.testing.HostFileSchedule)
 --stop-file PATH                   end after the first epoch at whose end PATH exists (all ranks agree)
+--straggler "FACTOR:WINDOW:WARMUP"  StragglerPolicy(enabled=True, ...), exclude file OUT/exclude
+--compute-s S                      simulated compute per step (in state.step_timer): S seconds per 16 local samples
+--guard                            State(guard=NumericGuard()) and state.guard_step after the allreduce; the
+                                   guard's seconds per step go to guard-<pid>.json (median, count)
+--slow "RANK:STEP:FACTOR[:STEPS]"  from STEP (for STEPS steps, default: to the end), the process that started
+                                   as RANK computes FACTOR x longer (it stays slow under a new rank)
 """
 
 import argparse
@@ -42,11 +48,16 @@ p.add_argument("--side", default="")
 p.add_argument("--resize-at", default="")
 p.add_argument("--stop-file", default="")
 p.add_argument("--fusion", action="store_true", help="one fused allreduce per step (grouped)")
+p.add_argument("--straggler", default="")
+p.add_argument("--compute-s", type=float, default=0.0)
+p.add_argument("--slow", default="")
+p.add_argument("--guard", action="store_true")
 args = p.parse_args()
 
 torch.set_num_threads(1)
 hvd.init()
 faults = FaultSchedule.parse(args.faults, os.path.join(args.out, "faults"))
+first_rank = hvd.rank()  # --slow follows the process, not whoever holds its rank after a resize
 resizes = HostFileSchedule(args.resize_at)
 
 side = None
@@ -79,13 +90,27 @@ def long_phase(state):
             time.sleep(float(seconds))
 
 
+def compute_seconds(state):
+    """Simulated compute of this step: --compute-s, times the --slow factor on the slow rank."""
+    if not args.slow:
+        return args.compute_s
+    parts = args.slow.split(":")
+    rank, start, factor = int(parts[0]), int(parts[1]), float(parts[2])
+    steps = int(parts[3]) if len(parts) > 3 else None
+    slow = first_rank == rank and state.step >= start and (steps is None or state.step < start + steps)
+    return args.compute_s * (factor if slow else 1.0)
+
+
 def train_step(state, indices, pad):
     keep = torch.tensor(~pad)
     rows = torch.from_numpy(indices.astype(np.int64))
-    losses = torch.nn.functional.cross_entropy(model(X[rows]), Y[rows], reduction="none")
-    loss = (losses * keep).sum() / args.global_batch  # the global mean whatever the world size
-    optimizer.zero_grad()
-    loss.backward()
+    with state.step_timer:  # this rank's own compute, not the allreduce waits
+        losses = torch.nn.functional.cross_entropy(model(X[rows]), Y[rows], reduction="none")
+        loss = (losses * keep).sum() / args.global_batch  # the global mean whatever the world size
+        optimizer.zero_grad()
+        loss.backward()
+        if args.compute_s:
+            time.sleep(compute_seconds(state) * len(indices) / 16)
     grads = [q.grad for q in model.parameters()]
     if args.fusion:
         handle = hvd.grouped_allreduce_async_(grads, name="grads", op=hvd.Sum)
@@ -96,6 +121,10 @@ def train_step(state, indices, pad):
         faults.maybe_fire(hvd.rank(), state.step, where="allreduce")  # a collective is in flight here
         for handle in handles:
             hvd.synchronize(handle)
+    if args.guard:
+        started = time.perf_counter()
+        state.guard_step(loss, grads, samples=int((~pad).sum()))
+        guard_seconds.append(time.perf_counter() - started)
     optimizer.step()
 
 
@@ -128,8 +157,16 @@ def train(state):
     state.wait_for_checkpoint()
 
 
+straggler = None
+if args.straggler:
+    factor, window, warmup = args.straggler.split(":")
+    straggler = elastic_ext.StragglerPolicy(enabled=True, factor=float(factor), window_steps=int(window),
+                                            warmup_steps=int(warmup),
+                                            exclude_file=os.path.join(args.out, "exclude"))
+guard_seconds = []
 state = elastic_ext.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0,
-                          commit_probe=commit_probe, adapters=[commit_probe])
+                          commit_probe=commit_probe, adapters=[commit_probe], straggler=straggler,
+                          guard=elastic_ext.NumericGuard() if args.guard else None)
 elastic_ext.run(train)(state)
 
 arrays = {f"model/{k}": v.numpy() for k, v in model.state_dict().items()}
@@ -156,3 +193,7 @@ if side is not None:
     with open(os.path.join(args.out, f"side-{os.getpid()}.json"), "w") as handle:
         json.dump({"rank": hvd.rank(), **result}, handle)
 book.end(state.step, hvd.rank(), hvd.size())
+if args.guard and guard_seconds:
+    with open(os.path.join(args.out, f"guard-{os.getpid()}.json"), "w") as handle:
+        json.dump({"rank": hvd.rank(), "median_s": float(np.median(guard_seconds)), "count": len(guard_seconds)},
+                  handle)

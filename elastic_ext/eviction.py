@@ -1,0 +1,129 @@
+"""Straggler eviction inside a job: the timer, the table on the commit's allreduce, the decision.
+
+:mod:`elastic_ext.straggler` holds the rules (pure arithmetic); this module
+connects them to :class:`~elastic_ext.State`:
+
+- ``state.step_timer`` (a :class:`~elastic_ext.straggler.StepTimer`) is what
+  the training loop wraps around its own compute (forward, backward), not
+  around what waits for the others::
+
+      with state.step_timer:
+          loss = model(x); loss.backward()
+      optimizer.step()            # waits for the gradient allreduce
+
+- At every commit, :meth:`StragglerWatch.slots` puts this rank's median compute
+  time per step, its samples per step (its share of the global batch, so an
+  uneven share assigned on purpose is not "slow") and the number of steps
+  measured into the commit's max-allreduce: no collective of its own.
+- :meth:`StragglerWatch.decide` reads the agreed table; every rank gets the same
+  answer. The rank to evict is asked to leave through the graceful-leave
+  path (no rollback, its commit made durable, exit 143 so Horovod's driver
+  drops its host), writes a ``straggler`` event, and appends its host name
+  to ``StragglerPolicy.exclude_file`` when one is set, for a discovery
+  script's exclude list (``host_discovery/static.py --exclude-file``).
+
+Every reset (resize, rollback, numeric rollback) discards what the timer
+measured and starts the warm-up again: replayed steps and newcomers'
+first steps are not compared.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import socket
+from typing import Any, Iterable, Optional
+
+import numpy as np
+
+from elastic_ext import partition
+from elastic_ext.straggler import StepTimer, StragglerPolicy, StragglerTracker, pack_slots, unpack_slots
+
+logger = logging.getLogger(__name__)
+
+
+def host_name() -> str:
+    """The name Horovod's driver knows this worker's host by (``HOROVOD_HOSTNAME``), else the machine's."""
+    return os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+
+
+class StragglerWatch:
+    """One rank's straggler monitor: its timer, the tracker every rank keeps alike, the verdict.
+
+    Args:
+        policy: the rules; ``policy.enabled`` False makes every method a no-op
+            that adds nothing to the commit's allreduce.
+    """
+
+    def __init__(self, policy: StragglerPolicy) -> None:
+        if not isinstance(policy, StragglerPolicy):
+            raise TypeError(f"straggler ({policy!r}) must be an elastic_ext.StragglerPolicy")
+        self.policy = policy
+        self.timer = StepTimer()
+        self._tracker = StragglerTracker(policy)
+        self._steps = 0  # steps observed since the start (replays count: the clock never goes back)
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy.enabled
+
+    def reset(self) -> None:
+        """After a resize or a rollback: forget the measurements, warm up again."""
+        self.timer.discard()
+        self._tracker.reset(self._steps)
+
+    def slots(self, rank: int, size: int, objects: Iterable[Any], local_size: int = 1) -> Optional[np.ndarray]:
+        """This rank's part of the commit's max-allreduce, or None when off: ``2 * size`` slots of
+        the table, then the steps measured and the ranks on this rank's host (both: maximum)."""
+        if not self.enabled:
+            return None
+        step_s, steps = self.timer.report()
+        vector = np.zeros(2 * size + 2, dtype=np.int64)
+        vector[:2 * size] = pack_slots(rank, size, step_s, samples_per_step(objects, rank, size))
+        vector[-2] = steps
+        vector[-1] = local_size
+        return vector
+
+    def decide(self, reduced: np.ndarray, size: int):
+        """The :class:`~elastic_ext.straggler.Eviction` agreed from the reduced slots, or None.
+
+        None also when evicting would leave fewer than ``policy.min_size``
+        ranks (the evicted rank's host goes with it; the largest host counts).
+        """
+        reduced = np.asarray(reduced)
+        compute_s, samples = unpack_slots(reduced[:2 * size], size)
+        self._steps += int(reduced[-2])
+        decision = self._tracker.observe(self._steps, compute_s, samples)
+        if decision is not None and size - max(1, int(reduced[-1])) < self.policy.min_size:
+            logger.warning("rank %d is a straggler (%.1fx the others) but evicting it would leave fewer than "
+                           "min_size (%d) of %d ranks: it stays", decision.rank, decision.ratio,
+                           self.policy.min_size, size)
+            return None
+        return decision
+
+    def exclude(self, host: str) -> None:
+        """Appends ``host`` to the policy's exclude file (if any), once, under a lock."""
+        path = self.policy.exclude_file
+        if not path:
+            return
+        try:
+            with open(path, "a+") as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX)
+                handle.seek(0)
+                if host not in {line.split("#", 1)[0].strip() for line in handle}:
+                    handle.write(f"{host}  # evicted as a straggler by elastic_ext\n")
+        except OSError as exc:
+            logger.error("cannot add straggler host %r to exclude file %r: %s", host, path, exc)
+
+
+def samples_per_step(objects: Iterable[Any], rank: int, size: int) -> int:
+    """This rank's samples per step: its share of a tracked partitioner's global batch, else 1."""
+    for obj in objects:
+        global_batch = getattr(obj, "global_batch", None)
+        if isinstance(global_batch, int) and hasattr(obj, "record_step") and global_batch >= size:
+            return partition.share(global_batch, size, rank)[1]
+    return 1
+
+
+__all__ = ["StragglerWatch", "host_name", "samples_per_step"]

@@ -1,0 +1,72 @@
+"""Straggler eviction with real horovodrun: a rank slowed 5x for good is asked to
+leave at a commit (no rollback, exactly once, its host in the exclude file);
+a short slowdown is not.
+
+Every rank spends 30 ms of simulated compute per step inside
+``state.step_timer``; ``--slow`` multiplies one rank's. The policy: factor 3,
+window 8 steps, warm-up 4 steps; commits every 4 steps, so the table is
+agreed every 4 steps on the commit's own allreduce.
+"""
+
+import pytest
+
+from elastic_ext.testing import ledger
+from tests.multiprocess import analysis, launch
+
+DIGITS = 1797
+COMMIT_EVERY = 4
+HOSTS = ["localhost:2", "127.0.0.1:2"]
+POLICY = "3:8:4"  # factor : window_steps : warmup_steps
+
+
+def run_job(tmp_path, *worker_args, epochs=2, timeout_s=300):
+    out = tmp_path / "job"
+    out.mkdir()
+    hosts_file = str(out / "hosts")
+    launch.write_hosts(hosts_file, HOSTS)
+    cmd = launch.elastic_cmd(4, 2, 4, hosts_file, "lifecycle.py", "--out", str(out), "--epochs", str(epochs),
+                             "--commit-every", str(COMMIT_EVERY), "--straggler", POLICY, "--compute-s", "0.03",
+                             *worker_args)
+    code, output = launch.run(cmd, launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl")),
+                              str(out / "horovodrun.log"), timeout_s)
+    assert code == 0, output[-5000:]
+    return out, analysis.read_events(str(out / "events.jsonl"))
+
+
+@pytest.mark.timeout(400)
+def test_a_rank_slowed_5x_from_step_20_is_evicted_within_the_window_without_rollback(tmp_path):
+    out, events = run_job(tmp_path, "--slow", "1:20:5")
+    kinds = [e["event"] for e in events]
+    assert "rollback" not in kinds and "stall" not in kinds, kinds
+    decisions = [e for e in events if e["event"] == "straggler"]
+    # Every rank of the 4 decided the same thing at the same commit.
+    assert len(decisions) == 4, decisions
+    assert {(e["evicted_rank"], e["commit_id"], e["step"]) for e in decisions} == {(1, 7, 28)}, decisions
+    first = decisions[0]
+    assert first["slow_since"] == 20 and first["slow_steps"] == 8
+    assert first["ratio"] >= 3, first
+    evicted = [e for e in decisions if "host" in e]
+    assert len(evicted) == 1 and evicted[0]["rank"] == 1, decisions
+    leaves = [e for e in events if e["event"] == "leave"]
+    assert [(e["rank"], e["cause"], e["commit_id"]) for e in leaves] == [(1, "straggler", 7)], leaves
+    # Its host is in the exclude file, for the discovery script.
+    assert (out / "exclude").read_text().split()[0] == evicted[0]["host"]
+    records = ledger.read(str(out))
+    starts = ledger.starts(records)
+    assert starts[2][2] == 28, "the job must go on from the commit where the straggler left"
+    report = analysis.assert_exactly_once(out, DIGITS, 2)
+    assert report["lost_steps"] == 0, "an eviction must not throw work away"
+    analysis.assert_ranks_identical(analysis.load_finals(out))
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("slow", ["1:20:2:3", "1:20:5:3"], ids=["2x-3-steps", "5x-3-steps"])
+def test_a_short_slowdown_is_not_evicted(tmp_path, slow):
+    out, events = run_job(tmp_path, "--slow", slow, epochs=1)
+    kinds = [e["event"] for e in events]
+    assert not {"straggler", "leave", "rollback", "resize"} & set(kinds), kinds
+    assert not (out / "exclude").exists()
+    records = ledger.read(str(out))
+    assert {r["gen"] for r in records if "gen" in r} == {1}
+    analysis.assert_exactly_once(out, DIGITS, 1)
+    analysis.assert_ranks_identical(analysis.load_finals(out))
