@@ -10,9 +10,13 @@ bench/workers/recovery_worker.py).
     .venv/bin/python -m bench.recovery [--failures 10]
     .venv/bin/python -m bench.recovery --systems ext --models mlp,cnn_bn --failures 5
 
-``--models`` picks the worker's model: ``mlp`` (the default) or ``cnn_bn``, a
+``--models`` picks the worker's model: ``mlp`` (the default), ``cnn_bn``, a
 small CNN with BatchNorm2d whose running statistics differ between ranks, so
-the survivors' sync must take them from the root. With several models each
+the survivors' sync must take them from the root, or ``big``, an MLP of
+36.5M parameters (437 MB with Adam). With elastic_ext each run also records
+the state bytes its recovery broadcast (0 when the survivors agreed).
+
+    .venv/bin/python -m bench.recovery --systems ext --models mlp,big --failures 10 With several models each
 (system, model) pair is a series, all interleaved in one run.
 
 Writes bench/results/recovery.json and bench/results/recovery.png (with
@@ -37,15 +41,22 @@ def run_once(system, index, work, model="mlp"):
     launch.write_hosts(hosts, ["localhost:2", "127.0.0.1:2"])
     cmd = harness.horovodrun(os.path.join(harness.WORKERS, "recovery_worker.py"),
                              ["--system", system, "--out", out, "--model", model], hosts)
-    env = launch.base_env(HOROVOD_FUSION_THRESHOLD=harness.HOROVOD_DEFAULT_FUSION)
+    events_path = os.path.join(out, "events.jsonl")
+    env = launch.base_env(HOROVOD_FUSION_THRESHOLD=harness.HOROVOD_DEFAULT_FUSION, ELASTIC_EXT_EVENTS_PATH=events_path)
     started = time.time()
     code, _ = launch.run(cmd, env, os.path.join(out, "horovodrun.log"), timeout_s=240)
     with open(os.path.join(out, "kills.jsonl"), encoding="utf-8") as handle:
         kill = json.loads(handle.readline())
     steps = sorted(ledger.read(out), key=lambda r: r["t"])
     after = [s["t"] for s in steps if s["t"] > kill["t"] and s["size"] < 4]
+    # elastic_ext only: the state bytes the recovery's sync broadcast (0: the survivors held the commit).
+    syncs = []
+    if os.path.exists(events_path):
+        syncs = [e for e in (json.loads(line) for line in open(events_path) if line.strip())
+                 if e["event"] == "sync" and e["time"] > kill["t"]]
     return {"exit_code": code, "wall_s": time.time() - started,
             "recovery_s": after[0] - kill["t"] if after else None,
+            "recovery_bytes_broadcast": max((e.get("bytes", 0) for e in syncs), default=None),
             "timeline": [[s["t"] - started, s["size"]] for s in steps if s["rank"] == 0],
             "kill_at": kill["t"] - started}
 
@@ -54,6 +65,7 @@ def summarize(system, runs):
     times = [r["recovery_s"] for r in runs if r["recovery_s"] is not None]
     return {"system": system, "failures": len(runs), "recovered": len(times), "recovery_s": times,
             "median_s": statistics.median(times) if times else None, "worst_s": max(times) if times else None,
+            "recovery_bytes_broadcast": [r.get("recovery_bytes_broadcast") for r in runs],
             "exit_codes": [r["exit_code"] for r in runs], "timeline": runs[0]["timeline"],
             "kill_at": runs[0]["kill_at"]}
 
@@ -87,14 +99,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--failures", type=int, default=10)
     parser.add_argument("--systems", default="plain,ext")
-    parser.add_argument("--models", default="mlp", help="comma-separated: mlp, cnn_bn")
+    parser.add_argument("--models", default="mlp", help="comma-separated: mlp, cnn_bn, big (432 MB with Adam)")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="bench_recovery_")
     systems = args.systems.split(",")
     models = args.models.split(",")
     for model in models:
-        if model not in ("mlp", "cnn_bn"):
-            parser.error(f"model {model!r} must be one of mlp, cnn_bn")
+        if model not in ("mlp", "cnn_bn", "big"):
+            parser.error(f"model {model!r} must be one of mlp, cnn_bn, big")
     series = [(system, model) for model in models for system in systems]
 
     def label(system, model):

@@ -25,6 +25,8 @@ ENV_CHECKPOINT_KEEP_EVERY = "ELASTIC_EXT_CHECKPOINT_KEEP_EVERY"
 ENV_CHECKPOINT_WAIT_S = "ELASTIC_EXT_CHECKPOINT_WAIT_S"
 ENV_ABORT_CONNECTIONS = "ELASTIC_EXT_ABORT_CONNECTIONS"
 ENV_HEARTBEAT_PERIOD_S = "ELASTIC_EXT_HEARTBEAT_PERIOD_S"
+ENV_RENDEZVOUS_TIMEOUT_S = "ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S"
+ENV_HOROVOD_GLOO_TIMEOUT = "HOROVOD_GLOO_TIMEOUT_SECONDS"
 ENV_HANG_TIMEOUT_S = "ELASTIC_EXT_HANG_TIMEOUT_S"
 ENV_STALL_TIMEOUT_S = "ELASTIC_EXT_STALL_TIMEOUT_S"
 ENV_TERM_GRACE_S = "ELASTIC_EXT_TERM_GRACE_S"
@@ -114,6 +116,15 @@ class ElasticConfig:
             or waits for newcomers); 0 means no stall check until then.
         term_grace_s: after SIGTERM, how long a worker keeps training to reach
             the next commit and leave without a rollback; after that it exits.
+        rendezvous_timeout_s: how long the ranks re-forming a job after a
+            failure or resize wait for the others (newcomers start Python,
+            import the framework and build the model first). ``run`` sets
+            Horovod's ``HOROVOD_GLOO_TIMEOUT_SECONDS`` to it before each
+            reset unless that variable was set already; Horovod's own 30 s
+            killed every waiting rank (and the job) when a newcomer took
+            longer. Gloo uses the same value as its collective timeout, the
+            last resort for a peer that is alive but unreachable; failures
+            and hangs are caught well before it. 0 leaves Horovod's value.
 
     Raises:
         ConfigError: a value is out of range or an environment variable does
@@ -136,6 +147,7 @@ class ElasticConfig:
     stall_timeout_s: float = 600.0
     term_grace_s: float = 30.0
     first_step_timeout_s: float = 1800.0
+    rendezvous_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.rollback_limit, int) or self.rollback_limit < 0:
@@ -149,7 +161,7 @@ class ElasticConfig:
 
     def _validate_detection(self) -> None:
         for name in ("heartbeat_period_s", "hang_timeout_s", "stall_timeout_s", "term_grace_s",
-                     "first_step_timeout_s"):
+                     "first_step_timeout_s", "rendezvous_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
                 raise ConfigError(f"{name} ({value!r}) must be a finite number >= 0")
@@ -203,7 +215,8 @@ class ElasticConfig:
             values["abort_connections"] = _parse_bool(ENV_ABORT_CONNECTIONS, env[ENV_ABORT_CONNECTIONS])
         for field, var in (("heartbeat_period_s", ENV_HEARTBEAT_PERIOD_S), ("hang_timeout_s", ENV_HANG_TIMEOUT_S),
                            ("stall_timeout_s", ENV_STALL_TIMEOUT_S), ("term_grace_s", ENV_TERM_GRACE_S),
-                           ("first_step_timeout_s", ENV_FIRST_STEP_TIMEOUT_S)):
+                           ("first_step_timeout_s", ENV_FIRST_STEP_TIMEOUT_S),
+                           ("rendezvous_timeout_s", ENV_RENDEZVOUS_TIMEOUT_S)):
             if var in env:
                 values[field] = _parse_float(var, env[var])
         values.update({k: v for k, v in overrides.items() if v is not None})

@@ -12,7 +12,8 @@ State (``state.py``):
   ``duration_s``.
 - ``sync`` (:data:`SYNC`): state brought in line across ranks; ``commit_id``,
   ``generation``, ``root``, ``loaded`` (this rank received bytes),
-  ``broadcast``, ``newcomers``, ``duration_s``.
+  ``broadcast``, ``bytes`` (the state payload broadcast from the root; 0
+  when every rank already held the commit), ``newcomers``, ``duration_s``.
 
 The run loop (``run.py``):
 

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, TypeVar
 
 import numpy as np
 
+from elastic_ext.config import ENV_HOROVOD_GLOO_TIMEOUT
 from elastic_ext.connections import CollectiveConnections
 from elastic_ext.errors import NumericFaultError, RollbackLimitError
 from elastic_ext.numeric_rollback import NumericRecovery
@@ -174,6 +175,19 @@ def _shut_down_with_the_others(binding: Any, timeout_s: float) -> None:
         logger.warning("Horovod's shutdown did not finish within %.0fs; leaving anyway", timeout_s)
 
 
+def rendezvous_timeout(config: Any, environ: Any = None) -> Optional[str]:
+    """Sets Horovod's Gloo timeout for the resets to come (see ``ElasticConfig.rendezvous_timeout_s``).
+
+    Horovod reads ``HOROVOD_GLOO_TIMEOUT_SECONDS`` at every ``hvd.init()``,
+    so the survivors' re-initialisation after a failure waits this long for
+    newcomers. A value the user set is left alone. Returns the value in force.
+    """
+    env = os.environ if environ is None else environ
+    if config.rendezvous_timeout_s and ENV_HOROVOD_GLOO_TIMEOUT not in env:
+        env[ENV_HOROVOD_GLOO_TIMEOUT] = str(max(1, int(round(config.rendezvous_timeout_s))))
+    return env.get(ENV_HOROVOD_GLOO_TIMEOUT)
+
+
 def _int_or_none(value: Any) -> Optional[int]:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -209,6 +223,8 @@ def run(func: Optional[F] = None, *, counter: Optional[str] = "step") -> Any:
         kind = controller(binding)
         if kind == "mpi":
             _announce_mpi(config)
+        else:
+            rendezvous_timeout(config)
         notification_manager.init()
         notification_manager.register_listener(state)
         dog = Watchdog(config, on_stall=lambda idle: events.emit(STALL, idle_s=idle),

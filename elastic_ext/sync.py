@@ -266,7 +266,7 @@ def sync(party: Party, verify: bool) -> None:
     if verify and all_agree(table, root, target):  # everyone holds these bytes: nothing to send
         record.generation += 1
         party.events.emit(SYNC, commit_id=target, generation=record.generation, root=root, loaded=False,
-                          newcomers=0, broadcast=False, duration_s=time.perf_counter() - started)
+                          newcomers=0, broadcast=False, bytes=0, duration_s=time.perf_counter() - started)
         return
     resume_error = None
     if party.checkpointer is not None and not table[:, PARTICIPATED].any() and b.rank() == root:
@@ -302,7 +302,9 @@ def sync(party: Party, verify: bool) -> None:
     record.participated = True
     party.events.emit(SYNC, commit_id=target, generation=record.generation, root=root,
                       loaded=bool(b.rank() != root and not up_to_date), broadcast=True,
-                      newcomers=int((table[:, PARTICIPATED] == 0).sum()), duration_s=time.perf_counter() - started)
+                      newcomers=int((table[:, PARTICIPATED] == 0).sum()), duration_s=time.perf_counter() - started,
+                      bytes=sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+                                for _, dtype, shape in meta["layout"]))
 
 
 def _resume(party: Party, synced: set) -> Optional[str]:

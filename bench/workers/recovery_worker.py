@@ -27,7 +27,7 @@ p.add_argument("--kill-step", type=int, default=10)
 p.add_argument("--steps-after", type=int, default=6)
 p.add_argument("--step-sleep-s", type=float, default=0.05)
 p.add_argument("--commit-every", type=int, default=4)
-p.add_argument("--model", choices=["mlp", "cnn_bn"], default="mlp",
+p.add_argument("--model", choices=["mlp", "cnn_bn", "big"], default="mlp",
                help="cnn_bn: a small CNN with BatchNorm2d, whose running statistics differ between ranks")
 args = p.parse_args()
 
@@ -36,6 +36,10 @@ hvd.init()
 torch.manual_seed(0)
 if args.model == "mlp":
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    shape = (32, 64)
+elif args.model == "big":  # 36.1M parameters: 432 MB with Adam's two moments
+    model = torch.nn.Sequential(torch.nn.Linear(64, 6000), torch.nn.ReLU(), torch.nn.Linear(6000, 6000),
+                                torch.nn.ReLU(), torch.nn.Linear(6000, 10))
     shape = (32, 64)
 else:
     model = torch.nn.Sequential(torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),

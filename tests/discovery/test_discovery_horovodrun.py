@@ -40,10 +40,9 @@ def test_drain_shrinks_and_resume_grows_without_rollback(slurm_cluster, tmp_path
            "--out", str(out), "--epochs", str(EPOCHS), "--commit-every", "2", "--step-sleep-s", "0.1"]
     # The workers that rejoin on the resumed node import torch before their first
     # rendezvous; on a loaded 2-core machine that took longer than Gloo's default
-    # 30 s store wait once in CI, and the job died (as the other horovodrun tests
-    # that grow a job, allow 120 s).
-    env = launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl"), HOROVOD_GLOO_TIMEOUT_SECONDS=120,
-                          **slurm_cluster_env(slurm_cluster))
+    # 30 s store wait once in CI, and the job died. run() now sets the survivors'
+    # wait to ElasticConfig.rendezvous_timeout_s (120 s): no override here.
+    env = launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl"), **slurm_cluster_env(slurm_cluster))
     job = launch.Job(cmd, env, str(out / "horovodrun.log"))
     try:
         wait_for(lambda: len(sizes_seen(out)) >= 6, "the job to train on 4 workers", 120)

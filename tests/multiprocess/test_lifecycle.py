@@ -197,3 +197,31 @@ def test_the_abort_cuts_only_the_collective_connections(tmp_path):
     assert "shut down" in output, "no rank aborted its connections"
     analysis.assert_exactly_once(out, DIGITS, 1)
     analysis.assert_ranks_identical(finals)
+
+
+# ------------------------------------------------------ slow newcomers
+
+@pytest.mark.timeout(300)
+def test_survivors_wait_for_a_newcomer_slower_than_horovods_30s_rendezvous_timeout(tmp_path):
+    # Two workers train; at step 8 a second host is added. Its newcomers take
+    # 40 s to start (a container pull, a big import) while the two survivors
+    # wait for them in Horovod's re-initialisation. With Horovod's own 30 s
+    # Gloo timeout the survivors abort ("Wait timeout after 30 seconds") and
+    # the job dies; run() sets ElasticConfig.rendezvous_timeout_s (120 s).
+    out = tmp_path / "job"
+    out.mkdir()
+    hosts_file = str(out / "hosts")
+    launch.write_hosts(hosts_file, ["localhost:2"])
+    cmd = launch.elastic_cmd(2, 2, 4, hosts_file, "lifecycle.py", "--out", str(out), "--commit-every",
+                             str(COMMIT_EVERY), "--resize-at", f"8:{hosts_file}:localhost:2,127.0.0.1:2",
+                             "--newcomer-delay-s", "40")
+    env = environment(out)
+    env.pop("HOROVOD_GLOO_TIMEOUT_SECONDS", None)
+    code, output = launch.run(cmd, env, str(out / "horovodrun.log"), 240)
+    assert code == 0, output[-5000:]
+    assert "Wait timeout" not in output
+    records = ledger.read(str(out))
+    assert {r["size"] for r in records if "gen" in r} == {2, 4}
+    assert ledger.starts(records)[2][2] == 8, "the job must grow at the commit where the host was added"
+    analysis.assert_exactly_once(out, DIGITS, 1)
+    analysis.assert_ranks_identical(analysis.load_finals(out))

@@ -69,3 +69,17 @@ def test_a_long_wait_in_a_collective_gives_a_fresh_stall_timeout_after_it():
         assert dog.stall_check(t0 + 11.9, in_collective=False) is None
         verdict_after = dog.stall_check(t0 + 12.1, in_collective=False)  # 3.1 s outside with no progress
         assert verdict_after is not None and "stall_timeout_s=3.0" in verdict_after
+
+
+def test_run_sets_the_rendezvous_timeout_unless_the_user_did():
+    from elastic_ext.config import ConfigError, ElasticConfig
+    from elastic_ext.run import rendezvous_timeout
+    env = {}
+    assert rendezvous_timeout(ElasticConfig(), env) == "120" and env == {"HOROVOD_GLOO_TIMEOUT_SECONDS": "120"}
+    env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": "45"}
+    assert rendezvous_timeout(ElasticConfig(rendezvous_timeout_s=300), env) == "45"  # the user's value stays
+    env = {}
+    assert rendezvous_timeout(ElasticConfig(rendezvous_timeout_s=0), env) is None and env == {}  # 0: Horovod's
+    assert ElasticConfig.from_env({"ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S": "600"}).rendezvous_timeout_s == 600
+    with pytest.raises(ConfigError, match=r"rendezvous_timeout_s \(-1"):
+        ElasticConfig(rendezvous_timeout_s=-1)

@@ -12,6 +12,8 @@ ELASTIC_EXT_EVENTS_PATH, checkpoints via ELASTIC_EXT_CHECKPOINT_*), plus:
 --stop-file PATH                   end after the first epoch at whose end PATH exists (all ranks agree)
 --straggler "FACTOR:WINDOW:WARMUP"  StragglerPolicy(enabled=True, ...), exclude file OUT/exclude
 --compute-s S                      simulated compute per step (in state.step_timer): S seconds per 16 local samples
+--newcomer-delay-s S               a process started after the job trained (a newcomer) sleeps S before hvd.init:
+                                   a slow container start, a big import
 --guard                            State(guard=NumericGuard()) and state.guard_step after the allreduce; the
                                    guard's seconds per step go to guard-<pid>.json (median, count)
 --slow "RANK:STEP:FACTOR[:STEPS]"  from STEP (for STEPS steps, default: to the end), the process that started
@@ -52,9 +54,13 @@ p.add_argument("--straggler", default="")
 p.add_argument("--compute-s", type=float, default=0.0)
 p.add_argument("--slow", default="")
 p.add_argument("--guard", action="store_true")
+p.add_argument("--newcomer-delay-s", type=float, default=0.0)
 args = p.parse_args()
 
 torch.set_num_threads(1)
+if args.newcomer_delay_s and any(name.startswith("steps-") and os.path.getsize(os.path.join(args.out, name))
+                                 for name in os.listdir(args.out)):
+    time.sleep(args.newcomer_delay_s)
 hvd.init()
 faults = FaultSchedule.parse(args.faults, os.path.join(args.out, "faults"))
 first_rank = hvd.rank()  # --slow follows the process, not whoever holds its rank after a resize
