@@ -109,7 +109,7 @@ def steps_after(out: str, t: float) -> int:
 
 
 def soak(out: str, count: int, seed: int, gap_s=(5.0, 9.0), timeout_s: float = 1800.0,
-         log=print) -> Dict[str, Any]:
+         log=print, restarts: int = 0) -> Dict[str, Any]:
     os.makedirs(out, exist_ok=True)
     rng = random.Random(seed + 1)
     schedule = make_schedule(count, seed)
@@ -134,6 +134,9 @@ def soak(out: str, count: int, seed: int, gap_s=(5.0, 9.0), timeout_s: float = 1
                           ELASTIC_EXT_CHECKPOINT_KEEP_LAST=3, ELASTIC_EXT_HANG_TIMEOUT_S=10,
                           ELASTIC_EXT_TERM_GRACE_S=20, ELASTIC_EXT_ROLLBACK_LIMIT=20)
     env.pop("HOROVOD_FUSION_THRESHOLD", None)  # Horovod's default: fused allreduces
+    if restarts:  # a job Horovod's driver ends is started again and resumes from its newest checkpoint
+        cmd = [sys.executable, "-m", "elastic_ext.supervise", "--max-restarts", str(restarts), "--backoff-s", "2",
+               "--", *cmd]
     started = time.time()
     job = launch.Job(cmd, env, os.path.join(out, "horovodrun.log"))
     injected: List[Dict[str, Any]] = []
@@ -240,7 +243,8 @@ def report(out: str, injected: List[dict], code: Optional[int], output: str, tim
     return {
         "seed": seed, "duration_s": round(duration_s, 1), "exit_code": code, "timed_out": timed_out,
         "faults_injected": len(injected), "faults_by_kind": kinds, "faults_survived": len(survived),
-        "job_deaths": 0 if code == 0 else 1,
+        "job_restarts": sum(e["event"] == "job_restart" for e in evs),
+        "job_deaths": sum(e["event"] == "job_restart" for e in evs) + (0 if code == 0 else 1),
         "epochs_completed": epochs, "generations": len(ledger.starts(records)),
         "rollbacks": sum(e["event"] == "rollback" for e in evs), "resizes": sum(e["event"] == "resize" for e in evs),
         "leaves": sum(e["event"] == "leave" for e in evs), "stalls": sum(e["event"] == "stall" for e in evs),
@@ -260,8 +264,10 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default="/tmp/elastic_ext_soak")
     parser.add_argument("--json", default="", help="also write the report here")
+    parser.add_argument("--restarts", type=int, default=0,
+                        help="run the job under python -m elastic_ext.supervise with this many restarts")
     args = parser.parse_args(argv)
-    result = soak(args.out, args.faults, args.seed)
+    result = soak(args.out, args.faults, args.seed, restarts=args.restarts)
     text = json.dumps({k: v for k, v in result.items() if k != "faults"}, indent=1, sort_keys=True)
     print(text)
     if args.json:

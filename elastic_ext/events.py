@@ -50,6 +50,9 @@ The run loop (``run.py``):
   shows one rank slow for long enough (:mod:`elastic_ext.eviction`);
   ``commit_id``, ``evicted_rank``, ``step``, ``ratio``, ``slow_since``,
   ``slow_steps``, ``ratios``, and ``host`` on the evicted rank.
+- ``job_restart`` (:data:`JOB_RESTART`, written by ``python -m
+  elastic_ext.supervise`` with rank -1): the whole job failed and is started
+  again; ``exit_code``, ``restart``, ``max_restarts``, ``ran_s``.
 
 Durable checkpoints (the checkpoint writer, and State on resume):
 
@@ -94,11 +97,12 @@ CHECKPOINT_FAILED = "checkpoint_failed"
 CHECKPOINT_RESUMED = "checkpoint_resumed"
 NUMERIC_ROLLBACK = "numeric_rollback"
 STRAGGLER = "straggler"
+JOB_RESTART = "job_restart"
 
 #: Every event name elastic_ext emits (the module docstring says what each means).
 ALL_EVENTS = (COMMIT, SYNC, ROLLBACK, ROLLBACK_LIMIT, RESIZE, RESET, RECOVERED, FINISH, STALL, SUSPENDED,
               LEAVE, CHECKPOINT, CHECKPOINT_SKIPPED, CHECKPOINT_FAILED, CHECKPOINT_RESUMED, NUMERIC_ROLLBACK,
-              STRAGGLER)
+              STRAGGLER, JOB_RESTART)
 
 
 class EventLog:

@@ -23,6 +23,9 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from elastic_ext.events import NUMERIC_ROLLBACK
+from elastic_ext.supervise import ENV_RESTART
+
+RESTART_STRIDE = 1_000_000  # generations of restart k are read as k * RESTART_STRIDE + generation
 from elastic_ext.partition import epoch_order
 
 
@@ -34,6 +37,8 @@ class Ledger:
         self._file = open(os.path.join(directory, f"steps-{os.getpid()}.jsonl"), "a", buffering=1,
                           encoding="utf-8")
         self._rollbacks_written = 0  # numeric_rollback events already written as skipped records
+        # Under python -m elastic_ext.supervise: which restart of the whole job this process belongs to.
+        self._restart = int(os.environ.get(ENV_RESTART, "0") or 0)
 
     def start(self, generation: int, epoch: int, cursor: int, step: int, rank: int, size: int) -> None:
         self._write({"start": generation, "epoch": epoch, "cursor": cursor, "step": step, "rank": rank,
@@ -65,19 +70,31 @@ class Ledger:
         self._write({"end": True, "step": step, "rank": rank, "size": size})
 
     def _write(self, record: dict) -> None:
+        if self._restart:
+            record["restart"] = self._restart
         self._file.write(json.dumps(record) + "\n")
 
 
 def read(directory: str) -> List[dict]:
-    """All records of all processes; a line cut by a SIGKILL is skipped."""
+    """All records of all processes; a line cut by a SIGKILL is skipped.
+
+    A restarted job (``restart`` > 0, see :mod:`elastic_ext.supervise`)
+    numbers its generations from its checkpoint's again, which may repeat
+    those the dead job reached after that checkpoint; its generations are
+    read as ``restart * RESTART_STRIDE + generation`` so they come after.
+    """
     records = []
     for path in sorted(glob.glob(os.path.join(directory, "steps-*.jsonl"))):
         with open(path, encoding="utf-8") as handle:
             for line in handle:
                 try:
-                    records.append(json.loads(line))
+                    record = json.loads(line)
                 except json.JSONDecodeError:
                     continue
+                for key in ("gen", "start"):
+                    if key in record and record.get("restart"):
+                        record[key] += record["restart"] * RESTART_STRIDE
+                records.append(record)
     return records
 
 
@@ -97,7 +114,9 @@ def committed_history(records: List[dict]) -> List[dict]:
     history = []
     for i, gen in enumerate(gens):
         begin = begun[gen][:2]
-        end: Tuple[Any, Any] = begun[gens[i + 1]][:2] if i + 1 < len(gens) else (float("inf"), 0)
+        # The earliest position any later generation started from: a restarted
+        # job may resume from a checkpoint older than the dead job's last start.
+        end: Tuple[Any, Any] = min((begun[g][:2] for g in gens[i + 1:]), default=(float("inf"), 0))
         history.extend(r for r in records if r.get("gen") == gen and begin <= (r["epoch"], r["cursor"]) < end)
     return history
 
