@@ -75,7 +75,9 @@ def workers(root_pid: int) -> List[psutil.Process]:
     for proc in tree:
         try:
             cmd = " ".join(proc.cmdline())
-            if "lifecycle.py" in cmd and "elastic_ext.guardian" not in cmd and proc.status() != psutil.STATUS_ZOMBIE \
+            launcher = "horovodrun" in cmd or "elastic_ext.supervise" in cmd  # the driver is not a worker
+            if "lifecycle.py" in cmd and not launcher and "elastic_ext.guardian" not in cmd \
+                    and proc.status() != psutil.STATUS_ZOMBIE \
                     and os.path.basename(proc.cmdline()[0]).startswith("python"):
                 found.append(proc)
         except (psutil.NoSuchProcess, IndexError):

@@ -279,7 +279,10 @@ def run(func: Optional[F] = None, *, counter: Optional[str] = "step") -> Any:
                         raise RollbackLimitError(
                             f"{count} rollbacks in a row without a new commit (commit id {state.commit_id}) "
                             f"exceed rollback_limit ({config.rollback_limit}); last cause: {exc}") from exc
-                    state.restore()
+                    if state.committed:
+                        state.restore()
+                    # else: a fresh process failed before its first sync (in the collective that
+                    # learns the connections): nothing to roll back; the next sync brings the state.
                     numeric.reapply(state)  # skips of numeric rollbacks no commit holds yet
                     step_committed = steps_now(state)
                     steps_back = (step_now - step_committed

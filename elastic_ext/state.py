@@ -141,6 +141,11 @@ class State:
         return self._record.commit_id
 
     @property
+    def committed(self) -> bool:
+        """True once this process holds a commit (its own, or one a sync brought)."""
+        return self._buffers.entries is not None
+
+    @property
     def generation(self) -> int:
         """How many times the job (re)started its training function: 1 after the
         first sync, +1 after every reset. The same on every rank."""

@@ -83,3 +83,38 @@ def test_run_sets_the_rendezvous_timeout_unless_the_user_did():
     assert ElasticConfig.from_env({"ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S": "600"}).rendezvous_timeout_s == 600
     with pytest.raises(ConfigError, match=r"rendezvous_timeout_s \(-1"):
         ElasticConfig(rendezvous_timeout_s=-1)
+
+
+def test_a_collective_failing_before_the_first_sync_is_survived(monkeypatch):
+    # Found by bench.soak: a fresh process (a newcomer, a restarted job) whose
+    # first collective (learning the connections, before any sync) failed
+    # crashed in restore() with NotCommittedError, an extra failure for the job.
+    from horovod.common.exceptions import HorovodInternalError
+
+    import elastic_ext
+    import sys
+    run_module = sys.modules["elastic_ext.run"]
+    from elastic_ext.config import ElasticConfig
+    from elastic_ext.connections import CollectiveConnections
+    from elastic_ext.testing import SoloBinding
+
+    failures = [HorovodInternalError("peer gone during the rendezvous")]
+
+    def learn(self, binding):
+        if failures:
+            raise failures.pop()
+        return 0
+
+    monkeypatch.setattr(run_module, "controller", lambda binding: "gloo")
+    monkeypatch.setattr(CollectiveConnections, "learn_from_peers", learn)
+    state = elastic_ext.State(binding=SoloBinding(), config=ElasticConfig(hang_timeout_s=0), step=0)
+    assert not state.committed
+
+    @elastic_ext.run
+    def train(state):
+        state.step += 1
+        state.commit()
+        return state.step
+
+    assert train(state) == 1 and state.committed and state.binding.resets == 1
+    assert [e["event"] for e in state.events.history if e["event"] in ("rollback", "sync")] == ["rollback", "sync"]
