@@ -376,4 +376,4 @@ def reserved_names() -> FrozenSet[str]:
 
 _RESERVED: FrozenSet[str] = frozenset(
     {name for name in dir(State) if not name.startswith("_")}
-    | {"framework", "binding", "adapters", "config", "per_rank", "guard", _numeric.WINDOW_NAME})
+    | {"framework", "binding", "adapters", "config", "per_rank", "guard", "straggler", _numeric.WINDOW_NAME})
