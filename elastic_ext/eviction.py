@@ -38,6 +38,7 @@ from typing import Any, Iterable, Optional
 import numpy as np
 
 from elastic_ext import partition
+from elastic_ext.errors import ConfigError
 from elastic_ext.straggler import StepTimer, StragglerPolicy, StragglerTracker, pack_slots, unpack_slots
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class StragglerWatch:
 
     def __init__(self, policy: StragglerPolicy) -> None:
         if not isinstance(policy, StragglerPolicy):
-            raise TypeError(f"straggler ({policy!r}) must be an elastic_ext.StragglerPolicy")
+            raise ConfigError(f"straggler ({policy!r}) must be an elastic_ext.StragglerPolicy or None")
         self.policy = policy
         self.timer = StepTimer()
         self._tracker = StragglerTracker(policy)

@@ -87,8 +87,11 @@ def test_the_exclude_file_gets_the_host_once(tmp_path):
 
 
 def test_bad_policy_values_are_named():
-    with pytest.raises(TypeError, match="straggler"):
+    from elastic_ext import ConfigError
+    with pytest.raises(ConfigError, match=r"straggler \(\{'enabled': True\}\) must be an elastic_ext.StragglerPolicy"):
         StragglerWatch({"enabled": True})
+    with pytest.raises(ConfigError, match=r"straggler \(1\)"):
+        State(binding=SoloBinding(), straggler=1, step=0)
     with pytest.raises(Exception, match=r"exclude_file \(''\)"):
         StragglerPolicy(enabled=True, exclude_file="")
 
