@@ -111,7 +111,9 @@ def train(state):
                 state.commit()
         state.epoch += 1
         state.commit()
-        say(f"epoch {state.epoch - 1}: loss {np.mean(losses) if losses else float('nan'):.4f}  "
+        # No step here when the job re-formed at the epoch's last commit: nothing was trained since.
+        trained = f"loss {np.mean(losses):.4f}" if losses else "no step since the job re-formed"
+        say(f"epoch {state.epoch - 1}: {trained}  "
             f"test accuracy {evaluate():.3f}  workers {hvd.size()}  step {state.step}")
     return evaluate()
 
