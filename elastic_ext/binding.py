@@ -98,6 +98,11 @@ def broadcast_json(binding: Binding, value: Any, root_rank: int, name: str) -> A
     return json.loads(received.tobytes().decode("utf-8"))
 
 
+def layout_sizes(layout: list) -> list:
+    """Bytes of each ``[key, dtype, shape]`` entry of a broadcast layout."""
+    return [int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for _, dtype, shape in layout]
+
+
 def broadcast_arrays(binding: Binding, arrays: Dict[str, np.ndarray], layout: list, root_rank: int,
                      name: str) -> Dict[str, np.ndarray]:
     """Broadcasts many arrays as one flat byte buffer.
@@ -116,7 +121,7 @@ def broadcast_arrays(binding: Binding, arrays: Dict[str, np.ndarray], layout: li
             flat = np.zeros(0, dtype=np.uint8)
         binding.broadcast(flat, root_rank, name)
         return arrays
-    sizes = [int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for _, dtype, shape in layout]
+    sizes = layout_sizes(layout)
     flat = binding.broadcast(np.empty(sum(sizes), dtype=np.uint8), root_rank, name)
     result: Dict[str, np.ndarray] = {}
     offset = 0

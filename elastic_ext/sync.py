@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Dict, FrozenSet, List, Optional, Tuple
 
 import numpy as np
 
-from elastic_ext.binding import Binding, broadcast_arrays, broadcast_json
+from elastic_ext.binding import Binding, broadcast_arrays, broadcast_json, layout_sizes
 from elastic_ext.buffers import CommitBuffers
 from elastic_ext.errors import CheckpointError, StateDivergenceError
 from elastic_ext.events import SYNC, EventLog
@@ -303,8 +303,7 @@ def sync(party: Party, verify: bool) -> None:
     party.events.emit(SYNC, commit_id=target, generation=record.generation, root=root,
                       loaded=bool(b.rank() != root and not up_to_date), broadcast=True,
                       newcomers=int((table[:, PARTICIPATED] == 0).sum()), duration_s=time.perf_counter() - started,
-                      bytes=sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-                                for _, dtype, shape in meta["layout"]))
+                      bytes=sum(layout_sizes(meta["layout"])))
 
 
 def _resume(party: Party, synced: set) -> Optional[str]:
