@@ -38,7 +38,8 @@ from typing import Any, Iterable, Optional
 import numpy as np
 
 from elastic_ext import partition
-from elastic_ext.errors import ConfigError
+from elastic_ext.discovery.static import read_exclude_file
+from elastic_ext.errors import ConfigError, DiscoveryInputError
 from elastic_ext.straggler import StepTimer, StragglerPolicy, StragglerTracker, pack_slots, unpack_slots
 
 logger = logging.getLogger(__name__)
@@ -109,12 +110,12 @@ class StragglerWatch:
         if not path:
             return
         try:
-            with open(path, "a+") as handle:
+            with open(path, "a") as handle:
                 fcntl.flock(handle, fcntl.LOCK_EX)
-                handle.seek(0)
-                if host not in {line.split("#", 1)[0].strip() for line in handle}:
+                # Read as the discovery script reads it, so both agree on what is listed.
+                if host not in read_exclude_file(path):
                     handle.write(f"{host}  # evicted as a straggler by elastic_ext\n")
-        except OSError as exc:
+        except (OSError, DiscoveryInputError) as exc:
             logger.error("cannot add straggler host %r to exclude file %r: %s", host, path, exc)
 
 
