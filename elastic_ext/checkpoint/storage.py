@@ -129,6 +129,10 @@ class LocalStorage:
             result = _copy_chunks(handle, chunks)
             handle.flush()
             os.fsync(handle.fileno())
+            if hasattr(os, "posix_fadvise"):
+                # The pages are on disk now: drop them from the page cache, where
+                # hundreds of MB per checkpoint would push out the training's data.
+                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         os.replace(target, path)
         return result
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 import weakref
@@ -105,12 +106,14 @@ class Checkpointer:
         self._owed = False
         lease = self._buffers.lease(names)
         self._result_id = commit_id
-        self._thread = threading.Thread(target=self._write, args=(commit_id, lease, dict(info)),
+        nice = 0 if force else self._config.checkpoint_nice
+        self._thread = threading.Thread(target=self._write, args=(commit_id, lease, dict(info), nice),
                                         name=f"elastic_ext-checkpoint-{commit_id}", daemon=True)
         self._thread.start()
 
-    def _write(self, commit_id: int, lease: Lease, info: Dict[str, Any]) -> None:
+    def _write(self, commit_id: int, lease: Lease, info: Dict[str, Any], nice: int) -> None:
         started = time.perf_counter()
+        lower_priority(nice)
         try:
             path = write_checkpoint(self.store.directory, commit_id, lease.entries, info)
         except Exception as exc:  # noqa: BLE001 - reported here and in the event; training goes on
@@ -168,6 +171,17 @@ class Checkpointer:
         self._events.emit(CHECKPOINT_RESUMED, commit_id=loaded.commit_id, path=loaded.path,
                           world_size=loaded.manifest.get("world_size"),
                           data_cursor=loaded.manifest.get("data_cursor"))
+
+
+def lower_priority(nice: int) -> None:
+    """Makes the calling thread ``nice`` (Linux: niceness is per thread); never fails the write."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        thread_id = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread_id, max(os.getpriority(os.PRIO_PROCESS, thread_id), nice))
+    except OSError as exc:  # e.g. a seccomp profile that forbids it: the write goes on at full priority
+        logger.debug("cannot lower the checkpoint writer's priority: %s", exc)
 
 
 def _wait_at_exit(ref: "weakref.ref[Checkpointer]") -> None:

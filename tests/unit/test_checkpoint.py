@@ -249,6 +249,11 @@ def test_checkpoint_config_from_env_and_validation():
         ElasticConfig.from_env({"ELASTIC_EXT_CHECKPOINT_WAIT_S": "soon"})
     with pytest.raises(ConfigError, match=r"checkpoint_dir \(' '\) must be a non-empty path"):
         ElasticConfig(checkpoint_dir=" ")
+    assert ElasticConfig().checkpoint_nice == 0
+    assert ElasticConfig.from_env({"ELASTIC_EXT_CHECKPOINT_NICE": "19"}).checkpoint_nice == 19
+    for bad in (-1, 20, 2.5, True):
+        with pytest.raises(ConfigError, match=rf"checkpoint_nice \({bad!r}\) must be an integer from 0 to 19"):
+            ElasticConfig(checkpoint_nice=bad)
 
 
 # -------------------------------------------------------- State integration
@@ -444,3 +449,28 @@ def test_a_failed_write_is_reported_and_retried_at_the_next_commit(tmp_path, mon
     assert [e["commit_id"] for e in job.state.events.history if e["event"] == "checkpoint_failed"] == [10]
     job.steps(1)  # commit 11 is not a multiple of 10, but the failed checkpoint is owed
     assert job.state.wait_for_checkpoint() == 11 and calls == [10, 11]
+
+
+@pytest.mark.parametrize("nice", [19, 7, 0])
+def test_the_background_write_runs_at_checkpoint_nice_and_a_forced_one_at_full_priority(tmp_path, monkeypatch, nice):
+    seen = []
+    real = checkpoint.writer.write_checkpoint
+
+    def recording(*args, **kwargs):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.writer, "write_checkpoint", recording)
+    job = Job(tmp_path, checkpoint_nice=nice)
+    job.state.sync()
+    job.steps(2)                     # commits 1 and 2 are due: background writes
+    job.state.wait_for_checkpoint()
+    assert seen == [nice, nice]
+    forced = Job(tmp_path / "forced", checkpoint_nice=nice, checkpoint_every=100)
+    forced.state.sync()
+    forced.steps(1)                  # commit 1 is not due under checkpoint_every=100
+    before = len(seen)
+    forced.state.checkpoint_now()    # a leave: written now, at the training's priority
+    forced.state.wait_for_checkpoint()
+    assert seen[before:] == [os.getpriority(os.PRIO_PROCESS, 0)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0  # the training thread is untouched
