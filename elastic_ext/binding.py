@@ -7,7 +7,8 @@ collectives over numpy arrays, and the reset that re-initialises Horovod.
 register one (:func:`register_binding`) when imported; :func:`get_binding`
 imports them by name, so the core has no import of a framework package.
 This module also builds the few composite collectives the core uses
-(JSON broadcast, fused array broadcast) on top of those three.
+(JSON broadcast, fused array broadcast, striped array gather) on top of
+those three.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import importlib
 import json
 import sys
-from typing import Any, Callable, Dict, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Dict, List, Optional, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -122,7 +123,53 @@ def broadcast_arrays(binding: Binding, arrays: Dict[str, np.ndarray], layout: li
         binding.broadcast(flat, root_rank, name)
         return arrays
     sizes = layout_sizes(layout)
-    flat = binding.broadcast(np.empty(sum(sizes), dtype=np.uint8), root_rank, name)
+    return _split(binding.broadcast(np.empty(sum(sizes), dtype=np.uint8), root_rank, name), layout, sizes)
+
+
+def gather_striped(binding: Binding, arrays: Dict[str, np.ndarray], layout: list, holders: List[int],
+                   name: str) -> Dict[str, np.ndarray]:
+    """Like :func:`broadcast_arrays`, with every rank of ``holders`` sending a share.
+
+    ``holders`` are the ranks that hold the very same bytes for ``layout``
+    (the sync checked their digests). The layout's bytes, laid end to end,
+    are cut into one contiguous stripe per holder, in rank order; one
+    allgather, to which every other rank gives nothing, then hands every rank
+    the whole: the send load is spread over all holders instead of one root.
+    Returns ``arrays`` itself on a holder, fresh arrays elsewhere.
+    """
+    holders = sorted(holders)
+    if len(holders) == 1:
+        return broadcast_arrays(binding, arrays, layout, holders[0], name)
+    sizes = layout_sizes(layout)
+    bounds = stripe_bounds(sum(sizes), len(holders))
+    rank = binding.rank()
+    if rank in holders:
+        index = holders.index(rank)
+        stripe = byte_range(arrays, layout, sizes, bounds[index], bounds[index + 1])
+    else:
+        stripe = np.zeros(0, dtype=np.uint8)
+    flat = binding.allgather(stripe, name)  # rank order = holder order = stripe order
+    return arrays if rank in holders else _split(flat, layout, sizes)
+
+
+def stripe_bounds(total: int, count: int) -> List[int]:
+    """``count + 1`` offsets cutting ``total`` bytes into ``count`` near-equal contiguous stripes."""
+    return [total * i // count for i in range(count + 1)]
+
+
+def byte_range(arrays: Dict[str, np.ndarray], layout: list, sizes: List[int], start: int, end: int) -> np.ndarray:
+    """Bytes ``start:end`` of the layout's arrays laid end to end, copying only those."""
+    pieces, offset = [], 0
+    for (key, _, _), size in zip(layout, sizes):
+        low, high = max(start, offset), min(end, offset + size)
+        if low < high:
+            flat = np.ascontiguousarray(arrays[key]).reshape(-1).view(np.uint8)
+            pieces.append(flat[low - offset:high - offset])
+        offset += size
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint8)
+
+
+def _split(flat: np.ndarray, layout: list, sizes: List[int]) -> Dict[str, np.ndarray]:
     result: Dict[str, np.ndarray] = {}
     offset = 0
     for (key, dtype, shape), size in zip(layout, sizes):

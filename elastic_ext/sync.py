@@ -13,7 +13,8 @@
    agree (see :func:`digest_items`); it names the first differing entry.
 4. If every rank already holds exactly those bytes (:func:`all_agree`),
    nothing more is sent; otherwise the root broadcasts the commit's
-   metadata and arrays.
+   metadata, and every rank holding the root's bytes (:func:`holders`)
+   sends one stripe of the arrays to the ranks that lack them.
 
 The host-update allreduce at every commit (:func:`agree_at_commit`) also
 carries the commit id, so ranks that disagree on it fail at that commit.
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Dict, FrozenSet, List, Optional, Tuple
 
 import numpy as np
 
-from elastic_ext.binding import Binding, broadcast_arrays, broadcast_json, layout_sizes
+from elastic_ext.binding import Binding, broadcast_json, gather_striped, layout_sizes
 from elastic_ext.buffers import CommitBuffers
 from elastic_ext.errors import CheckpointError, StateDivergenceError
 from elastic_ext.events import SYNC, EventLog
@@ -138,6 +139,16 @@ def check_agreement(binding: Binding, table: np.ndarray, root: int, target: int,
         f"{int(table[root, DIGEST]):#010x}). Parameters, optimizer state, plain values and sampler "
         "positions must agree; buffers may differ. Mark an object that is legitimately per rank with "
         "State(..., per_rank=(name,))")
+
+
+def holders(table: np.ndarray, root: int, verify: bool) -> List[int]:
+    """The ranks that hold the root's commit bytes for bytes (survivors at its id, generation and
+    full digest): they share the sending. Without digests (``verify`` off) only the root is known to."""
+    if not verify or not table[root, PARTICIPATED]:
+        return [root]
+    same = ((table[:, PARTICIPATED] == 1) & (table[:, ID] == table[root, ID])
+            & (table[:, GENERATION] == table[root, GENERATION]) & (table[:, FULL_DIGEST] == table[root, FULL_DIGEST]))
+    return [int(r) for r in np.flatnonzero(same)]
 
 
 def layout(entries: Dict[str, Entry], names: List[str]) -> list:
@@ -283,7 +294,8 @@ def sync(party: Party, verify: bool) -> None:
         raise CheckpointError(meta["resume_error"])
     if "resume_error" in meta:
         target = int(meta["commit_id"])  # the checkpoint a fresh job resumed from, if any
-    arrays = broadcast_arrays(b, flat_arrays(entries, names), meta["layout"], root, "elastic_ext.sync.arrays")
+    senders = holders(table, root, verify)  # a fresh job's root alone (it may have loaded a checkpoint)
+    arrays = gather_striped(b, flat_arrays(entries, names), meta["layout"], senders, "elastic_ext.sync.arrays")
     # Buffers (BatchNorm statistics) may differ: a rank loads unless its
     # *full* digest, buffers included, matches the root's.
     up_to_date = (record.participated and record.commit_id == target and verify
@@ -303,7 +315,7 @@ def sync(party: Party, verify: bool) -> None:
     party.events.emit(SYNC, commit_id=target, generation=record.generation, root=root,
                       loaded=bool(b.rank() != root and not up_to_date), broadcast=True,
                       newcomers=int((table[:, PARTICIPATED] == 0).sum()), duration_s=time.perf_counter() - started,
-                      bytes=sum(layout_sizes(meta["layout"])))
+                      bytes=sum(layout_sizes(meta["layout"])), senders=senders)
 
 
 def _resume(party: Party, synced: set) -> Optional[str]:

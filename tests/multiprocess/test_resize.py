@@ -40,6 +40,10 @@ def test_grow_shrink_grow_and_failure_keep_exactly_once(tmp_path, worker, extra)
     assert [starts[g][2] for g in sorted(starts)] == [0, 8, 16, 24, 28], starts
     events = analysis.read_events(str(out / "events.jsonl"))
     assert len({e["generation"] for e in events if e["event"] == "recovered" and e["cause"] == "collective_failed"}) == 1
+    # Newcomers got the commit in stripes from both survivors, not from rank 0 alone.
+    grows = [e for e in events if e["event"] == "sync" and e.get("newcomers") and e["generation"] > 1]
+    assert {e["generation"] for e in grows} == {2, 4}, grows
+    assert all(e["senders"] == [0, 1] for e in grows), [e["senders"] for e in grows]
     report = analysis.assert_exactly_once(out, DIGITS, 2)
     assert report["lost_steps"] >= 1  # the steps after commit 28 that the SIGKILL threw away
     finals = analysis.load_finals(out)
