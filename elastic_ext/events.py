@@ -12,8 +12,9 @@ State (``state.py``):
   ``duration_s``.
 - ``sync`` (:data:`SYNC`): state brought in line across ranks; ``commit_id``,
   ``generation``, ``root``, ``loaded`` (this rank received bytes),
-  ``broadcast``, ``bytes`` (the state payload broadcast from the root; 0
-  when every rank already held the commit), ``newcomers``, ``duration_s``.
+  ``broadcast``, ``bytes`` (the state payload sent to the ranks that lacked
+  it; 0 when every rank already held the commit), ``senders`` (the ranks
+  that each sent one stripe of it), ``newcomers``, ``duration_s``.
 
 The run loop (``run.py``):
 
