@@ -90,6 +90,19 @@ def guess_framework(preferred: Optional[str] = None) -> str:
         "pass framework='torch' or framework='tensorflow' to State")
 
 
+def allreduce_max_start(binding: Binding, array: np.ndarray, name: str) -> Callable[[], np.ndarray]:
+    """Starts an element-wise max over ranks; the returned call waits for the result.
+
+    A binding with ``allreduce_max_start`` (PyTorch) runs it in Horovod's
+    background thread meanwhile; any other runs it now, blocking.
+    """
+    start = getattr(binding, "allreduce_max_start", None)
+    if start is not None:
+        return start(array, name)
+    result = binding.allreduce_max(array, name)
+    return lambda: result
+
+
 def broadcast_json(binding: Binding, value: Any, root_rank: int, name: str) -> Any:
     """Broadcasts a JSON-compatible value from ``root_rank`` (no pickle)."""
     payload = np.frombuffer(json.dumps(value).encode("utf-8"), dtype=np.uint8)

@@ -24,6 +24,7 @@ ENV_CHECKPOINT_KEEP_LAST = "ELASTIC_EXT_CHECKPOINT_KEEP_LAST"
 ENV_CHECKPOINT_KEEP_EVERY = "ELASTIC_EXT_CHECKPOINT_KEEP_EVERY"
 ENV_CHECKPOINT_WAIT_S = "ELASTIC_EXT_CHECKPOINT_WAIT_S"
 ENV_CHECKPOINT_NICE = "ELASTIC_EXT_CHECKPOINT_NICE"
+ENV_OVERLAP_COMMIT = "ELASTIC_EXT_OVERLAP_COMMIT"
 ENV_ABORT_CONNECTIONS = "ELASTIC_EXT_ABORT_CONNECTIONS"
 ENV_HEARTBEAT_PERIOD_S = "ELASTIC_EXT_HEARTBEAT_PERIOD_S"
 ENV_RENDEZVOUS_TIMEOUT_S = "ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S"
@@ -82,6 +83,13 @@ class ElasticConfig:
             buffer and swaps, so even an interrupted copy leaves the previous
             commit intact, at the price of a second host copy.
         log_commits: also write an event for every commit (chatty).
+        overlap_commit: run a commit's one collective (host updates, leaves,
+            straggler table, commit-id check) in Horovod's background thread
+            while training goes on, and read it at the next commit: no commit
+            waits for a collective, and a resize, leave or eviction acts one
+            commit later (a leave then needs two commits within
+            ``term_grace_s``). Only PyTorch runs it in the background; other
+            frameworks run it blocking, as without this option.
         checkpoint_dir: directory (or fsspec URL) for durable checkpoints of
             the committed state, written in the background by rank 0 (see
             :mod:`elastic_ext.checkpoint`); a fresh job resumes from the
@@ -146,6 +154,7 @@ class ElasticConfig:
     verify_sync: bool = True
     commit_buffers: int = 1
     log_commits: bool = False
+    overlap_commit: bool = False
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 1
     checkpoint_keep_last: int = 3
@@ -216,6 +225,8 @@ class ElasticConfig:
             values["commit_buffers"] = _parse_int(ENV_COMMIT_BUFFERS, env[ENV_COMMIT_BUFFERS])
         if ENV_LOG_COMMITS in env:
             values["log_commits"] = _parse_bool(ENV_LOG_COMMITS, env[ENV_LOG_COMMITS])
+        if ENV_OVERLAP_COMMIT in env:
+            values["overlap_commit"] = _parse_bool(ENV_OVERLAP_COMMIT, env[ENV_OVERLAP_COMMIT])
         if env.get(ENV_CHECKPOINT_DIR):
             values["checkpoint_dir"] = env[ENV_CHECKPOINT_DIR]
         for field, var in (("checkpoint_every", ENV_CHECKPOINT_EVERY),

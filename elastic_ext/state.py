@@ -107,7 +107,7 @@ class State:
         s(self, "_buffers", CommitBuffers(self._config.commit_buffers))
         s(self, "_record", _sync.CommitRecord())
         s(self, "_commit_time", None)
-        s(self, "_hosts", _sync.HostUpdates())
+        s(self, "_hosts", _sync.HostUpdates(overlap=self._config.overlap_commit))
         s(self, "_reset_callbacks", [])
         s(self, "_rollbacks", RollbackRecord())
         s(self, "_events", EventLog(self._config.events_path, binding.rank, binding.size))
@@ -204,6 +204,7 @@ class State:
         """
         started = time.perf_counter()
         self._liveness.progress()
+        self._hosts.settle()  # overlap_commit: the previous commit's collective, before this snapshot
         self.save()
         if self._config.log_commits:
             self._events.emit(COMMIT, commit_id=self.commit_id, duration_s=time.perf_counter() - started)

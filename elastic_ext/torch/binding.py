@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -38,6 +38,11 @@ class TorchBinding:
 
     def allreduce_max(self, array: np.ndarray, name: str) -> np.ndarray:
         return hvd.allreduce(_tensor(array), name=name, op=hvd.Max).numpy()
+
+    def allreduce_max_start(self, array: np.ndarray, name: str) -> Callable[[], np.ndarray]:
+        """Starts :meth:`allreduce_max` in Horovod's background thread; the returned call waits for it."""
+        handle = hvd.allreduce_async(_tensor(array), name=name, op=hvd.Max)
+        return lambda: hvd.synchronize(handle).numpy()
 
     def reset(self) -> None:
         hvd.shutdown()

@@ -49,3 +49,35 @@ def test_grow_shrink_grow_and_failure_keep_exactly_once(tmp_path, worker, extra)
     finals = analysis.load_finals(out)
     assert sorted(finals) == [0, 1]
     analysis.assert_ranks_identical(finals)
+
+
+@pytest.mark.timeout(420)
+def test_with_overlapped_commits_each_resize_acts_one_commit_later_and_nothing_is_lost(tmp_path):
+    """ELASTIC_EXT_OVERLAP_COMMIT=1: the commit's allreduce runs in Horovod's background
+    thread and is read at the next commit, so each resize of the schedule above lands
+    4 steps (one commit) later, on every rank together, and the job stays exactly-once."""
+    out = tmp_path / "job"
+    out.mkdir()
+    hosts = str(out / "hosts")
+    launch.write_hosts(hosts, [ONE])
+    schedule = f"8:{hosts}:{TWO};16:{hosts}:{ONE};24:{hosts}:{TWO}"
+    cmd = launch.elastic_cmd(2, 2, 4, hosts, "train_torch.py", "--out", str(out), "--epochs", "2",
+                             "--commit-every", str(COMMIT_EVERY), "--resize-at", schedule, "--faults", "3:30:kill")
+    env = launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl"), ELASTIC_EXT_OVERLAP_COMMIT="1")
+    code, output = launch.run(cmd, env, str(out / "horovodrun.log"), timeout_s=360)
+    assert code == 0, output[-5000:]
+    records = ledger.read(str(out))
+    by_gen = {}
+    for r in records:
+        if "gen" in r and r["rank"] == 0:
+            by_gen.setdefault(r["gen"], set()).add(r["size"])
+    assert [sorted(by_gen[g]) for g in sorted(by_gen)] == [[2], [4], [2], [4], [2]]
+    starts = ledger.starts(records)
+    assert [starts[g][2] for g in sorted(starts)] == [0, 12, 20, 28, 28], starts
+    events = analysis.read_events(str(out / "events.jsonl"))
+    resizes = [e for e in events if e["event"] == "resize"]
+    assert resizes and {e["commit_id"] for e in resizes} == {3, 5, 7}, resizes  # commits at steps 12, 20, 28
+    analysis.assert_exactly_once(out, DIGITS, 2)
+    finals = analysis.load_finals(out)
+    assert sorted(finals) == [0, 1]
+    analysis.assert_ranks_identical(finals)
