@@ -4,7 +4,8 @@ Run from the repository root: ``.venv/bin/python -m bench.gloo_abort [--trials 2
 
 No elastic_ext here: plain ``horovodrun --gloo -np 4`` jobs of
 bench/workers/gloo_abort_worker.py, fused allreduces of the example MLP's
-gradients in a loop. Each trial SIGKILLs one rank (seeded choice and
+gradients in a loop, fused into one allreduce per round (Horovod's default
+fusion threshold). Each trial SIGKILLs one rank (seeded choice and
 moment) and counts survivors that then die in native code
 (``terminate called``; ``op.preamble.length <= op.nbytes``). Trials
 alternate between Horovod's defaults and ``HOROVOD_CACHE_CAPACITY=0``. Then
@@ -39,7 +40,10 @@ from typing import Any, Dict, List
 from bench import harness
 from elastic_ext.testing import launch
 
-SETTINGS = {"horovod_default": {}, "cache_capacity_0": {"HOROVOD_CACHE_CAPACITY": "0"}}
+# Horovod's own fusion threshold in both (launch.base_env turns fusion off for the tests):
+# one fused allreduce per round, as hvd.DistributedOptimizer does.
+FUSED = {"HOROVOD_FUSION_THRESHOLD": harness.HOROVOD_DEFAULT_FUSION}
+SETTINGS = {"horovod_default": dict(FUSED), "cache_capacity_0": dict(FUSED, HOROVOD_CACHE_CAPACITY="0")}
 WORKER = os.path.join(harness.WORKERS, "gloo_abort_worker.py")
 RANKS = 4
 START_TIMEOUT_S = 90.0
@@ -88,7 +92,7 @@ def rate(setting: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--trials", type=int, default=20, help="SIGKILL trials per setting")
+    parser.add_argument("--trials", type=int, default=15, help="SIGKILL trials per setting")
     parser.add_argument("--rate-runs", type=int, default=3, help="failure-free rate runs per setting")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--name", default="gloo_abort")
