@@ -14,10 +14,8 @@ ONE = "localhost:2"
 TWO = "localhost:2,127.0.0.1:2"
 
 
-@pytest.mark.timeout(420)
-@pytest.mark.parametrize("worker, extra", [("train_torch.py", []), ("train_tf.py", ["--keras", "3"])],
-                         ids=["torch", "tensorflow"])
-def test_grow_shrink_grow_and_failure_keep_exactly_once(tmp_path, worker, extra):
+def run_schedule(tmp_path, worker, extra, **env):
+    """2 -> 4 -> 2 -> 4 at steps 8, 16, 24, then a SIGKILL at step 30; returns (job dir, ledger records)."""
     out = tmp_path / "job"
     out.mkdir()
     hosts = str(out / "hosts")
@@ -26,15 +24,26 @@ def test_grow_shrink_grow_and_failure_keep_exactly_once(tmp_path, worker, extra)
     cmd = launch.elastic_cmd(2, 2, 4, hosts, worker, "--out", str(out), "--epochs", "2",
                              "--commit-every", str(COMMIT_EVERY), "--resize-at", schedule,
                              "--faults", "3:30:kill", *extra)
-    code, output = launch.run(cmd, launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl")),
+    code, output = launch.run(cmd, launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl"), **env),
                               str(out / "horovodrun.log"), timeout_s=360)
     assert code == 0, output[-5000:]
-    records = ledger.read(str(out))
+    return out, ledger.read(str(out))
+
+
+def sizes_by_generation(records):
     by_gen = {}
     for r in records:
         if "gen" in r and r["rank"] == 0:
             by_gen.setdefault(r["gen"], set()).add(r["size"])
-    sizes = [sorted(by_gen[g]) for g in sorted(by_gen)]
+    return [sorted(by_gen[g]) for g in sorted(by_gen)]
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("worker, extra", [("train_torch.py", []), ("train_tf.py", ["--keras", "3"])],
+                         ids=["torch", "tensorflow"])
+def test_grow_shrink_grow_and_failure_keep_exactly_once(tmp_path, worker, extra):
+    out, records = run_schedule(tmp_path, worker, extra)
+    sizes = sizes_by_generation(records)
     assert sizes == [[2], [4], [2], [4], [2]], sizes
     starts = ledger.starts(records)
     assert [starts[g][2] for g in sorted(starts)] == [0, 8, 16, 24, 28], starts
@@ -56,22 +65,8 @@ def test_with_overlapped_commits_each_resize_acts_one_commit_later_and_nothing_i
     """ELASTIC_EXT_OVERLAP_COMMIT=1: the commit's allreduce runs in Horovod's background
     thread and is read at the next commit, so each resize of the schedule above lands
     4 steps (one commit) later, on every rank together, and the job stays exactly-once."""
-    out = tmp_path / "job"
-    out.mkdir()
-    hosts = str(out / "hosts")
-    launch.write_hosts(hosts, [ONE])
-    schedule = f"8:{hosts}:{TWO};16:{hosts}:{ONE};24:{hosts}:{TWO}"
-    cmd = launch.elastic_cmd(2, 2, 4, hosts, "train_torch.py", "--out", str(out), "--epochs", "2",
-                             "--commit-every", str(COMMIT_EVERY), "--resize-at", schedule, "--faults", "3:30:kill")
-    env = launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl"), ELASTIC_EXT_OVERLAP_COMMIT="1")
-    code, output = launch.run(cmd, env, str(out / "horovodrun.log"), timeout_s=360)
-    assert code == 0, output[-5000:]
-    records = ledger.read(str(out))
-    by_gen = {}
-    for r in records:
-        if "gen" in r and r["rank"] == 0:
-            by_gen.setdefault(r["gen"], set()).add(r["size"])
-    assert [sorted(by_gen[g]) for g in sorted(by_gen)] == [[2], [4], [2], [4], [2]]
+    out, records = run_schedule(tmp_path, "train_torch.py", [], ELASTIC_EXT_OVERLAP_COMMIT="1")
+    assert sizes_by_generation(records) == [[2], [4], [2], [4], [2]]
     starts = ledger.starts(records)
     assert [starts[g][2] for g in sorted(starts)] == [0, 12, 20, 28, 28], starts
     events = analysis.read_events(str(out / "events.jsonl"))
