@@ -275,10 +275,9 @@ class HostUpdates:
             StateDivergenceError: ranks hold different commit ids.
         """
         newest, flags = self._drain()
-        vector = agreement_vector(commit_id, newest, flags, leaving, extra)
         if not self.overlap:
-            reduced = binding.allreduce_max(vector, "elastic_ext.hosts")
-            return self._act(read_agreement(reduced, commit_id, extra is not None))
+            return self._act(agree_at_commit(binding, commit_id, newest, flags, leaving, extra))
+        vector = agreement_vector(commit_id, newest, flags, leaving, extra)
         self.settle()
         previous, self._settled = self._settled, None
         result: Tuple[Optional[bool], Optional[np.ndarray]] = (None, None)
