@@ -17,14 +17,20 @@ def json_lines(output):
 
 
 def json_lines_anywhere(output):
-    found = []
+    """Every JSON object printed anywhere in ``output``. mpirun forwards the ranks' output
+    without keeping lines whole: two ranks' objects can land on one line, back to back
+    (``{"rank": 0, ...}{"rank": 1, ...}``, seen in CI), so each line is scanned for all of them."""
+    decoder, found = json.JSONDecoder(), []
     for line in output.splitlines():
         start = line.find("{\"")
-        if start >= 0:
+        while start >= 0:
             try:
-                found.append(json.loads(line[start:]))
+                value, end = decoder.raw_decode(line, start)
             except json.JSONDecodeError:
-                pass
+                start = line.find("{\"", start + 1)
+                continue
+            found.append(value)
+            start = line.find("{\"", end)
     return found
 
 
@@ -75,3 +81,10 @@ def test_core_imports_without_any_framework(tmp_path):
                             env=launch.base_env())
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok []"
+
+
+def test_json_objects_are_found_when_mpirun_merges_two_ranks_lines():
+    # The CI output that made the mpirun test above fail before its parser read whole lines only.
+    merged = '{"rank": 0, "size": 2, "sum": 3}{"rank": 1, "size": 2, "sum": 3}\n[1]<stdout>: x {"a": {"b": 1}} {"c\n'
+    assert json_lines_anywhere(merged) == [{"rank": 0, "size": 2, "sum": 3}, {"rank": 1, "size": 2, "sum": 3},
+                                           {"a": {"b": 1}}]
