@@ -17,6 +17,17 @@ from elastic_ext.state import State
 from elastic_ext.straggler import StepTimer, StragglerPolicy
 from elastic_ext.watchdog import phase, progress
 
+from elastic_ext import prestart as _prestart
+from elastic_ext.run import first_rendezvous_timeout as _first_rendezvous_timeout
+
+# Under an elastic horovodrun (elsewhere these do nothing): hvd.init() first
+# tells the rendezvous server that this worker is up, so survivors with
+# prestart_newcomers can keep training until it is (elastic_ext.prestart);
+# and a newcomer's first hvd.init() waits for its peers as long as the
+# survivors' resets do.
+_prestart.install()
+_first_rendezvous_timeout()
+
 __version__ = "0.1.0"
 
 __all__ = [

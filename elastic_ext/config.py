@@ -25,6 +25,7 @@ ENV_CHECKPOINT_KEEP_EVERY = "ELASTIC_EXT_CHECKPOINT_KEEP_EVERY"
 ENV_CHECKPOINT_WAIT_S = "ELASTIC_EXT_CHECKPOINT_WAIT_S"
 ENV_CHECKPOINT_NICE = "ELASTIC_EXT_CHECKPOINT_NICE"
 ENV_OVERLAP_COMMIT = "ELASTIC_EXT_OVERLAP_COMMIT"
+ENV_PRESTART_NEWCOMERS = "ELASTIC_EXT_PRESTART_NEWCOMERS"
 ENV_ABORT_CONNECTIONS = "ELASTIC_EXT_ABORT_CONNECTIONS"
 ENV_HEARTBEAT_PERIOD_S = "ELASTIC_EXT_HEARTBEAT_PERIOD_S"
 ENV_RENDEZVOUS_TIMEOUT_S = "ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S"
@@ -90,6 +91,15 @@ class ElasticConfig:
             commit later (a leave then needs two commits within
             ``term_grace_s``). Only PyTorch runs it in the background; other
             frameworks run it blocking, as without this option.
+        prestart_newcomers: at a host addition, keep training while Horovod's
+            driver starts the newcomers, and resize at the first commit
+            after they are all waiting in ``hvd.init()`` (see
+            :mod:`elastic_ext.prestart`); survivors no longer stand idle
+            while newcomers import the framework. A newcomer that does not
+            announce itself is waited for at most ``rendezvous_timeout_s``
+            (120 s if that is 0). Such a scale-up counts twice against
+            ``horovodrun --reset-limit``. Only under an elastic
+            ``horovodrun``.
         checkpoint_dir: directory (or fsspec URL) for durable checkpoints of
             the committed state, written in the background by rank 0 (see
             :mod:`elastic_ext.checkpoint`); a fresh job resumes from the
@@ -138,7 +148,9 @@ class ElasticConfig:
             failure or resize wait for the others (newcomers start Python,
             import the framework and build the model first). ``run`` sets
             Horovod's ``HOROVOD_GLOO_TIMEOUT_SECONDS`` to it before each
-            reset unless that variable was set already; Horovod's own 30 s
+            reset, and ``import elastic_ext`` (from ``ELASTIC_EXT_*``
+            variables) before a newcomer's first ``hvd.init()``, unless
+            that variable was set already; Horovod's own 30 s
             killed every waiting rank (and the job) when a newcomer took
             longer. Gloo uses the same value as its collective timeout, the
             last resort for a peer that is alive but unreachable; failures
@@ -155,6 +167,7 @@ class ElasticConfig:
     commit_buffers: int = 1
     log_commits: bool = False
     overlap_commit: bool = False
+    prestart_newcomers: bool = False
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 1
     checkpoint_keep_last: int = 3
@@ -227,6 +240,8 @@ class ElasticConfig:
             values["log_commits"] = _parse_bool(ENV_LOG_COMMITS, env[ENV_LOG_COMMITS])
         if ENV_OVERLAP_COMMIT in env:
             values["overlap_commit"] = _parse_bool(ENV_OVERLAP_COMMIT, env[ENV_OVERLAP_COMMIT])
+        if ENV_PRESTART_NEWCOMERS in env:
+            values["prestart_newcomers"] = _parse_bool(ENV_PRESTART_NEWCOMERS, env[ENV_PRESTART_NEWCOMERS])
         if env.get(ENV_CHECKPOINT_DIR):
             values["checkpoint_dir"] = env[ENV_CHECKPOINT_DIR]
         for field, var in (("checkpoint_every", ENV_CHECKPOINT_EVERY),

@@ -26,6 +26,14 @@ The run loop (``run.py``):
   ``commit_id``, ``rollbacks``, ``limit``, ``cause``.
 - ``resize`` (:data:`RESIZE`): hosts were added or removed, no rollback;
   ``skip_sync``, ``commit_id``.
+- ``prestart`` (:data:`PRESTART`): with ``prestart_newcomers``, a host
+  addition at this commit starts the newcomers while training goes on;
+  ``commit_id``.
+- ``newcomers_joined`` (:data:`NEWCOMERS_JOINED`): that early start ends in
+  a resize at this commit (a ``resize`` event follows); ``commit_id``,
+  ``why`` (``all_there``, ``removed``, ``timeout``, ``error: ...``, or
+  ``interrupted`` by a removal or leave), ``next_size``, ``waited_s`` (the
+  survivors trained all that time).
 - ``reset`` (:data:`RESET`): Horovod re-initialised after a rollback or a
   resize; ``duration_s``, ``cause``.
 - ``recovered`` (:data:`RECOVERED`): the first sync after a rollback or
@@ -86,6 +94,8 @@ SYNC = "sync"
 ROLLBACK = "rollback"
 ROLLBACK_LIMIT = "rollback_limit"
 RESIZE = "resize"
+PRESTART = "prestart"
+NEWCOMERS_JOINED = "newcomers_joined"
 RESET = "reset"
 RECOVERED = "recovered"
 FINISH = "finish"
@@ -101,8 +111,8 @@ STRAGGLER = "straggler"
 JOB_RESTART = "job_restart"
 
 #: Every event name elastic_ext emits (the module docstring says what each means).
-ALL_EVENTS = (COMMIT, SYNC, ROLLBACK, ROLLBACK_LIMIT, RESIZE, RESET, RECOVERED, FINISH, STALL, SUSPENDED,
-              LEAVE, CHECKPOINT, CHECKPOINT_SKIPPED, CHECKPOINT_FAILED, CHECKPOINT_RESUMED, NUMERIC_ROLLBACK,
+ALL_EVENTS = (COMMIT, SYNC, ROLLBACK, ROLLBACK_LIMIT, RESIZE, PRESTART, NEWCOMERS_JOINED, RESET, RECOVERED,
+              FINISH, STALL, SUSPENDED, LEAVE, CHECKPOINT, CHECKPOINT_SKIPPED, CHECKPOINT_FAILED, CHECKPOINT_RESUMED, NUMERIC_ROLLBACK,
               STRAGGLER, JOB_RESTART)
 
 

@@ -55,9 +55,9 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, TypeVar
 
 import numpy as np
 
-from elastic_ext.config import ENV_HOROVOD_GLOO_TIMEOUT
+from elastic_ext.config import ENV_HOROVOD_GLOO_TIMEOUT, ElasticConfig
 from elastic_ext.connections import CollectiveConnections
-from elastic_ext.errors import NumericFaultError, RollbackLimitError
+from elastic_ext.errors import ConfigError, NumericFaultError, RollbackLimitError
 from elastic_ext.numeric_rollback import NumericRecovery
 from elastic_ext.events import FINISH, LEAVE, RECOVERED, RESET, RESIZE, ROLLBACK, ROLLBACK_LIMIT, STALL, SUSPENDED
 from elastic_ext.watchdog import LEAVE_EXIT_CODE, LIVENESS, Liveness, Watchdog, install_sigterm
@@ -175,6 +175,14 @@ def _shut_down_with_the_others(binding: Any, timeout_s: float) -> None:
         logger.warning("Horovod's shutdown did not finish within %.0fs; leaving anyway", timeout_s)
 
 
+# The value first_rendezvous_timeout() set at import, which a config given in code may replace.
+_TIMEOUT_SET_AT_IMPORT: Optional[str] = None
+
+
+def _timeout_value(seconds: float) -> str:
+    return str(max(1, int(round(seconds))))
+
+
 def rendezvous_timeout(config: Any, environ: Any = None) -> Optional[str]:
     """Sets Horovod's Gloo timeout for the resets to come (see ``ElasticConfig.rendezvous_timeout_s``).
 
@@ -183,9 +191,33 @@ def rendezvous_timeout(config: Any, environ: Any = None) -> Optional[str]:
     newcomers. A value the user set is left alone. Returns the value in force.
     """
     env = os.environ if environ is None else environ
-    if config.rendezvous_timeout_s and ENV_HOROVOD_GLOO_TIMEOUT not in env:
-        env[ENV_HOROVOD_GLOO_TIMEOUT] = str(max(1, int(round(config.rendezvous_timeout_s))))
+    ours = ENV_HOROVOD_GLOO_TIMEOUT not in env or env[ENV_HOROVOD_GLOO_TIMEOUT] == _TIMEOUT_SET_AT_IMPORT
+    if config.rendezvous_timeout_s and ours:
+        env[ENV_HOROVOD_GLOO_TIMEOUT] = _timeout_value(config.rendezvous_timeout_s)
     return env.get(ENV_HOROVOD_GLOO_TIMEOUT)
+
+
+def first_rendezvous_timeout(environ: Any = None) -> Optional[str]:
+    """At ``import elastic_ext`` in a worker of an elastic ``horovodrun``: the same Gloo timeout for its first
+    ``hvd.init()``, from the ``ELASTIC_EXT_*`` configuration, unless the user set one.
+
+    A newcomer's first ``hvd.init()`` runs before any elastic_ext code: with
+    Horovod's 30 s it gave up on a peer (another newcomer still importing, a
+    survivor still restoring) that the survivors, under
+    :func:`rendezvous_timeout`, still waited for. Returns the value set, or None.
+    """
+    global _TIMEOUT_SET_AT_IMPORT
+    env = os.environ if environ is None else environ
+    if env.get("HOROVOD_ELASTIC") != "1" or ENV_HOROVOD_GLOO_TIMEOUT in env:
+        return None
+    try:
+        seconds = ElasticConfig.from_env(env).rendezvous_timeout_s
+    except ConfigError:
+        return None  # the State's own config raises it, with its message
+    if not seconds:
+        return None
+    env[ENV_HOROVOD_GLOO_TIMEOUT] = _TIMEOUT_SET_AT_IMPORT = _timeout_value(seconds)
+    return _TIMEOUT_SET_AT_IMPORT
 
 
 def _int_or_none(value: Any) -> Optional[int]:
@@ -295,8 +327,12 @@ def run(func: Optional[F] = None, *, counter: Optional[str] = "step") -> Any:
                     # The commit is agreed on every rank: rank 0 makes it durable now,
                     # whether or not it was due (a leaver may be rank 0 itself).
                     state.checkpoint_now()
-                    if liveness.leaving() or kind == "mpi":
-                        _leave(state, liveness, kind, liveness.leave_cause if liveness.leaving() else "peer_sigterm")
+                    if liveness.leaving() or kind == "mpi" or state._removed_at_resize():
+                        # An early start's answer can say that this slot is not in the next world:
+                        # leave now, as Horovod would end it at its next hvd.init().
+                        cause = ("removed" if state._removed_at_resize() else
+                                 liveness.leave_cause if liveness.leaving() else "peer_sigterm")
+                        _leave(state, liveness, kind, cause)
                     pending = Recovery("hosts_updated", state.commit_id, time.perf_counter(),
                                        {"skip_sync": bool(exc.skip_sync), "steps_rolled_back": 0})
                     events.emit(RESIZE, skip_sync=bool(exc.skip_sync), commit_id=state.commit_id)

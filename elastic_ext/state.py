@@ -35,8 +35,10 @@ from elastic_ext.binding import Binding, get_binding, guess_framework
 from elastic_ext.buffers import CommitBuffers
 from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import NotCommittedError, StateError
-from elastic_ext.events import COMMIT, STRAGGLER, EventLog
+from elastic_ext.events import COMMIT, NEWCOMERS_JOINED, PRESTART, STRAGGLER, EventLog
 from elastic_ext.eviction import StragglerWatch, host_name
+from elastic_ext.host_updates import HostUpdates
+from elastic_ext.prestart import Prestart
 from elastic_ext import numeric_rollback as _numeric
 from elastic_ext.guard import NumericGuard, Verdict
 from elastic_ext.run import RollbackRecord
@@ -107,7 +109,8 @@ class State:
         s(self, "_buffers", CommitBuffers(self._config.commit_buffers))
         s(self, "_record", _sync.CommitRecord())
         s(self, "_commit_time", None)
-        s(self, "_hosts", _sync.HostUpdates(overlap=self._config.overlap_commit))
+        s(self, "_hosts", HostUpdates(overlap=self._config.overlap_commit,
+                                      prestart=self._new_prestart if self._config.prestart_newcomers else None))
         s(self, "_reset_callbacks", [])
         s(self, "_rollbacks", RollbackRecord())
         s(self, "_events", EventLog(self._config.events_path, binding.rank, binding.size))
@@ -342,6 +345,27 @@ class State:
         """True if Horovod has announced a host change this rank has not acted on yet."""
         return self._hosts.pending()
 
+    def _new_prestart(self) -> Optional[Prestart]:
+        local_rank = getattr(self._binding, "local_rank", None)
+        if local_rank is None:
+            return None
+        timeout_s = self._config.rendezvous_timeout_s or 120.0
+        return Prestart.from_env(local_rank(), poll=self._binding.rank() == 0, timeout_s=timeout_s)
+
+    def _report_prestart(self, before: Optional[Prestart]) -> None:
+        hosts = self._hosts
+        if hosts.prestart is not None and hosts.prestart is not before:
+            self._events.emit(PRESTART, commit_id=self.commit_id)
+        if hosts.joined is not None and hosts.joined is before:
+            joined = hosts.joined
+            self._events.emit(NEWCOMERS_JOINED, commit_id=self.commit_id, why=joined.why,
+                              next_size=joined.next_size, waited_s=joined.waited_s())
+
+    def _removed_at_resize(self) -> bool:
+        """True when the early start that ends at this resize found this slot left out of the next world."""
+        joined = self._hosts.joined
+        return joined is not None and joined.why == "removed"
+
     def check_host_updates(self) -> None:
         """Raises ``HostsUpdatedInterrupt`` on every rank together if hosts changed or a rank leaves.
 
@@ -352,7 +376,9 @@ class State:
         local_size = getattr(self._binding, "local_size", None)
         slots = self._straggler.slots(rank, size, self._tracked.objects.values(),
                                       local_size() if local_size is not None and self._straggler.enabled else 1)
+        before = self._hosts.prestart
         skip_sync, reduced = self._hosts.agree(self._binding, self.commit_id, self._liveness.leaving(), slots)
+        self._report_prestart(before)
         evicted = self._straggler.decide(reduced, size) if reduced is not None else None
         if evicted is not None:
             # Every rank decided alike: a removal at this commit, like a SIGTERM leave.

@@ -16,25 +16,25 @@
    metadata, and every rank holding the root's bytes (:func:`holders`)
    sends one stripe of the arrays to the ranks that lack them.
 
-The host-update allreduce at every commit (:func:`agree_at_commit`) also
-carries the commit id, so ranks that disagree on it fail at that commit.
+The host-update allreduce of every commit, which also carries the commit
+id, is in :mod:`elastic_ext.host_updates`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import queue
 import time
 import zlib
-from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, FrozenSet, List, Optional, Tuple
 
 import numpy as np
 
-from elastic_ext.binding import Binding, allreduce_max_start, broadcast_json, gather_striped, layout_sizes
+from elastic_ext.binding import Binding, broadcast_json, gather_striped, layout_sizes
 from elastic_ext.buffers import CommitBuffers
 from elastic_ext.errors import CheckpointError, StateDivergenceError
 from elastic_ext.events import SYNC, EventLog
+from elastic_ext.host_updates import HostUpdates
 from elastic_ext.run import RollbackRecord
 from elastic_ext.snapshot import Entry
 from elastic_ext.tracked import Tracked
@@ -42,10 +42,6 @@ from elastic_ext.tree import describe_key
 
 if TYPE_CHECKING:
     from elastic_ext.checkpoint import Checkpointer
-
-# Horovod's HostUpdateResult flags, repeated here so the core needs no Horovod import.
-HOSTS_REMOVED = 1
-HOSTS_ADDED = 2
 
 # Columns of the id table, one row per rank.
 ID, PARTICIPATED, GENERATION, DIGEST, FULL_DIGEST = range(5)
@@ -165,138 +161,6 @@ def arrays_of(name: str, arrays: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]
     """The received arrays of entry ``name`` (keys without the ``name/`` prefix)."""
     prefix = name + "/"
     return {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
-
-
-def agreement_vector(commit_id: int, newest: int, flags: int, leaving: bool,
-                     extra: Optional[np.ndarray] = None) -> np.ndarray:
-    """What one rank contributes to a commit's host-update allreduce (see :func:`agree_at_commit`)."""
-    # The fourth element says that some rank was told to leave (SIGTERM):
-    # everyone resizes here, right after a commit, so nothing is lost.
-    # The last two (max of the id and of -id) catch ranks that disagree on
-    # the commit id at the commit where it happens, not at the next sync.
-    vector = np.array([newest, flags & HOSTS_REMOVED, (flags & HOSTS_ADDED) >> 1, int(leaving),
-                       commit_id, -commit_id], dtype=np.int64)
-    if extra is not None:
-        vector = np.concatenate([vector, np.asarray(extra, dtype=np.int64)])
-    return vector
-
-
-def read_agreement(reduced: np.ndarray, commit_id: int,
-                   has_extra: bool) -> Tuple[int, bool, bool, bool, Optional[np.ndarray]]:
-    """Reads a reduced agreement vector of commit ``commit_id`` (see :func:`agree_at_commit`).
-
-    Raises:
-        StateDivergenceError: ranks held different commit ids.
-    """
-    newest, removed, added, anyone_leaving, highest, negated_lowest = (int(x) for x in reduced[:6])
-    lowest = -negated_lowest
-    if highest != lowest:
-        raise StateDivergenceError(
-            f"ranks hold different commit ids at this commit: from {lowest} to {highest} (this rank: "
-            f"{commit_id}); every rank must call commit() the same number of times between syncs "
-            "(save() is local and does not count for the others)")
-    return newest, bool(anyone_leaving), bool(removed), bool(added), (reduced[6:] if has_extra else None)
-
-
-def agree_at_commit(binding: Binding, commit_id: int, newest: int, flags: int, leaving: bool,
-                    extra: Optional[np.ndarray] = None) -> Tuple[int, bool, bool, bool, Optional[np.ndarray]]:
-    """The host-update allreduce of a commit; returns (newest timestamp, anyone leaving, removed, added,
-    the element-wise maximum of every rank's ``extra``, which rides along: the straggler table).
-
-    Raises:
-        StateDivergenceError: ranks hold different commit ids.
-    """
-    reduced = binding.allreduce_max(agreement_vector(commit_id, newest, flags, leaving, extra), "elastic_ext.hosts")
-    return read_agreement(reduced, commit_id, extra is not None)
-
-
-class HostUpdates:
-    """Horovod's host-update notifications this rank has not acted on, and the newest it acted on.
-
-    With ``overlap`` the allreduce of commit *k* runs in Horovod's
-    background thread while training goes on, and commit *k + 1* reads it:
-    no commit waits for a collective, and what it agrees (a resize, a
-    leave, an eviction, the commit-id check) acts one commit later. Every
-    rank reads the same reduced vector at the same commit, so they still act
-    together. A reset drops the one in flight (:meth:`clear`).
-    """
-
-    def __init__(self, overlap: bool = False) -> None:
-        self._messages: "queue.Queue[Tuple[int, int]]" = queue.Queue()
-        self.last_timestamp = 0
-        self.overlap = overlap
-        # (wait for the result, the commit id it agrees, whether it carries extra)
-        self._in_flight: Optional[Tuple[Callable[[], np.ndarray], int, bool]] = None
-        self._settled: Optional[Tuple[np.ndarray, int, bool]] = None  # its result, once waited for
-
-    def put(self, timestamp: int, update_res: int) -> None:
-        self._messages.put((timestamp, int(update_res)))
-
-    def pending(self) -> bool:
-        return not self._messages.empty()
-
-    def clear(self) -> None:
-        self._messages = queue.Queue()
-        self._in_flight = None  # a collective of the previous Horovod context: never waited for
-        self._settled = None
-
-    def settle(self) -> None:
-        """With ``overlap``: waits for the previous commit's allreduce, before this commit's snapshot.
-
-        It completes once every rank has taken the previous snapshot, so no
-        rank takes snapshot *k + 1* while another has not taken *k*: after a
-        failure, survivors' commit ids still differ by one at most.
-        """
-        if self._in_flight is not None:
-            wait, agreed_id, has_extra = self._in_flight
-            self._in_flight = None
-            self._settled = (wait(), agreed_id, has_extra)
-
-    def _drain(self) -> Tuple[int, int]:
-        newest, flags = self.last_timestamp, 0
-        while not self._messages.empty():
-            timestamp, update = self._messages.get()
-            if timestamp > self.last_timestamp:
-                newest = max(newest, timestamp)
-                flags |= update
-        return newest, flags
-
-    def agree(self, binding: Binding, commit_id: int, leaving: bool,
-              extra: Optional[np.ndarray] = None) -> Tuple[Optional[bool], Optional[np.ndarray]]:
-        """Runs a commit's host-update allreduce. Returns (None if nothing changed, else
-        ``skip_sync`` for the ``HostsUpdatedInterrupt`` every rank then raises together;
-        the reduced ``extra``, see :func:`agree_at_commit`). With ``overlap``,
-        both are those of the previous commit's allreduce, (None, None) if there is none.
-
-        Horovod notifies only the coordinator; a max-allreduce (rather than a
-        broadcast from rank 0) lets any rank's notification count.
-
-        Raises:
-            StateDivergenceError: ranks hold different commit ids.
-        """
-        newest, flags = self._drain()
-        if not self.overlap:
-            return self._act(agree_at_commit(binding, commit_id, newest, flags, leaving, extra))
-        vector = agreement_vector(commit_id, newest, flags, leaving, extra)
-        self.settle()
-        previous, self._settled = self._settled, None
-        result: Tuple[Optional[bool], Optional[np.ndarray]] = (None, None)
-        if previous is not None:
-            reduced, agreed_id, has_extra = previous
-            result = self._act(read_agreement(reduced, agreed_id, has_extra))
-            if result[0] is not None:
-                return result  # every rank resizes now: nothing more runs on this Horovod context
-        self._in_flight = (allreduce_max_start(binding, vector, "elastic_ext.hosts"), commit_id, extra is not None)
-        return result
-
-    def _act(self, agreed: Tuple[int, bool, bool, bool, Optional[np.ndarray]]
-             ) -> Tuple[Optional[bool], Optional[np.ndarray]]:
-        newest, leaving, removed, added, reduced = agreed
-        if newest > self.last_timestamp or leaving:
-            self.last_timestamp = newest
-            # removals need no sync: every remaining rank holds this commit
-            return (removed or leaving) and not added, reduced
-        return None, reduced
 
 
 @dataclasses.dataclass

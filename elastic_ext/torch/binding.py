@@ -48,6 +48,10 @@ class TorchBinding:
         hvd.shutdown()
         hvd.init()
 
+    def local_rank(self) -> int:
+        """This rank's slot on its host: Horovod's rank request after a reset names it (elastic_ext.prestart)."""
+        return hvd.local_rank()
+
     def local_size(self) -> int:
         """Ranks on this rank's host (a leave or eviction takes its whole host out)."""
         return hvd.local_size()

@@ -85,6 +85,22 @@ def test_run_sets_the_rendezvous_timeout_unless_the_user_did():
         ElasticConfig(rendezvous_timeout_s=-1)
 
 
+def test_a_newcomers_first_init_waits_as_long_as_the_survivors_resets(monkeypatch):
+    """Found by bench.soak: a newcomer's first hvd.init() gave up on a peer after Horovod's
+    30 s ("Wait timeout after 30 seconds") while the survivors waited 120 s for it."""
+    import importlib
+    from elastic_ext.config import ElasticConfig
+    run_module = importlib.import_module("elastic_ext.run")  # the package's name "run" is the decorator
+    monkeypatch.setattr(run_module, "_TIMEOUT_SET_AT_IMPORT", None)
+    env = {"HOROVOD_ELASTIC": "1", "ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S": "200"}
+    assert run_module.first_rendezvous_timeout(env) == "200" and env["HOROVOD_GLOO_TIMEOUT_SECONDS"] == "200"
+    # A config given in code replaces what the import set; the user's own variable is never touched.
+    assert run_module.rendezvous_timeout(ElasticConfig(rendezvous_timeout_s=90), env) == "90"
+    assert run_module.first_rendezvous_timeout({"HOROVOD_ELASTIC": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "45"}) is None
+    assert run_module.first_rendezvous_timeout({}) is None  # not an elastic horovodrun worker
+    assert run_module.first_rendezvous_timeout({"HOROVOD_ELASTIC": "1", "ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S": "x"}) is None
+
+
 def test_a_collective_failing_before_the_first_sync_is_survived(monkeypatch):
     # Found by bench.soak: a fresh process (a newcomer, a restarted job) whose
     # first collective (learning the connections, before any sync) failed

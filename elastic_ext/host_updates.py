@@ -1,0 +1,200 @@
+"""A commit's one collective: host updates, leaves, the commit-id check, early newcomers.
+
+Horovod notifies only the coordinator of a host change. At every commit
+each rank contributes a small vector to one max-allreduce
+(:func:`agreement_vector`), so every rank reads the same answer at the same
+commit and acts on it together:
+
+- the newest host-update timestamp and whether hosts were removed or added;
+- whether some rank was told to leave (SIGTERM): everyone resizes there,
+  right after a commit, so nothing is lost;
+- whether the newcomers of an early start are all waiting
+  (:mod:`elastic_ext.prestart`);
+- the commit id, as its maximum and the maximum of its negation, so ranks
+  that disagree on it fail at the commit where it happens, not at the next
+  sync;
+- anything else that rides along (the straggler table).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+from typing import Callable, Optional, Tuple
+
+import numpy as np
+
+from elastic_ext.binding import Binding, allreduce_max_start
+from elastic_ext.errors import StateDivergenceError
+from elastic_ext.prestart import Prestart
+
+# Horovod's HostUpdateResult flags, repeated here so the core needs no Horovod import.
+HOSTS_REMOVED = 1
+HOSTS_ADDED = 2
+FIELDS = 7  # the vector's fixed part; the extra follows
+
+
+@dataclasses.dataclass
+class Agreed:
+    """What every rank read from one commit's allreduce."""
+
+    newest: int                 # newest host-update timestamp any rank was told of
+    leaving: bool               # some rank was told to leave
+    removed: bool
+    added: bool
+    newcomers_ready: bool       # an early start's newcomers are all waiting (or it gave up)
+    extra: Optional[np.ndarray]  # element-wise maximum of every rank's extra
+
+
+def agreement_vector(commit_id: int, newest: int, flags: int, leaving: bool,
+                     extra: Optional[np.ndarray] = None, newcomers_ready: bool = False) -> np.ndarray:
+    """What one rank contributes to a commit's allreduce (see the module docstring)."""
+    vector = np.array([newest, flags & HOSTS_REMOVED, (flags & HOSTS_ADDED) >> 1, int(leaving),
+                       int(newcomers_ready), commit_id, -commit_id], dtype=np.int64)
+    if extra is not None:
+        vector = np.concatenate([vector, np.asarray(extra, dtype=np.int64)])
+    return vector
+
+
+def read_agreement(reduced: np.ndarray, commit_id: int, has_extra: bool) -> Agreed:
+    """Reads a reduced agreement vector of commit ``commit_id``.
+
+    Raises:
+        StateDivergenceError: ranks held different commit ids.
+    """
+    newest, removed, added, leaving, ready, highest, negated_lowest = (int(x) for x in reduced[:FIELDS])
+    lowest = -negated_lowest
+    if highest != lowest:
+        raise StateDivergenceError(
+            f"ranks hold different commit ids at this commit: from {lowest} to {highest} (this rank: "
+            f"{commit_id}); every rank must call commit() the same number of times between syncs "
+            "(save() is local and does not count for the others)")
+    return Agreed(newest, bool(leaving), bool(removed), bool(added), bool(ready),
+                  reduced[FIELDS:] if has_extra else None)
+
+
+def agree_at_commit(binding: Binding, commit_id: int, newest: int, flags: int, leaving: bool,
+                    extra: Optional[np.ndarray] = None, newcomers_ready: bool = False) -> Agreed:
+    """The blocking allreduce of a commit.
+
+    Raises:
+        StateDivergenceError: ranks hold different commit ids.
+    """
+    vector = agreement_vector(commit_id, newest, flags, leaving, extra, newcomers_ready)
+    return read_agreement(binding.allreduce_max(vector, "elastic_ext.hosts"), commit_id, extra is not None)
+
+
+class HostUpdates:
+    """Horovod's host-update notifications this rank has not acted on, and the newest it acted on.
+
+    With ``overlap`` the allreduce of commit *k* runs in Horovod's
+    background thread while training goes on, and commit *k + 1* reads it:
+    no commit waits for a collective, and what it agrees (a resize, a
+    leave, an eviction, the commit-id check) acts one commit later. Every
+    rank reads the same reduced vector at the same commit, so they still act
+    together. A reset drops the one in flight (:meth:`clear`).
+
+    With ``prestart`` (a factory of :class:`~elastic_ext.prestart.Prestart`,
+    None where there is no elastic ``horovodrun``) a pure host addition
+    starts the newcomers while training goes on; the resize comes at the
+    first commit that agrees they are all waiting. A removal or a leave
+    meanwhile resizes at once, with the newcomers.
+    """
+
+    def __init__(self, overlap: bool = False,
+                 prestart: Optional[Callable[[], Optional[Prestart]]] = None) -> None:
+        self._messages: "queue.Queue[Tuple[int, int]]" = queue.Queue()
+        self.last_timestamp = 0
+        self.overlap = overlap
+        self._prestart_factory = prestart
+        self.prestart: Optional[Prestart] = None   # the early start under way
+        self.joined: Optional[Prestart] = None     # the one that ended at the last resize
+        # (wait for the result, the commit id it agrees, whether it carries extra)
+        self._in_flight: Optional[Tuple[Callable[[], np.ndarray], int, bool]] = None
+        self._settled: Optional[Tuple[np.ndarray, int, bool]] = None  # its result, once waited for
+
+    def put(self, timestamp: int, update_res: int) -> None:
+        self._messages.put((timestamp, int(update_res)))
+
+    def pending(self) -> bool:
+        return not self._messages.empty()
+
+    def clear(self) -> None:
+        self._messages = queue.Queue()
+        self._in_flight = None  # a collective of the previous Horovod context: never waited for
+        self._settled = None
+        if self.prestart is not None:  # a reset: the driver counts the newcomers in already
+            self.prestart.cancel()
+            self.prestart = None
+
+    def settle(self) -> None:
+        """With ``overlap``: waits for the previous commit's allreduce, before this commit's snapshot.
+
+        It completes once every rank has taken the previous snapshot, so no
+        rank takes snapshot *k + 1* while another has not taken *k*: after a
+        failure, survivors' commit ids still differ by one at most.
+        """
+        if self._in_flight is not None:
+            wait, agreed_id, has_extra = self._in_flight
+            self._in_flight = None
+            self._settled = (wait(), agreed_id, has_extra)
+
+    def _drain(self) -> Tuple[int, int]:
+        newest, flags = self.last_timestamp, 0
+        while not self._messages.empty():
+            timestamp, update = self._messages.get()
+            if timestamp > self.last_timestamp:
+                newest = max(newest, timestamp)
+                flags |= update
+        return newest, flags
+
+    def agree(self, binding: Binding, commit_id: int, leaving: bool,
+              extra: Optional[np.ndarray] = None) -> Tuple[Optional[bool], Optional[np.ndarray]]:
+        """Runs a commit's allreduce. Returns (None if nothing changed, else
+        ``skip_sync`` for the ``HostsUpdatedInterrupt`` every rank then raises together;
+        the reduced ``extra``). With ``overlap``, both are those of the previous
+        commit's allreduce, (None, None) if there is none.
+
+        Raises:
+            StateDivergenceError: ranks hold different commit ids.
+        """
+        newest, flags = self._drain()
+        ready = self.prestart is not None and self.prestart.ready()
+        if not self.overlap:
+            return self._act(agree_at_commit(binding, commit_id, newest, flags, leaving, extra, ready))
+        vector = agreement_vector(commit_id, newest, flags, leaving, extra, ready)
+        self.settle()
+        previous, self._settled = self._settled, None
+        result: Tuple[Optional[bool], Optional[np.ndarray]] = (None, None)
+        if previous is not None:
+            reduced, agreed_id, has_extra = previous
+            result = self._act(read_agreement(reduced, agreed_id, has_extra))
+            if result[0] is not None:
+                return result  # every rank resizes now: nothing more runs on this Horovod context
+        self._in_flight = (allreduce_max_start(binding, vector, "elastic_ext.hosts"), commit_id, extra is not None)
+        return result
+
+    def _act(self, agreed: Agreed) -> Tuple[Optional[bool], Optional[np.ndarray]]:
+        changed = agreed.newest > self.last_timestamp
+        if changed:
+            self.last_timestamp = agreed.newest
+        if self.prestart is not None:
+            if agreed.newcomers_ready or agreed.leaving or (changed and agreed.removed):
+                self.joined, self.prestart = self.prestart, None
+                self.joined.cancel()
+                self.joined.finish("agreed" if agreed.newcomers_ready else "interrupted")  # others keep theirs
+                return False, agreed.extra  # the newcomers are in the next world: they need the state
+            return None, agreed.extra  # a further addition joins with these newcomers
+        if not (changed or agreed.leaving):
+            return None, agreed.extra
+        if agreed.added and not (agreed.removed or agreed.leaving) and self._start_prestart():
+            return None, agreed.extra
+        # removals need no sync: every remaining rank holds this commit
+        return (agreed.removed or agreed.leaving) and not agreed.added, agreed.extra
+
+    def _start_prestart(self) -> bool:
+        prestart = self._prestart_factory() if self._prestart_factory is not None else None
+        if prestart is None:
+            return False
+        self.prestart, self.joined = prestart.start(), None
+        return True

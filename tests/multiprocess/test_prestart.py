@@ -1,0 +1,76 @@
+"""ELASTIC_EXT_PRESTART_NEWCOMERS=1 under horovodrun: at a host addition the two
+survivors keep training while Horovod's driver starts the newcomers, and the
+job resizes at the first commit after the newcomers wait in hvd.init().
+Also a SIGKILL of a survivor while the newcomers start."""
+
+import pytest
+
+from elastic_ext.testing import ledger
+from tests.multiprocess import analysis, launch
+from tests.multiprocess.test_resize import sizes_by_generation
+from tests.multiprocess.test_zoo import third_host
+
+DIGITS = 1797
+COMMIT_EVERY = 4
+EPOCHS = 3
+BASE = ["localhost:1", "127.0.0.1:1"]
+
+
+def run_job(tmp_path, faults):
+    """Grows from 2 to 4 workers (a third pseudo-host with 2 slots) at step 8, with ``faults``."""
+    out = tmp_path / "job"
+    out.mkdir()
+    hosts = str(out / "hosts")
+    launch.write_hosts(hosts, BASE)
+    grown = ",".join(BASE + [f"{third_host()}:2"])
+    # 0.2 s per step: a newcomer's start (Python, torch, Horovod) spans several commits.
+    cmd = launch.elastic_cmd(2, 2, 4, hosts, "train_torch.py", "--out", str(out), "--epochs", str(EPOCHS),
+                             "--commit-every", str(COMMIT_EVERY), "--step-sleep-s", "0.2",
+                             "--resize-at", f"8:{hosts}:{grown}", "--faults", faults)
+    env = launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl"), ELASTIC_EXT_PRESTART_NEWCOMERS="1")
+    code, output = launch.run(cmd, env, str(out / "horovodrun.log"), timeout_s=300)
+    assert code == 0, output[-5000:]
+    return out, ledger.read(str(out)), analysis.read_events(str(out / "events.jsonl"))
+
+
+def of_rank(events, name, rank=0):
+    return [e for e in events if e["event"] == name and e["rank"] == rank]
+
+
+@pytest.mark.timeout(360)
+def test_survivors_train_while_the_newcomers_start(tmp_path):
+    out, records, events = run_job(tmp_path, "")
+    started, joined = of_rank(events, "prestart"), of_rank(events, "newcomers_joined")
+    assert [e["commit_id"] for e in started] == [2], started  # the addition, noticed at step 8
+    assert len(joined) == 1 and joined[0]["why"] == "all_there" and joined[0]["next_size"] == 4, joined
+    # The survivors went on committing while the newcomers started; the resize came after.
+    assert joined[0]["commit_id"] > started[0]["commit_id"], (started, joined)
+    assert sizes_by_generation(records) == [[2], [4]]
+    starts = ledger.starts(records)
+    assert [starts[g][2] for g in sorted(starts)] == [0, joined[0]["commit_id"] * COMMIT_EVERY], starts
+    resizes = of_rank(events, "resize")
+    assert [(e["commit_id"], e["skip_sync"]) for e in resizes] == [(joined[0]["commit_id"], False)]
+    assert not of_rank(events, "rollback")
+    analysis.assert_exactly_once(out, DIGITS, EPOCHS)
+    finals = analysis.load_finals(out)
+    assert sorted(finals) == [0, 1, 2, 3]
+    analysis.assert_ranks_identical(finals)
+
+
+@pytest.mark.timeout(360)
+def test_a_survivor_killed_while_the_newcomers_start(tmp_path):
+    """Rank 1 dies at step 14, after the early start began (step 8) and before the newcomers
+    are up: the job rolls back to step 12 at once, the reset meets the newcomers that Horovod's
+    driver already counts in, and rank 0 goes on with them (its host's peer is blacklisted)."""
+    out, records, events = run_job(tmp_path, "1:14:kill")
+    assert [e["commit_id"] for e in of_rank(events, "prestart")] == [2]
+    assert not of_rank(events, "newcomers_joined")  # the failure's reset ended the early start
+    rollbacks = of_rank(events, "rollback")
+    assert [e["commit_id"] for e in rollbacks] == [3], rollbacks
+    assert sizes_by_generation(records) == [[2], [3]]
+    starts = ledger.starts(records)
+    assert [starts[g][2] for g in sorted(starts)] == [0, 12], starts
+    analysis.assert_exactly_once(out, DIGITS, EPOCHS)
+    finals = analysis.load_finals(out)
+    assert sorted(finals) == [0, 1, 2]
+    analysis.assert_ranks_identical(finals)

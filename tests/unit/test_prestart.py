@@ -1,0 +1,323 @@
+"""prestart_newcomers: newcomers start while the survivors train.
+
+Against Horovod's real ElasticDriver and rendezvous server (the workers are
+threads sending the HTTP requests that ``hvd.init()`` sends), and the
+commit-level decision on ranks simulated by threads.
+"""
+
+import threading
+import time
+
+import pytest
+
+from elastic_ext import prestart
+from elastic_ext.host_updates import HOSTS_ADDED, HOSTS_REMOVED, HostUpdates, agreement_vector, read_agreement
+from elastic_ext.prestart import Prestart, parse_slot
+
+from tests.unit.test_state_agreement import ThreadWorld
+
+
+# ------------------------------------------------------- Horovod's driver
+
+
+class Discovery:
+    """Horovod's HostDiscovery contract over a dict the test changes."""
+
+    def __init__(self, hosts):
+        self.hosts = dict(hosts)
+
+    def find_available_hosts_and_slots(self):
+        return dict(self.hosts)
+
+
+class Job:
+    """Horovod's ElasticDriver and rendezvous server, as horovodrun sets them up; workers are threads."""
+
+    def __init__(self, hosts, min_np, max_np):
+        from horovod.runner.elastic.driver import ElasticDriver
+        from horovod.runner.elastic.rendezvous import create_rendezvous_handler
+        from horovod.runner.http.http_server import RendezvousServer
+
+        self.discovery = Discovery(hosts)
+        self.server = RendezvousServer()
+        self.driver = ElasticDriver(self.server, self.discovery, min_np, max_np, timeout=30)
+        self.port = self.server.start(create_rendezvous_handler(self.driver))
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.started = []           # slot infos of the worker processes the driver started
+        self.finish = threading.Event()
+        self.newcomer = None        # what a worker started after the first ones does
+
+    def start(self, num_proc):
+        self.driver.wait_for_available_slots(num_proc)
+        self.driver.start(num_proc, self._create_worker)
+
+    def _create_worker(self, slot_info, events):
+        self.started.append(slot_info)
+        if len(self.started) > self.first_size and self.newcomer is not None:
+            self.newcomer(slot_info)
+        self.finish.wait(60)
+        return 0, time.time()
+
+    def rank_and_size(self, host, local_rank):
+        """What hvd.init() asks: blocks until every worker of the round asked."""
+        return parse_slot(prestart._get(f"{self.url}/rank_and_size/{host}:{local_rank}", timeout_s=30))
+
+    def stop(self):
+        self.finish.set()
+        self.driver.stop()
+
+
+def in_threads(*calls):
+    results, threads = [None] * len(calls), []
+    for i, call in enumerate(calls):
+        def body(i=i, call=call):
+            results[i] = call()
+        threads.append(threading.Thread(target=body, daemon=True))
+        threads[-1].start()
+    return results, threads
+
+
+def wait_for(predicate, timeout_s=20.0):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+@pytest.fixture
+def job():
+    job = Job({"host-a": 2}, 2, 4)
+    job.first_size = 2
+    job.start(2)
+    ranks, threads = in_threads(lambda: job.rank_and_size("host-a", 0), lambda: job.rank_and_size("host-a", 1))
+    for thread in threads:
+        thread.join(20)
+    assert sorted(ranks) == [(0, 2), (1, 2)]
+    yield job
+    job.stop()
+
+
+def test_horovods_driver_starts_newcomers_only_after_every_worker_asks_again(job):
+    """The reason survivors stand idle: without a new rank request, no newcomer is started."""
+    job.discovery.hosts["host-b"] = 2
+    time.sleep(3.0)  # the driver rediscovers hosts every second
+    assert len(job.started) == 2
+
+
+def test_newcomers_start_and_announce_while_the_survivors_have_not_reset(job):
+    newcomer_ranks = []
+
+    def newcomer(slot_info):  # a newcomer process: announce at hvd.init(), then ask for its rank
+        def body():
+            prestart._put(f"{job.url}/{prestart.SCOPE}/{slot_info.rank}")
+            newcomer_ranks.append(job.rank_and_size(slot_info.hostname, slot_info.local_rank))
+        threading.Thread(target=body, daemon=True).start()
+
+    job.newcomer = newcomer
+    job.discovery.hosts["host-b"] = 2
+    time.sleep(1.5)
+    survivors = [Prestart(job.url, "host-a", lr, poll=(lr == 0), timeout_s=60).start() for lr in (0, 1)]
+    assert wait_for(lambda: survivors[0].ready()), "rank 0 never saw every rank of the next world"
+    assert survivors[0].why == "all_there"
+    assert [(p.next_rank, p.next_size) for p in survivors] == [(0, 4), (1, 4)]
+    assert not survivors[1].ready()  # only rank 0 polls; the commit's allreduce tells the others
+    assert sorted((s.hostname, s.local_rank) for s in job.started[2:]) == [("host-b", 0), ("host-b", 1)]
+    time.sleep(0.5)
+    assert newcomer_ranks == []  # the newcomers wait in hvd.init() for the survivors' reset
+    # The reset: the survivors' hvd.init() asks again and meets the waiting newcomers.
+    ranks, threads = in_threads(lambda: job.rank_and_size("host-a", 0), lambda: job.rank_and_size("host-a", 1))
+    for thread in threads:
+        thread.join(20)
+    assert wait_for(lambda: len(newcomer_ranks) == 2)
+    assert sorted(ranks + newcomer_ranks) == [(0, 4), (1, 4), (2, 4), (3, 4)]
+    assert len(job.started) == 4  # no worker was started twice
+
+
+def test_a_survivor_whose_slot_goes_away_learns_it_at_once(job):
+    job.newcomer = lambda slot_info: prestart._put(f"{job.url}/{prestart.SCOPE}/{slot_info.rank}")
+    job.discovery.hosts = {"host-a": 1, "host-b": 2}  # host-a shrinks while host-b comes
+    time.sleep(1.5)
+    survivors = [Prestart(job.url, "host-a", lr, poll=(lr == 0), timeout_s=60).start() for lr in (0, 1)]
+    assert wait_for(lambda: survivors[0].ready() and survivors[1].ready())
+    assert (survivors[1].why, survivors[1].next_rank) == ("removed", -1)  # it leaves at the resize
+    assert (survivors[0].why, survivors[0].next_size) == ("all_there", 3)
+
+
+# ------------------------------------------------------- announce / install
+
+
+def newcomer_env(job, rank, host, local_rank):
+    return {"HOROVOD_ELASTIC": "1", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(job.port), "HOROVOD_RANK": str(rank), "HOROVOD_SIZE": "99",
+            "HOROVOD_HOSTNAME": host, "HOROVOD_LOCAL_RANK": str(local_rank)}
+
+
+def test_without_an_early_start_a_first_init_starts_as_launched(job, monkeypatch):
+    monkeypatch.setattr(prestart, "_first_init_done", False)
+    env = newcomer_env(job, 3, "host-b", 1)
+    assert prestart.join_early(env) is False and env["HOROVOD_SIZE"] == "99"  # a job's start: nothing changes
+    assert prestart._get(f"{job.url}/{prestart.SCOPE}/3") is None
+
+
+def test_a_newcomer_joins_the_round_of_the_survivors_reset(job, monkeypatch):
+    """What the wrapped hvd.init() does: announce, wait in the rank request, start with its answer."""
+    envs = {}
+
+    def newcomer(slot_info):
+        time.sleep(0.5)  # a process starts Python and imports the framework first (seconds, in a real job)
+        env = newcomer_env(job, slot_info.rank, slot_info.hostname, slot_info.local_rank)
+        monkeypatch.setattr(prestart, "_first_init_done", False)
+        assert prestart.join_early(env) is True
+        envs[slot_info.rank] = env
+
+    job.newcomer = lambda slot_info: threading.Thread(target=newcomer, args=(slot_info,), daemon=True).start()
+    job.discovery.hosts["host-b"] = 1
+    time.sleep(1.5)
+    survivors = [Prestart(job.url, "host-a", lr, poll=(lr == 0), timeout_s=60).start() for lr in (0, 1)]
+    assert wait_for(lambda: survivors[0].ready()) and survivors[0].why == "all_there"
+    assert envs == {}  # the newcomer waits for the survivors' reset
+    ranks, threads = in_threads(lambda: job.rank_and_size("host-a", 0), lambda: job.rank_and_size("host-a", 1))
+    for thread in threads:
+        thread.join(20)
+    assert sorted(ranks) == [(0, 3), (1, 3)]
+    assert wait_for(lambda: 2 in envs)
+    assert (envs[2]["HOROVOD_RANK"], envs[2]["HOROVOD_SIZE"], envs[2]["HOROVOD_CROSS_SIZE"]) == ("2", "3", "2")
+    assert prestart.join_early(envs[2]) is False  # its later init() is a reset: Horovod asks itself
+
+
+def test_install_does_nothing_outside_an_elastic_horovodrun():
+    from horovod.common import basics
+    before = basics.HorovodBasics.init
+    assert prestart.install({"HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1"}) is False
+    assert basics.HorovodBasics.init is before
+
+
+def test_install_wraps_horovod_init_once(monkeypatch):
+    from horovod.common import basics
+    calls = []
+    monkeypatch.setattr(basics.HorovodBasics, "init", lambda self, *a, **k: calls.append("init"))
+    monkeypatch.setattr(prestart, "join_early", lambda environ=None: calls.append("join_early"))
+    env = {"HOROVOD_ELASTIC": "1", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1", "HOROVOD_GLOO_RENDEZVOUS_PORT": "1"}
+    assert prestart.install(env) and prestart.install(env)
+    basics.HorovodBasics.init(object())
+    assert calls == ["join_early", "init"]  # joined before Horovod's init, and wrapped once only
+
+
+def test_a_bad_rank_answer_names_the_value():
+    with pytest.raises(ValueError, match="'garbage'"):
+        parse_slot(b"garbage")
+    assert parse_slot(b"-1,-1,-1,-1,-1,-1") == (-1, -1)
+
+
+def test_an_early_start_gives_up_after_its_timeout():
+    now = [0.0]
+    waiting = Prestart("http://127.0.0.1:1", "h", 0, poll=True, timeout_s=5.0, clock=lambda: now[0])
+    assert not waiting.ready()
+    now[0] = 5.5
+    assert waiting.ready() and waiting.why == "timeout"
+
+
+def test_a_failed_request_makes_it_ready_so_the_job_resets():
+    failed = Prestart("http://127.0.0.1:1", "h", 0, poll=True, timeout_s=60).start()  # nothing listens on port 1
+    assert wait_for(failed.ready, 15) and failed.why.startswith("error: ")
+
+
+# ------------------------------------------------------- the commit decision
+
+
+class Manual(Prestart):
+    """A Prestart whose readiness the test sets (no rendezvous server)."""
+
+    def __init__(self, rank):
+        super().__init__("http://unused", "h", rank, poll=rank == 0, timeout_s=1e9)
+        self.cancelled = False
+
+    def start(self):
+        return self
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def ranks_with_prestart(size, overlap):
+    world = ThreadWorld(size)
+    made = [[] for _ in range(size)]
+
+    def factory(rank):
+        def make():
+            made[rank].append(Manual(rank))
+            return made[rank][-1]
+        return make
+
+    hosts = [HostUpdates(overlap=overlap, prestart=factory(r)) for r in range(size)]
+    bindings = [world.binding(r) for r in range(size)]
+    commit_id = [0]
+
+    def commit():
+        commit_id[0] += 1
+        return world.run(lambda r: hosts[r].agree(bindings[r], commit_id[0], False)[0])
+
+    return hosts, made, commit
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_addition_keeps_training_until_every_newcomer_waits(overlap):
+    hosts, made, commit = ranks_with_prestart(3, overlap)
+    hosts[0].put(100, HOSTS_ADDED)  # Horovod notifies the coordinator only
+    lag = 1 if overlap else 0
+    for _ in range(2 + lag):
+        assert commit() == [None] * 3  # no reset: training goes on
+    assert [len(m) for m in made] == [1, 1, 1]  # every rank started one early start, at the same commit
+    for _ in range(3):
+        assert commit() == [None] * 3
+    made[0][0].finish("all_there")  # rank 0 saw every newcomer
+    for _ in range(lag):
+        assert commit() == [None] * 3
+    assert commit() == [False] * 3  # every rank resizes at the same commit, with a sync for the newcomers
+    assert [h.joined.why for h in hosts] == ["all_there", "agreed", "agreed"]
+    assert all(m[0].cancelled for m in made)
+    assert commit() == [None] * 3  # acted on once
+
+
+def test_a_removal_during_an_early_start_resizes_at_once_with_a_sync():
+    hosts, made, commit = ranks_with_prestart(2, False)
+    hosts[0].put(100, HOSTS_ADDED)
+    assert commit() == [None, None]
+    hosts[0].put(200, HOSTS_REMOVED)
+    assert commit() == [False, False]  # the newcomers are counted in the next world: they need the state
+    assert [h.joined.why for h in hosts] == ["interrupted", "interrupted"]
+
+
+def test_a_second_addition_joins_the_early_start_under_way():
+    hosts, made, commit = ranks_with_prestart(2, False)
+    hosts[0].put(100, HOSTS_ADDED)
+    assert commit() == [None, None]
+    hosts[0].put(200, HOSTS_ADDED)
+    assert commit() == [None, None]
+    assert [len(m) for m in made] == [1, 1]
+
+
+def test_a_reset_cancels_the_early_start():
+    hosts, made, commit = ranks_with_prestart(2, False)
+    hosts[0].put(100, HOSTS_ADDED)
+    assert commit() == [None, None]
+    for h in hosts:
+        h.clear()  # a failure's reset: the driver already counts the newcomers in
+    assert all(m[0].cancelled for m in made) and all(h.prestart is None for h in hosts)
+    assert commit() == [None, None]
+
+
+def test_without_an_elastic_horovodrun_an_addition_resizes_at_once():
+    world = ThreadWorld(2)
+    hosts = [HostUpdates(prestart=lambda: None) for _ in range(2)]
+    hosts[0].put(100, HOSTS_ADDED)
+    assert world.run(lambda r: hosts[r].agree(world.binding(r), 1, False)[0]) == [False, False]
+
+
+def test_the_vector_carries_the_ready_flag_before_the_extra():
+    reduced = agreement_vector(7, 100, HOSTS_ADDED, False, extra=[5, 6], newcomers_ready=True)
+    agreed = read_agreement(reduced, 7, has_extra=True)
+    assert (agreed.newest, agreed.added, agreed.removed, agreed.newcomers_ready) == (100, True, False, True)
+    assert list(agreed.extra) == [5, 6]
