@@ -7,7 +7,10 @@ One run, the same model, data, global batch and failure schedule for every syste
 - ``torchrun``: ``torchrun`` elastic restarts from a checkpoint (DDP over Gloo,
   c10d rendezvous, rank 0 saves every N steps): bench/workers/compare_torchrun.py;
 - ``ext``: elastic_ext (``elastic_ext.State``, ``@elastic_ext.run``, its
-  ``ElasticSampler``): bench/workers/compare_ext.py.
+  ``ElasticSampler``): bench/workers/compare_ext.py;
+- ``ext_prestart`` (only when asked for): the same with
+  ``prestart_newcomers``, so the survivors train while the spare host's
+  workers start.
 
 Each worker trains the digits MLP of examples/pytorch_elastic.py on 4
 workers (global batch 64, commit or checkpoint every ``--commit-every`` steps
@@ -71,7 +74,7 @@ from bench.compare_report import DATASET_SIZE, LABELS, WORKERS_PER_JOB, analyze,
     plot_timeline, print_table, ratios
 from elastic_ext.testing import launch
 
-SYSTEMS = ("plain", "torchrun", "ext")
+SYSTEMS = ("plain", "torchrun", "ext", "ext_prestart")
 SLOTS_PER_HOST = 2
 TORCHRUN_MAX_RESTARTS = 10
 ATTEMPTS = 2  # a job that dies is relaunched once for the failures left
@@ -93,11 +96,13 @@ def launch_jobs(system: str, log_dir: str, hosts_file: str, checkpoint: str,
                 args: argparse.Namespace) -> List[launch.Job]:
     """One horovodrun (plain, ext) or two torchrun agents on this machine (torchrun)."""
     if system != "torchrun":
-        cmd = harness.horovodrun(os.path.join(harness.WORKERS, f"compare_{system}.py"), worker_args(log_dir, args),
+        script = "compare_ext.py" if system.startswith("ext") else f"compare_{system}.py"
+        cmd = harness.horovodrun(os.path.join(harness.WORKERS, script), worker_args(log_dir, args),
                                  hosts_file, WORKERS_PER_JOB, 2, WORKERS_PER_JOB)
         env = launch.base_env(HOROVOD_FUSION_THRESHOLD=harness.HOROVOD_DEFAULT_FUSION,
                               ELASTIC_EXT_EVENTS_PATH=os.path.join(log_dir, "events-{rank}.jsonl"),
-                              ELASTIC_EXT_OVERLAP_COMMIT="1" if args.overlap_commit else "0")
+                              ELASTIC_EXT_OVERLAP_COMMIT="1" if args.overlap_commit else "0",
+                              ELASTIC_EXT_PRESTART_NEWCOMERS="1" if system == "ext_prestart" else "0")
         return [launch.Job(cmd, env, os.path.join(log_dir, "horovodrun.log"))]
     port = harness.free_port()
     # With the rendezvous TCP store shared with the workers (the default), the workers of the
@@ -237,7 +242,7 @@ def main() -> int:
     parser.add_argument("--failures", type=int, default=3, help="SIGKILLs per system")
     parser.add_argument("--uptime-s", type=float, default=10.0,
                         help="seconds at 4 workers before each failure and after the last recovery")
-    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--systems", default="plain,torchrun,ext")
     parser.add_argument("--commit-every", type=int, default=10, help="steps between commits / checkpoints")
     parser.add_argument("--compute-ms-per-sample", type=float, default=3.0,
                         help="emulated compute (a sleep) per sample a rank processes")
@@ -248,7 +253,7 @@ def main() -> int:
                         help="elastic_ext with ElasticConfig.overlap_commit (its commit's allreduce in the background)")
     parser.add_argument("--name", default="compare", help="result file stem under bench/results")
     args = parser.parse_args()
-    systems = [s for s in args.systems.split(",") if s]
+    systems = [s for s in args.systems.split(",") if s]  # default: every system but ext_prestart
     for system in systems:
         if system not in SYSTEMS:
             parser.error(f"unknown system {system!r}; choose from {SYSTEMS}")
@@ -302,6 +307,8 @@ def main() -> int:
         results[system]["step_time_s"] = measured["step_time_s"]
     info["results"] = results
     info["ratios_in_favour_of_ext"] = ratios(results)
+    if "ext_prestart" in results:
+        info["ratios_in_favour_of_ext_prestart"] = ratios(results, "ext_prestart")
     info["runtime_s"] = time.time() - started
     harness.write_json(args.name, info, indent=1)
     plot_timeline(results, f"{args.name}_timeline")

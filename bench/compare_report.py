@@ -22,7 +22,8 @@ from bench import harness
 from bench.harness import median
 from elastic_ext.testing import ledger
 
-LABELS = {"plain": "plain Horovod", "torchrun": "torchrun", "ext": "elastic_ext"}
+LABELS = {"plain": "plain Horovod", "torchrun": "torchrun", "ext": "elastic_ext",
+          "ext_prestart": "elastic_ext, prestart"}
 WORKERS_PER_JOB = 4
 DATASET_SIZE = 1500
 WARMUP_S = 1.0  # throughput stretches start this long after the job is at 4 workers
@@ -178,6 +179,7 @@ def analyze(system: str, attempts: List[Any]) -> Dict[str, Any]:
         "steps_lost_to_job_deaths": sum(f.get("steps_lost", 0) for f in failures if f["job_died"]),
         "resume_s": resumes, "resume_median_s": median(resumes), "resume_worst_s": max(resumes) if resumes else None,
         "full_size_s": fulls, "full_size_median_s": median(fulls), "full_size_worst_s": max(fulls) if fulls else None,
+        "regrow_stall_median_s": median([f["regrow_stall_s"] for f in survived if "regrow_stall_s" in f]),
         "steps_lost": lost, "steps_lost_mean": statistics.mean(lost) if lost else None,
         "startup_s": attempts[0].first_full - attempts[0].launched if attempts[0].first_full else None,
         "training_wall_s": t_end - t0,
@@ -229,12 +231,12 @@ def failure_free(runs: List[Any]) -> Dict[str, Any]:
     return {"samples_per_s": median(values), "runs_samples_per_s": values, "step_time_s": median(steps_s)}
 
 
-def ratios(results: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Optional[float]]]:
-    """elastic_ext against each baseline, as a factor in elastic_ext's favour (> 1: elastic_ext better)."""
-    ext = results.get("ext")
+def ratios(results: Dict[str, Dict[str, Any]], subject: str = "ext") -> Dict[str, Dict[str, Optional[float]]]:
+    """``subject`` (an elastic_ext flavour) against each baseline, as a factor in its favour (> 1: better)."""
+    ext = results.get(subject)
     if not ext:
         return {}
-    return {name: harness.favour(ext, base, METRICS) for name, base in results.items() if name != "ext"}
+    return {name: harness.favour(ext, base, METRICS) for name, base in results.items() if not name.startswith("ext")}
 
 
 # ------------------------------------------------------------------ plots
@@ -310,6 +312,7 @@ def plot_ratios(table: Dict[str, Dict[str, Optional[float]]], name: str) -> None
 
 TABLE_ROWS = [("time to resume, median (s)", "resume_median_s", 1), ("time to resume, worst (s)", "resume_worst_s", 1),
               ("back to 4 workers, median (s)", "full_size_median_s", 1),
+              ("no step during the regrowth, median (s)", "regrow_stall_median_s", 1),
               ("steps lost per failure (mean)", "steps_lost_mean", 1),
               ("steps lost to job deaths", "steps_lost_to_job_deaths", 1),
               ("goodput (samples/s)", "goodput_samples_per_s", 1),
