@@ -14,24 +14,30 @@ reset at once:
    HTTP request ``hvd.init()`` sends, and goes on training on the current
    Horovod context. Once every rank has asked, the driver starts the
    newcomers.
-2. Horovod starts a newcomer with its rank in the environment, and its
-   first ``hvd.init()`` would go straight to Gloo's rendezvous, which the
-   survivors, still training, would not join. So :func:`install` (done at
-   ``import elastic_ext``) wraps ``hvd.init()``: when the survivors' marker
-   is in the rendezvous server's key-value store, a newcomer writes its rank
-   under :data:`SCOPE` (it is there), then sends the rank request a reset
-   sends, which waits for the survivors, and takes its rank from the answer
-   before Horovod's own ``init`` runs. Newcomers and survivors then join
-   the same round of the driver, whatever changed meanwhile.
+2. Horovod starts a newcomer with its rank in the environment; its first
+   ``hvd.init()`` would go straight to Gloo's rendezvous, which the
+   survivors, still training, would not join, and its script would build
+   its model only after that. So :func:`install` (done at ``import
+   elastic_ext``) wraps ``hvd.init()``: when the survivors' marker is in the
+   rendezvous server's key-value store, a newcomer starts Horovod as a world
+   of one (:func:`start_solo`; ``hvd.rank()``, ``hvd.size()`` and
+   ``hvd.local_rank()`` still answer what it was launched with) and builds
+   its model. At ``@elastic_ext.run`` (:func:`join`) it writes its rank
+   under :data:`SCOPE` (it is ready) and re-initialises Horovod: Horovod's
+   reset asks for its rank in the round the survivors' reset joins, so
+   newcomers and survivors form the world of one driver round, whatever
+   changed meanwhile.
 3. Rank 0 polls the store; the first commit whose allreduce carries "every
    rank of the next world is there" resets the job, and the survivors'
    ``hvd.init()`` meets newcomers that are already waiting.
 
 A failure, a removal or a leave while this is under way resets the job at
 once, as without the option (the driver already counts the newcomers in).
-A newcomer that never announces itself (its script imported ``init`` from
-Horovod before ``elastic_ext`` was imported) is waited for at most
-``timeout_s``; then the survivors reset and meet it in Gloo's rendezvous.
+A newcomer that never announces itself (its script called ``hvd.init()``
+before importing ``elastic_ext``, or never reaches ``@elastic_ext.run``) is
+waited for at most ``timeout_s``; then the survivors reset without it, it
+fails its first rendezvous, and Horovod's driver blacklists its host. Until
+a newcomer joins, a collective it runs happens in its world of one.
 """
 
 from __future__ import annotations
@@ -39,11 +45,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
-from typing import Any, Callable, Mapping, MutableMapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, MutableMapping, Optional, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -83,53 +91,95 @@ def _get(url: str, timeout_s: Optional[float] = REQUEST_TIMEOUT_S) -> Optional[b
 # ------------------------------------------------------------ newcomer side
 
 _first_init_done = False
+_launch: Optional[Dict[str, str]] = None  # while a newcomer runs solo: the environment it was launched with
 SLOT_VARIABLES = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
                   "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
+RENDEZVOUS_VARIABLES = ("HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT")
+QUERIES = dict(zip(("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size"), SLOT_VARIABLES))
+SOLO = dict(zip(SLOT_VARIABLES, ("0", "1", "0", "1", "0", "1")))
 
 
-def join_early(environ: Optional[MutableMapping[str, str]] = None) -> bool:
-    """Before this process's first ``hvd.init()``: joins the survivors' early start if one is under way.
+def early_start_under_way(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """At this process's first ``hvd.init()``: True if the survivors started the newcomers early.
 
-    Writes this worker's rank under :data:`SCOPE`, waits for the survivors'
-    reset in Horovod's rank request, and puts the answer in the environment
-    that ``hvd.init()`` reads. Returns True if it joined; False when no early
-    start is under way (the job's first start, a newcomer of a plain reset),
-    outside an elastic ``horovodrun``, or at a later ``init()`` (a reset).
-
-    Raises:
-        RuntimeError: the driver left this slot out of the job meanwhile.
+    False at a later ``init()`` (a reset), at the job's first start, for a
+    newcomer of a plain reset and outside an elastic ``horovodrun``.
     """
     global _first_init_done
     env = os.environ if environ is None else environ
-    url, host, local_rank = store_url(env), env.get("HOROVOD_HOSTNAME"), env.get("HOROVOD_LOCAL_RANK")
-    if _first_init_done or url is None or not host or local_rank is None:
+    url = store_url(env)
+    if _first_init_done or url is None or not env.get("HOROVOD_HOSTNAME") or "HOROVOD_RANK" not in env:
         return False
     _first_init_done = True
     try:
-        if _get(f"{url}/{SCOPE}/{MARKER}") is None:
-            return False
-        _put(f"{url}/{SCOPE}/{int(env.get('HOROVOD_RANK', '-1'))}")
-        answer = _get(f"{url}/{RANK_SCOPE}/{host}:{int(local_rank)}", timeout_s=None)
-        fields = answer.decode("ascii").split(",") if answer is not None else []
-        slot = [int(x) for x in fields]
+        return _get(f"{url}/{SCOPE}/{MARKER}") is not None
+    except OSError as exc:
+        logger.warning("could not reach the rendezvous server (%s); starting as launched", exc)
+        return False
+
+
+def start_solo(init: Callable[[], Any], environ: Optional[MutableMapping[str, str]] = None) -> None:
+    """Runs Horovod's ``init`` as a world of one, so that the script builds its model before it joins.
+
+    Horovod's rank, size and local rank still answer what the newcomer was
+    launched with (:func:`install` wraps them), and the global process set
+    holds every launched rank, so ``DistributedOptimizer`` registers its
+    hooks. :func:`join` later makes it a member of the real world.
+    """
+    global _launch
+    env = os.environ if environ is None else environ
+    launch = {k: env[k] for k in SLOT_VARIABLES + RENDEZVOUS_VARIABLES if k in env}
+    env.update(SOLO)
+    for name in RENDEZVOUS_VARIABLES:  # no rendezvous server: Gloo's in-memory store
+        env.pop(name, None)
+    try:
+        init()
+    finally:
+        for name in SLOT_VARIABLES + RENDEZVOUS_VARIABLES:
+            env.pop(name, None)
+        env.update(launch)
+    _launch = launch
+    from horovod.common.process_sets import global_process_set
+    global_process_set.ranks = list(range(int(launch["HOROVOD_SIZE"])))
+
+
+def join(binding: Any, environ: Optional[Mapping[str, str]] = None) -> bool:
+    """At ``@elastic_ext.run``, the model built: a newcomer running solo announces itself and joins.
+
+    It writes its rank under :data:`SCOPE` and re-initialises Horovod
+    (``binding.reset()``): Horovod's reset asks for this slot's rank, which
+    waits until the survivors reset too. Returns False if not running solo.
+    """
+    global _launch
+    if _launch is None:
+        return False
+    launch, _launch = _launch, None  # from here on, Horovod's own answers
+    url = store_url(os.environ if environ is None else environ)
+    try:
+        _put(f"{url}/{SCOPE}/{int(launch['HOROVOD_RANK'])}")
     except (OSError, ValueError) as exc:
-        logger.warning("could not join the survivors' early start (%s); starting as launched", exc)
-        return False
-    if len(slot) != len(SLOT_VARIABLES):
-        logger.warning("unexpected rank_and_size answer %r; starting as launched", answer)
-        return False
-    if slot[0] < 0:
-        raise RuntimeError(f"{host}[{local_rank}] was removed from the elastic job before it joined")
-    env.update({name: str(value) for name, value in zip(SLOT_VARIABLES, slot)})
+        logger.warning("could not announce this newcomer (%s); the survivors reset after their timeout", exc)
+    binding.reset()
     return True
 
 
-def install(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """Makes Horovod's ``init`` call :func:`join_early` first (see the module docstring).
+def _wrap_query(name: str, original: Callable[[Any], int]) -> Callable[[Any], int]:
+    @functools.wraps(original)
+    def query(self: Any) -> int:
+        if _launch is not None:
+            return int(_launch[QUERIES[name]])
+        return original(self)
 
-    Wraps ``HorovodBasics.init``, which ``hvd.init()`` of every framework
-    looks up when called. Only in workers of an elastic ``horovodrun``;
-    returns True if installed.
+    return query
+
+
+def install(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Wraps Horovod's ``init`` (see the module docstring) and its rank and size queries (:func:`start_solo`).
+
+    Patches ``HorovodBasics``, which Horovod's own code calls through, and
+    what the already imported ``horovod`` modules bound from it (``hvd.rank``
+    is one). Only in workers of an elastic ``horovodrun``; returns True if
+    installed.
     """
     if store_url(environ) is None:
         return False
@@ -137,17 +187,31 @@ def install(environ: Optional[Mapping[str, str]] = None) -> bool:
         from horovod.common import basics
     except ImportError:
         return False
-    original = basics.HorovodBasics.init
-    if getattr(original, "elastic_ext_announces", False):
+    cls = basics.HorovodBasics
+    original = cls.init
+    if getattr(original, "elastic_ext_wraps", None) is not None:
         return True
 
     @functools.wraps(original)
     def init(self: Any, *args: Any, **kwargs: Any) -> Any:
-        join_early()
+        if early_start_under_way():
+            return start_solo(lambda: original(self, *args, **kwargs))
         return original(self, *args, **kwargs)
 
-    init.elastic_ext_announces = True  # type: ignore[attr-defined]
-    basics.HorovodBasics.init = init
+    init.elastic_ext_wraps = original  # type: ignore[attr-defined]
+    replaced = {original: init}
+    cls.init = init
+    for name in QUERIES:
+        query = getattr(cls, name)
+        replaced[query] = _wrap_query(name, query)
+        setattr(cls, name, replaced[query])
+    for module_name, module in list(sys.modules.items()):
+        if module_name.split(".")[0] != "horovod":
+            continue
+        for name in ("init", *QUERIES):
+            bound = getattr(module, name, None)
+            if isinstance(bound, types.MethodType) and bound.__func__ in replaced:
+                setattr(module, name, types.MethodType(replaced[bound.__func__], bound.__self__))
     return True
 
 

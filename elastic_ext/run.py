@@ -58,6 +58,7 @@ import numpy as np
 from elastic_ext.config import ENV_HOROVOD_GLOO_TIMEOUT, ElasticConfig
 from elastic_ext.connections import CollectiveConnections
 from elastic_ext.errors import ConfigError, NumericFaultError, RollbackLimitError
+from elastic_ext import prestart
 from elastic_ext.numeric_rollback import NumericRecovery
 from elastic_ext.events import FINISH, LEAVE, RECOVERED, RESET, RESIZE, ROLLBACK, ROLLBACK_LIMIT, STALL, SUSPENDED
 from elastic_ext.watchdog import LEAVE_EXIT_CODE, LIVENESS, Liveness, Watchdog, install_sigterm
@@ -263,6 +264,8 @@ def run(func: Optional[F] = None, *, counter: Optional[str] = "step") -> Any:
                        on_suspend=lambda gap: events.emit(SUSPENDED, gap_s=gap), liveness=liveness)
         dog.start()
         previous_sigterm = install_sigterm(config, liveness)
+        if kind == "gloo":
+            prestart.join(binding)  # a newcomer started early joins now, its model built
         links = CollectiveConnections()
         cut_links = config.abort_connections and kind == "gloo"
         pending: Optional[Recovery] = None

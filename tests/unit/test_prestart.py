@@ -109,7 +109,7 @@ def test_horovods_driver_starts_newcomers_only_after_every_worker_asks_again(job
 def test_newcomers_start_and_announce_while_the_survivors_have_not_reset(job):
     newcomer_ranks = []
 
-    def newcomer(slot_info):  # a newcomer process: announce at hvd.init(), then ask for its rank
+    def newcomer(slot_info):  # a newcomer: announce itself (model built), then its reset asks for its rank
         def body():
             prestart._put(f"{job.url}/{prestart.SCOPE}/{slot_info.rank}")
             newcomer_ranks.append(job.rank_and_size(slot_info.hostname, slot_info.local_rank))
@@ -145,46 +145,88 @@ def test_a_survivor_whose_slot_goes_away_learns_it_at_once(job):
     assert (survivors[0].why, survivors[0].next_size) == ("all_there", 3)
 
 
-# ------------------------------------------------------- announce / install
+# ------------------------------------------------------- the newcomer side
 
 
 def newcomer_env(job, rank, host, local_rank):
     return {"HOROVOD_ELASTIC": "1", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
-            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(job.port), "HOROVOD_RANK": str(rank), "HOROVOD_SIZE": "99",
-            "HOROVOD_HOSTNAME": host, "HOROVOD_LOCAL_RANK": str(local_rank)}
+            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(job.port), "HOROVOD_RANK": str(rank), "HOROVOD_SIZE": "3",
+            "HOROVOD_LOCAL_RANK": str(local_rank), "HOROVOD_LOCAL_SIZE": "1", "HOROVOD_CROSS_RANK": "2",
+            "HOROVOD_CROSS_SIZE": "3", "HOROVOD_HOSTNAME": host}
 
 
-def test_without_an_early_start_a_first_init_starts_as_launched(job, monkeypatch):
+@pytest.fixture
+def solo_state(monkeypatch):
+    """Puts back what a newcomer's start changes in this process."""
+    from horovod.common.process_sets import global_process_set
+    monkeypatch.setattr(global_process_set, "ranks", global_process_set.ranks)
     monkeypatch.setattr(prestart, "_first_init_done", False)
-    env = newcomer_env(job, 3, "host-b", 1)
-    assert prestart.join_early(env) is False and env["HOROVOD_SIZE"] == "99"  # a job's start: nothing changes
-    assert prestart._get(f"{job.url}/{prestart.SCOPE}/3") is None
+    monkeypatch.setattr(prestart, "_launch", None)
 
 
-def test_a_newcomer_joins_the_round_of_the_survivors_reset(job, monkeypatch):
-    """What the wrapped hvd.init() does: announce, wait in the rank request, start with its answer."""
-    envs = {}
+def test_without_an_early_start_a_first_init_starts_as_launched(job, solo_state):
+    env = newcomer_env(job, 2, "host-b", 0)
+    assert prestart.early_start_under_way(env) is False  # a job's start: no marker in the store
+
+
+class ResettingBinding:
+    """What binding.reset() does in Horovod's C++: the rank request of a re-initialisation."""
+
+    def __init__(self, job, env):
+        self.job, self.env, self.answer = job, env, None
+
+    def reset(self):
+        self.answer = self.job.rank_and_size(self.env["HOROVOD_HOSTNAME"], int(self.env["HOROVOD_LOCAL_RANK"]))
+
+
+def test_a_newcomer_builds_its_model_solo_then_joins_the_survivors_reset(job, solo_state):
+    from horovod.common.process_sets import global_process_set
+    seen, bindings = {}, {}
 
     def newcomer(slot_info):
         time.sleep(0.5)  # a process starts Python and imports the framework first (seconds, in a real job)
         env = newcomer_env(job, slot_info.rank, slot_info.hostname, slot_info.local_rank)
-        monkeypatch.setattr(prestart, "_first_init_done", False)
-        assert prestart.join_early(env) is True
-        envs[slot_info.rank] = env
+        assert prestart.early_start_under_way(env) is True
+        prestart.start_solo(lambda: seen.update(init_env=dict(env)), env)  # Horovod's init, as a world of one
+        seen.update(after=dict(env), ranks=list(global_process_set.ranks))
+        time.sleep(1.0)  # builds its model: the survivors go on training and do not see it yet
+        seen["ready_before_join"] = prestart._get(f"{job.url}/{prestart.SCOPE}/{slot_info.rank}")
+        bindings[slot_info.rank] = ResettingBinding(job, env)
+        assert prestart.join(bindings[slot_info.rank], env) is True
 
     job.newcomer = lambda slot_info: threading.Thread(target=newcomer, args=(slot_info,), daemon=True).start()
     job.discovery.hosts["host-b"] = 1
     time.sleep(1.5)
     survivors = [Prestart(job.url, "host-a", lr, poll=(lr == 0), timeout_s=60).start() for lr in (0, 1)]
     assert wait_for(lambda: survivors[0].ready()) and survivors[0].why == "all_there"
-    assert envs == {}  # the newcomer waits for the survivors' reset
+    init_env = seen["init_env"]
+    assert (init_env["HOROVOD_RANK"], init_env["HOROVOD_SIZE"]) == ("0", "1")  # solo
+    assert "HOROVOD_GLOO_RENDEZVOUS_ADDR" not in init_env  # Gloo's in-memory store, not the job's server
+    assert seen["after"] == newcomer_env(job, 2, "host-b", 0)  # the launch environment is back
+    assert seen["ranks"] == [0, 1, 2] and seen["ready_before_join"] is None
     ranks, threads = in_threads(lambda: job.rank_and_size("host-a", 0), lambda: job.rank_and_size("host-a", 1))
     for thread in threads:
         thread.join(20)
     assert sorted(ranks) == [(0, 3), (1, 3)]
-    assert wait_for(lambda: 2 in envs)
-    assert (envs[2]["HOROVOD_RANK"], envs[2]["HOROVOD_SIZE"], envs[2]["HOROVOD_CROSS_SIZE"]) == ("2", "3", "2")
-    assert prestart.join_early(envs[2]) is False  # its later init() is a reset: Horovod asks itself
+    assert wait_for(lambda: 2 in bindings and bindings[2].answer is not None)
+    assert bindings[2].answer == (2, 3)  # the newcomer's reset met the survivors' in one round
+    assert prestart.join(bindings[2]) is False  # joined once
+
+
+def test_while_solo_horovods_queries_answer_the_launch_values(monkeypatch, solo_state):
+    import horovod.torch as hvd
+    from horovod.common import basics
+    for name in ("init", *prestart.QUERIES):  # put Horovod back afterwards
+        monkeypatch.setattr(basics.HorovodBasics, name, getattr(basics.HorovodBasics, name))
+        monkeypatch.setattr(hvd, name, getattr(hvd, name))
+    env = {"HOROVOD_ELASTIC": "1", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1", "HOROVOD_GLOO_RENDEZVOUS_PORT": "1"}
+    assert prestart.install(env) and prestart.install(env)  # once only
+    monkeypatch.setattr(prestart, "_launch", dict(zip(prestart.SLOT_VARIABLES, ("5", "8", "1", "2", "2", "4"))))
+    assert (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()) \
+        == (5, 8, 1, 2, 2, 4)
+    monkeypatch.setattr(prestart, "_launch", None)
+    with pytest.raises(ValueError, match="not been initialized"):
+        hvd.rank()  # after joining, Horovod's own answer (here: not initialised)
 
 
 def test_install_does_nothing_outside_an_elastic_horovodrun():
@@ -192,17 +234,6 @@ def test_install_does_nothing_outside_an_elastic_horovodrun():
     before = basics.HorovodBasics.init
     assert prestart.install({"HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1"}) is False
     assert basics.HorovodBasics.init is before
-
-
-def test_install_wraps_horovod_init_once(monkeypatch):
-    from horovod.common import basics
-    calls = []
-    monkeypatch.setattr(basics.HorovodBasics, "init", lambda self, *a, **k: calls.append("init"))
-    monkeypatch.setattr(prestart, "join_early", lambda environ=None: calls.append("join_early"))
-    env = {"HOROVOD_ELASTIC": "1", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1", "HOROVOD_GLOO_RENDEZVOUS_PORT": "1"}
-    assert prestart.install(env) and prestart.install(env)
-    basics.HorovodBasics.init(object())
-    assert calls == ["join_early", "init"]  # joined before Horovod's init, and wrapped once only
 
 
 def test_a_bad_rank_answer_names_the_value():
