@@ -93,13 +93,15 @@ class ElasticConfig:
             frameworks run it blocking, as without this option.
         prestart_newcomers: at a host addition, keep training while Horovod's
             driver starts the newcomers, and resize at the first commit
-            after they are all waiting in ``hvd.init()`` (see
-            :mod:`elastic_ext.prestart`); survivors no longer stand idle
-            while newcomers import the framework. A newcomer that does not
-            announce itself is waited for at most ``rendezvous_timeout_s``
-            (120 s if that is 0). Such a scale-up counts twice against
-            ``horovodrun --reset-limit``. Only under an elastic
-            ``horovodrun``.
+            after every newcomer has built its model and reached
+            ``@elastic_ext.run`` (see :mod:`elastic_ext.prestart`):
+            survivors no longer stand idle while newcomers import the
+            framework and build the model. Scripts must import
+            ``elastic_ext`` before calling ``hvd.init()``; a newcomer that
+            does not announce itself is waited for at most
+            ``rendezvous_timeout_s`` (120 s if that is 0). Such a scale-up
+            counts twice against ``horovodrun --reset-limit``. Only under
+            an elastic ``horovodrun``.
         checkpoint_dir: directory (or fsspec URL) for durable checkpoints of
             the committed state, written in the background by rank 0 (see
             :mod:`elastic_ext.checkpoint`); a fresh job resumes from the

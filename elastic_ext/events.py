@@ -31,9 +31,10 @@ The run loop (``run.py``):
   ``commit_id``.
 - ``newcomers_joined`` (:data:`NEWCOMERS_JOINED`): that early start ends in
   a resize at this commit (a ``resize`` event follows); ``commit_id``,
-  ``why`` (``all_there``, ``removed``, ``timeout``, ``error: ...``, or
-  ``interrupted`` by a removal or leave), ``next_size``, ``waited_s`` (the
-  survivors trained all that time).
+  ``why`` (on rank 0, which polls: ``all_there``, ``timeout``,
+  ``error: ...``; on the others: ``agreed``; ``removed`` on a rank left out
+  of the next world, which then leaves; ``interrupted`` by a removal or
+  leave), ``next_size``, ``waited_s`` (the survivors trained all that time).
 - ``reset`` (:data:`RESET`): Horovod re-initialised after a rollback or a
   resize; ``duration_s``, ``cause``.
 - ``recovered`` (:data:`RECOVERED`): the first sync after a rollback or

@@ -3,8 +3,8 @@
 Horovod's driver starts a new host's workers only once every current worker
 has asked its rendezvous server for a rank, which ``hvd.init()`` does after
 a reset. So by default the survivors stop at a host addition, re-initialise,
-and then wait while the newcomers start Python, import the framework and
-reach ``hvd.init()`` (6 to 7 s on the test machine).
+and then wait while the newcomers start Python, import the framework,
+initialise Horovod and build their model (6 to 7 s on the test machine).
 
 With ``ElasticConfig.prestart_newcomers`` a pure host addition does not
 reset at once:
@@ -29,7 +29,7 @@ reset at once:
    changed meanwhile.
 3. Rank 0 polls the store; the first commit whose allreduce carries "every
    rank of the next world is there" resets the job, and the survivors'
-   ``hvd.init()`` meets newcomers that are already waiting.
+   reset meets newcomers whose model is built.
 
 A failure, a removal or a leave while this is under way resets the job at
 once, as without the option (the driver already counts the newcomers in).

@@ -16,7 +16,7 @@ EPOCHS = 3
 BASE = ["localhost:1", "127.0.0.1:1"]
 
 
-def run_job(tmp_path, faults):
+def run_job(tmp_path, faults, worker="train_torch.py", extra=()):
     """Grows from 2 to 4 workers (a third pseudo-host with 2 slots) at step 8, with ``faults``."""
     out = tmp_path / "job"
     out.mkdir()
@@ -24,9 +24,9 @@ def run_job(tmp_path, faults):
     launch.write_hosts(hosts, BASE)
     grown = ",".join(BASE + [f"{third_host()}:2"])
     # 0.2 s per step: a newcomer's start (Python, torch, Horovod) spans several commits.
-    cmd = launch.elastic_cmd(2, 2, 4, hosts, "train_torch.py", "--out", str(out), "--epochs", str(EPOCHS),
+    cmd = launch.elastic_cmd(2, 2, 4, hosts, worker, "--out", str(out), "--epochs", str(EPOCHS),
                              "--commit-every", str(COMMIT_EVERY), "--step-sleep-s", "0.2",
-                             "--resize-at", f"8:{hosts}:{grown}", "--faults", faults)
+                             "--resize-at", f"8:{hosts}:{grown}", "--faults", faults, *extra)
     env = launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl"), ELASTIC_EXT_PRESTART_NEWCOMERS="1")
     code, output = launch.run(cmd, env, str(out / "horovodrun.log"), timeout_s=300)
     assert code == 0, output[-5000:]
@@ -38,8 +38,12 @@ def of_rank(events, name, rank=0):
 
 
 @pytest.mark.timeout(360)
-def test_survivors_train_while_the_newcomers_start(tmp_path):
-    out, records, events = run_job(tmp_path, "")
+@pytest.mark.parametrize("worker, extra", [("train_torch.py", []), ("train_tf.py", ["--keras", "3"])],
+                         ids=["torch", "tensorflow"])
+def test_survivors_train_while_the_newcomers_start(tmp_path, worker, extra):
+    """The newcomers run Horovod as a world of one while they build the model; the survivors
+    reset only once every newcomer reached @elastic_ext.run, so the resize costs no model build."""
+    out, records, events = run_job(tmp_path, "", worker, extra)
     started, joined = of_rank(events, "prestart"), of_rank(events, "newcomers_joined")
     assert [e["commit_id"] for e in started] == [2], started  # the addition, noticed at step 8
     assert len(joined) == 1 and joined[0]["why"] == "all_there" and joined[0]["next_size"] == 4, joined

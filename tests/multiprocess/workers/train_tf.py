@@ -18,6 +18,7 @@ p.add_argument("--global-batch", type=int, default=64)
 p.add_argument("--commit-every", type=int, default=4)
 p.add_argument("--faults", default="")
 p.add_argument("--resize-at", default="")
+p.add_argument("--step-sleep-s", type=float, default=0.0)
 args = p.parse_args()
 if args.keras == "2":
     os.environ["TF_USE_LEGACY_KERAS"] = "1"
@@ -93,6 +94,8 @@ def train(state):
             book.step(state.generation, sampler.epoch, sampler.cursor, state.step, hvd.rank(), hvd.size(),
                       indices.numpy()[~pad.numpy()], int(pad.numpy().sum()))
             train_step(state.step, indices, pad)
+            if args.step_sleep_s:
+                time.sleep(args.step_sleep_s)
             sampler.record_step()
             state.step += 1
             if state.step % args.commit_every == 0:
