@@ -20,9 +20,9 @@ from elastic_ext.watchdog import phase, progress
 from elastic_ext import prestart as _prestart
 from elastic_ext.run import first_rendezvous_timeout as _first_rendezvous_timeout
 
-# Under an elastic horovodrun (elsewhere these do nothing): hvd.init() first
-# tells the rendezvous server that this worker is up, so survivors with
-# prestart_newcomers can keep training until it is (elastic_ext.prestart);
+# Under an elastic horovodrun (elsewhere these do nothing): a newcomer that
+# survivors with prestart_newcomers started early builds its model in a
+# Horovod world of one and joins at @elastic_ext.run (elastic_ext.prestart);
 # and a newcomer's first hvd.init() waits for its peers as long as the
 # survivors' resets do.
 _prestart.install()
