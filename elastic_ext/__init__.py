@@ -19,14 +19,17 @@ from elastic_ext.watchdog import phase, progress
 
 from elastic_ext import prestart as _prestart
 from elastic_ext.run import first_rendezvous_timeout as _first_rendezvous_timeout
+from elastic_ext.watchdog import install_early_sigterm as _install_early_sigterm
 
 # Under an elastic horovodrun (elsewhere these do nothing): a newcomer that
 # survivors with prestart_newcomers started early builds its model in a
 # Horovod world of one and joins at @elastic_ext.run (elastic_ext.prestart);
-# and a newcomer's first hvd.init() waits for its peers as long as the
-# survivors' resets do.
+# a newcomer's first hvd.init() waits for its peers as long as the
+# survivors' resets do; and a SIGTERM before @elastic_ext.run means leave at
+# the first commit, not die while the job's next round forms.
 _prestart.install()
 _first_rendezvous_timeout()
+_install_early_sigterm()
 
 __version__ = "0.1.0"
 

@@ -48,7 +48,6 @@ import functools
 import importlib
 import logging
 import os
-import signal
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, TypeVar
@@ -61,7 +60,7 @@ from elastic_ext.errors import ConfigError, NumericFaultError, RollbackLimitErro
 from elastic_ext import prestart
 from elastic_ext.numeric_rollback import NumericRecovery
 from elastic_ext.events import FINISH, LEAVE, RECOVERED, RESET, RESIZE, ROLLBACK, ROLLBACK_LIMIT, STALL, SUSPENDED
-from elastic_ext.watchdog import LEAVE_EXIT_CODE, LIVENESS, Liveness, Watchdog, install_sigterm
+from elastic_ext.watchdog import LEAVE_EXIT_CODE, LIVENESS, Liveness, Watchdog, install_sigterm, restore_sigterm
 
 if TYPE_CHECKING:
     from elastic_ext.state import State
@@ -347,8 +346,7 @@ def run(func: Optional[F] = None, *, counter: Optional[str] = "step") -> Any:
                 events.emit(RESET, duration_s=time.perf_counter() - reset_started, cause=pending.cause)
         finally:
             dog.stop()
-            if previous_sigterm is not None:
-                signal.signal(signal.SIGTERM, previous_sigterm)
+            restore_sigterm(previous_sigterm)
             notification_manager.remove_listener(state)
 
     return wrapper

@@ -41,6 +41,7 @@ barrier, which needs the waiting survivors. Three mechanisms break that:
 And a worker told to go (SIGTERM) keeps training to its next commit, where
 every rank learns of it through the commit's host-update allreduce; the job
 then resizes without a rollback and the leaver exits (:func:`install_sigterm`).
+That holds from ``import elastic_ext`` on, also while the job re-forms.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from contextlib import contextmanager
 from typing import Callable, ContextManager, Iterator, List, Optional
 
 from elastic_ext.config import ElasticConfig
+from elastic_ext.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -319,19 +321,27 @@ class Watchdog:
 # ------------------------------------------------------------------ SIGTERM
 
 def install_sigterm(config: ElasticConfig, liveness: Optional[Liveness] = None):
-    """Makes SIGTERM mean "leave at the next commit" while training runs.
+    """Makes SIGTERM mean "leave at the next commit"; a second SIGTERM ends the process at once.
 
-    Outside training (e.g. while Horovod re-initialises, when the driver
-    itself terminates workers of a removed host) SIGTERM keeps its default
-    meaning. Only possible from the main thread; elsewhere this is a no-op.
-    Returns the previous handler (to restore), or None.
+    Wherever the first one lands: in a step, in the sync, or while Horovod
+    re-initialises. Dying there was worse for the job than staying: a
+    worker that dies while its round of Horovod's rendezvous is forming
+    leaves the round's other members waiting for it until the rendezvous
+    timeout, and then they all fail, which ends the job ("failure count ==
+    N", seen in the soak). A leave at the next commit is a resize without a
+    rollback. While the main thread is inside Horovod's native
+    re-initialisation the handler runs when it returns. ``term_grace_s``
+    bounds the stay: after it the process exits (LEAVE_EXIT_CODE) without
+    a commit. Only possible from the main thread; elsewhere this is a
+    no-op. Returns the previous handler (to restore with
+    :func:`restore_sigterm`), or None.
     """
     if threading.current_thread() is not threading.main_thread():
         return None
     live = liveness or LIVENESS
 
     def handler(signum, frame):
-        if not live.in_training or live.leaving():
+        if live.leaving():
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             return
@@ -346,4 +356,36 @@ def install_sigterm(config: ElasticConfig, liveness: Optional[Liveness] = None):
         timer.daemon = True
         timer.start()
 
+    handler.elastic_ext_sigterm = True
     return signal.signal(signal.SIGTERM, handler)
+
+
+def restore_sigterm(previous) -> None:
+    """Puts back the handler :func:`install_sigterm` replaced; the one installed at import becomes SIG_DFL.
+
+    After ``@elastic_ext.run`` returns there is no next commit to leave at.
+    """
+    if previous is None:
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL if getattr(previous, "elastic_ext_sigterm", False) else previous)
+
+
+def install_early_sigterm(environ=None, liveness: Optional[Liveness] = None):
+    """At ``import elastic_ext`` in a worker of an elastic ``horovodrun``: SIGTERM means leave, already.
+
+    A newcomer spends seconds between its import and ``@elastic_ext.run``
+    (building its model, in its first ``hvd.init()`` with the survivors):
+    killed by a SIGTERM there, it failed the round that was forming (see
+    :func:`install_sigterm`). Now the request is kept and honoured at its
+    first commit. Not installed over a handler of the script's own, outside
+    the main thread, or outside ``horovodrun``'s elastic mode. Returns the
+    previous handler, or None when not installed.
+    """
+    env = os.environ if environ is None else environ
+    if env.get("HOROVOD_ELASTIC") != "1" or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+    try:
+        config = ElasticConfig.from_env(env)
+    except ConfigError:
+        return None  # the State's own config raises it, with its message
+    return install_sigterm(config, liveness)

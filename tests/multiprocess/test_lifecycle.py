@@ -225,3 +225,41 @@ def test_survivors_wait_for_a_newcomer_slower_than_horovods_30s_rendezvous_timeo
     assert ledger.starts(records)[2][2] == 8, "the job must grow at the commit where the host was added"
     analysis.assert_exactly_once(out, DIGITS, 1)
     analysis.assert_ranks_identical(analysis.load_finals(out))
+
+
+@pytest.mark.timeout(300)
+def test_a_newcomer_sigtermed_before_it_trains_leaves_at_its_first_commit(tmp_path):
+    # Found by bench.soak (3 of its 4 job deaths started so): a newcomer got
+    # SIGTERM after its import, before @elastic_ext.run, and died
+    # ("Terminated"). The survivors and the other newcomer then waited for it
+    # in Horovod's rendezvous until the timeout and failed too: every worker
+    # of the round failed, and the driver ended the job. Now the newcomer
+    # joins, and leaves at its first commit without a rollback.
+    out = tmp_path / "job"
+    out.mkdir()
+    hosts_file = str(out / "hosts")
+    launch.write_hosts(hosts_file, ["localhost:2"])
+    cmd = launch.elastic_cmd(2, 2, 4, hosts_file, "lifecycle.py", "--out", str(out), "--commit-every",
+                             str(COMMIT_EVERY), "--resize-at", f"8:{hosts_file}:localhost:2,127.0.0.1:2",
+                             "--newcomer-delay-s", "6")
+    job = launch.Job(cmd, environment(out, ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S=40, ELASTIC_EXT_TERM_GRACE_S=120),
+                     str(out / "horovodrun.log"))
+    deadline = time.monotonic() + 150
+    while not list(out.glob("newcomer-*")):
+        assert job.proc.poll() is None, open(job.log_path).read()[-5000:]
+        assert time.monotonic() < deadline, "no newcomer started"
+        time.sleep(0.05)
+    leaver = int(sorted(out.glob("newcomer-*"))[0].name.split("-")[1])
+    os.kill(leaver, signal.SIGTERM)
+    code, output = job.wait(240)
+    assert code == 0, output[-5000:]
+    assert "Terminated" not in output
+    events = analysis.read_events(str(out / "events.jsonl"))
+    leaves = [e for e in events if e["event"] == "leave"]
+    assert [(e["pid"], e["cause"]) for e in leaves] == [(leaver, "sigterm")], leaves
+    assert "rollback" not in {e["event"] for e in events}
+    records = ledger.read(str(out))
+    assert (out / f"steps-{leaver}.jsonl").stat().st_size, "the leaver trained before it left"
+    assert {r["size"] for r in records if "gen" in r} == {2, 4}
+    analysis.assert_exactly_once(out, DIGITS, 1)
+    analysis.assert_ranks_identical(analysis.load_finals(out))

@@ -134,3 +134,85 @@ def test_a_collective_failing_before_the_first_sync_is_survived(monkeypatch):
 
     assert train(state) == 1 and state.committed and state.binding.resets == 1
     assert [e["event"] for e in state.events.history if e["event"] in ("rollback", "sync")] == ["rollback", "sync"]
+
+
+# A child process for each SIGTERM case: the default action would end pytest itself.
+_SIGTERM_CHILD = r"""
+import os, signal, sys, time
+import elastic_ext
+from elastic_ext import watchdog
+case = sys.argv[1]
+if case == "in_run_outside_training":  # between two resets: not in training, inside run()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    watchdog.install_sigterm(elastic_ext.ElasticConfig(term_grace_s=float(sys.argv[2])))
+print("handler", getattr(signal.getsignal(signal.SIGTERM), "elastic_ext_sigterm", False), flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.2)
+print("alive", watchdog.LIVENESS.leaving(), watchdog.LIVENESS.in_training, flush=True)
+if case == "twice":
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+    print("survived a second SIGTERM", flush=True)
+elif case == "after_run":
+    previous = watchdog.install_sigterm(elastic_ext.ElasticConfig())
+    watchdog.restore_sigterm(previous)
+    print("after run", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)
+else:
+    time.sleep(30)  # no commit comes: term_grace_s ends it
+print("not ended", flush=True)
+"""
+
+
+def _sigterm_child(case, *args, **env):
+    import os
+    import subprocess
+    import sys
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "ELASTIC_EXT_"))}
+    environ.update(env)
+    return subprocess.run([sys.executable, "-c", _SIGTERM_CHILD, case, *args], env=environ,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_sigterm_before_run_asks_to_leave_instead_of_killing_a_newcomer():
+    """Found by bench.soak (3 of 4 job deaths): a newcomer SIGTERMed between its import and
+    @elastic_ext.run died ("Terminated", exit 143) while its round of the rendezvous formed; the
+    round's other members then waited for it and failed, and Horovod's driver ended the job."""
+    done = _sigterm_child("grace", HOROVOD_ELASTIC="1", ELASTIC_EXT_TERM_GRACE_S="1")
+    assert done.stdout.splitlines()[:2] == ["handler True", "alive True False"], done.stdout + done.stderr
+    assert "not ended" not in done.stdout
+    assert done.returncode == 143, "term_grace_s without a commit ends it with the leave's exit code"
+    assert "no commit within term_grace_s" in done.stderr
+
+
+def test_a_second_sigterm_ends_the_process_at_once():
+    import signal
+    done = _sigterm_child("twice", HOROVOD_ELASTIC="1")
+    assert done.stdout.splitlines() == ["handler True", "alive True False"], done.stdout + done.stderr
+    assert done.returncode == -signal.SIGTERM
+
+
+def test_a_sigterm_between_resets_inside_run_asks_to_leave():
+    """In run() but not in training (the sync, or right after Horovod's native re-initialisation
+    returned) SIGTERM used to keep its default meaning: the worker died just as its round formed."""
+    done = _sigterm_child("in_run_outside_training", "1")
+    assert done.stdout.splitlines()[:2] == ["handler True", "alive True False"], done.stdout + done.stderr
+    assert done.returncode == 143
+
+
+def test_sigterm_keeps_its_default_meaning_outside_an_elastic_horovodrun_and_after_run():
+    import signal
+    done = _sigterm_child("grace")  # no HOROVOD_ELASTIC: nothing installed at import
+    assert done.stdout.splitlines() == ["handler False"] and done.returncode == -signal.SIGTERM, done.stdout
+    done = _sigterm_child("after_run", HOROVOD_ELASTIC="1")
+    assert done.stdout.splitlines()[-2:] == ["after run True", "not ended"], done.stdout + done.stderr
+
+
+def test_the_scripts_own_sigterm_handler_is_kept_at_import():
+    import signal
+    previous = signal.signal(signal.SIGTERM, lambda *a: None)
+    try:
+        assert watchdog.install_early_sigterm({"HOROVOD_ELASTIC": "1"}) is None
+        assert not getattr(signal.getsignal(signal.SIGTERM), "elastic_ext_sigterm", False)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert watchdog.install_early_sigterm({"HOROVOD_ELASTIC": "1", "ELASTIC_EXT_TERM_GRACE_S": "x"}) is None

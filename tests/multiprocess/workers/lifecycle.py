@@ -13,7 +13,7 @@ ELASTIC_EXT_EVENTS_PATH, checkpoints via ELASTIC_EXT_CHECKPOINT_*), plus:
 --straggler "FACTOR:WINDOW:WARMUP"  StragglerPolicy(enabled=True, ...), exclude file OUT/exclude
 --compute-s S                      simulated compute per step (in state.step_timer): S seconds per 16 local samples
 --newcomer-delay-s S               a process started after the job trained (a newcomer) sleeps S before hvd.init:
-                                   a slow container start, a big import
+                                   a slow container start, a big import (it writes OUT/newcomer-<pid> first)
 --guard                            State(guard=NumericGuard()) and state.guard_step after the allreduce; the
                                    guard's seconds per step go to guard-<pid>.json (median, count)
 --slow "RANK:STEP:FACTOR[:STEPS]"  from STEP (for STEPS steps, default: to the end), the process that started
@@ -60,6 +60,7 @@ args = p.parse_args()
 torch.set_num_threads(1)
 if args.newcomer_delay_s and any(name.startswith("steps-") and os.path.getsize(os.path.join(args.out, name))
                                  for name in os.listdir(args.out)):
+    open(os.path.join(args.out, f"newcomer-{os.getpid()}"), "w").close()  # imported, not yet in hvd.init()
     time.sleep(args.newcomer_delay_s)
 hvd.init()
 faults = FaultSchedule.parse(args.faults, os.path.join(args.out, "faults"))
