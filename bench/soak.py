@@ -111,7 +111,7 @@ def steps_after(out: str, t: float) -> int:
 
 
 def soak(out: str, count: int, seed: int, gap_s=(5.0, 9.0), timeout_s: float = 1800.0,
-         log=print, restarts: int = 0) -> Dict[str, Any]:
+         log=print, restarts: int = 0, driver_log_level: str = "") -> Dict[str, Any]:
     os.makedirs(out, exist_ok=True)
     rng = random.Random(seed + 1)
     schedule = make_schedule(count, seed)
@@ -130,7 +130,8 @@ def soak(out: str, count: int, seed: int, gap_s=(5.0, 9.0), timeout_s: float = 1
     cmd = harness.horovodrun(os.path.join(launch.WORKERS, "lifecycle.py"),
                              ["--out", out, "--epochs", "100000", "--commit-every", "4", "--step-sleep-s", "0.05",
                               "--fusion", "--stop-file", stop_file, "--faults", ",".join(spec)],
-                             hosts_file, options=["--blacklist-cooldown-range", "2", "4"])
+                             hosts_file, options=["--blacklist-cooldown-range", "2", "4",
+                                                  *(["--log-level", driver_log_level] if driver_log_level else [])])
     env = launch.base_env(ELASTIC_EXT_EVENTS_PATH=os.path.join(out, "events.jsonl"),
                           ELASTIC_EXT_CHECKPOINT_DIR=os.path.join(out, "ckpt"), ELASTIC_EXT_CHECKPOINT_EVERY=1,
                           ELASTIC_EXT_CHECKPOINT_KEEP_LAST=3, ELASTIC_EXT_HANG_TIMEOUT_S=10,
@@ -268,8 +269,10 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default="", help="also write the report here")
     parser.add_argument("--restarts", type=int, default=0,
                         help="run the job under python -m elastic_ext.supervise with this many restarts")
+    parser.add_argument("--driver-log-level", default="", choices=["", "INFO", "DEBUG"],
+                        help="horovodrun --log-level: the driver's rounds (who recorded READY or FAILURE) in the log")
     args = parser.parse_args(argv)
-    result = soak(args.out, args.faults, args.seed, restarts=args.restarts)
+    result = soak(args.out, args.faults, args.seed, restarts=args.restarts, driver_log_level=args.driver_log_level)
     text = json.dumps({k: v for k, v in result.items() if k != "faults"}, indent=1, sort_keys=True)
     print(text)
     if args.json:
