@@ -24,13 +24,14 @@ added, the job grows at the next commit, without a rollback.
 import argparse
 import logging
 
+import elastic_ext  # first: its SIGTERM handler then covers the framework imports below
+
 import numpy as np
 import torch
 from sklearn.datasets import load_digits
 
 import horovod.torch as hvd
 
-import elastic_ext
 from elastic_ext.testing import Instrument
 from elastic_ext.torch import ElasticSampler
 

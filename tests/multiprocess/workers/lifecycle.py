@@ -26,13 +26,14 @@ import os
 import socket
 import time
 
+import elastic_ext  # first: its SIGTERM handler then covers the framework imports below
+
 import numpy as np
 import torch
 from sklearn.datasets import load_digits
 
 import horovod.torch as hvd
 
-import elastic_ext
 from elastic_ext.testing.ledger import Ledger
 from elastic_ext.testing import CommitFaultProbe, FaultSchedule, HostFileSchedule
 from elastic_ext.torch import ElasticSampler
