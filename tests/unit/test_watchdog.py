@@ -174,7 +174,7 @@ def _sigterm_child(case, *args, **env):
 
 
 def test_a_sigterm_before_run_asks_to_leave_instead_of_killing_a_newcomer():
-    """Found by bench.soak (3 of 4 job deaths): a newcomer SIGTERMed between its import and
+    """Found by bench.soak (2 of 5 job deaths in one run): a newcomer SIGTERMed between its import and
     @elastic_ext.run died ("Terminated", exit 143) while its round of the rendezvous formed; the
     round's other members then waited for it and failed, and Horovod's driver ended the job."""
     done = _sigterm_child("grace", HOROVOD_ELASTIC="1", ELASTIC_EXT_TERM_GRACE_S="1")
