@@ -266,6 +266,12 @@ class ElasticConfig:
         return cls(**values)
 
 
+def elastic_horovodrun(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """True in a worker that an elastic ``horovodrun`` (``--min-np``/``--max-np``, a discovery script) started."""
+    env = os.environ if environ is None else environ
+    return env.get("HOROVOD_ELASTIC") == "1"
+
+
 def horovod_rendezvous(environ: Optional[Mapping[str, str]] = None) -> Optional[tuple]:
     """(address, port) of horovodrun's rendezvous server, or None outside horovodrun."""
     env = os.environ if environ is None else environ

@@ -53,6 +53,10 @@ import urllib.error
 import urllib.request
 from typing import Any, Callable, Dict, Mapping, MutableMapping, Optional, Tuple
 
+from elastic_ext.config import (ENV_HOROVOD_RENDEZVOUS_ADDR, ENV_HOROVOD_RENDEZVOUS_PORT, elastic_horovodrun,
+                                horovod_rendezvous)
+from elastic_ext.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 SCOPE = "elastic_ext_ready"          # the store's scope of the announcements; the key is the rank
@@ -64,11 +68,13 @@ REQUEST_TIMEOUT_S = 10.0
 
 def store_url(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """The rendezvous server's URL when this process is a worker of an elastic ``horovodrun``, else None."""
-    env = os.environ if environ is None else environ
-    addr, port = env.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"), env.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
-    if env.get("HOROVOD_ELASTIC") != "1" or not addr or not port:
+    if not elastic_horovodrun(environ):
         return None
-    return f"http://{addr}:{port}"
+    try:
+        rendezvous = horovod_rendezvous(environ)
+    except ConfigError:
+        return None  # not a port: no server to reach
+    return None if rendezvous is None else f"http://{rendezvous[0]}:{rendezvous[1]}"
 
 
 def _put(url: str, value: bytes = b"1") -> None:
@@ -94,7 +100,7 @@ _first_init_done = False
 _launch: Optional[Dict[str, str]] = None  # while a newcomer runs solo: the environment it was launched with
 SLOT_VARIABLES = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
                   "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
-RENDEZVOUS_VARIABLES = ("HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT")
+RENDEZVOUS_VARIABLES = (ENV_HOROVOD_RENDEZVOUS_ADDR, ENV_HOROVOD_RENDEZVOUS_PORT)
 QUERIES = dict(zip(("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size"), SLOT_VARIABLES))
 SOLO = dict(zip(SLOT_VARIABLES, ("0", "1", "0", "1", "0", "1")))
 

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, TypeVar
 
 import numpy as np
 
-from elastic_ext.config import ENV_HOROVOD_GLOO_TIMEOUT, ElasticConfig
+from elastic_ext.config import ENV_HOROVOD_GLOO_TIMEOUT, ElasticConfig, elastic_horovodrun
 from elastic_ext.connections import CollectiveConnections
 from elastic_ext.errors import ConfigError, NumericFaultError, RollbackLimitError
 from elastic_ext import prestart
@@ -208,7 +208,7 @@ def first_rendezvous_timeout(environ: Any = None) -> Optional[str]:
     """
     global _TIMEOUT_SET_AT_IMPORT
     env = os.environ if environ is None else environ
-    if env.get("HOROVOD_ELASTIC") != "1" or ENV_HOROVOD_GLOO_TIMEOUT in env:
+    if not elastic_horovodrun(env) or ENV_HOROVOD_GLOO_TIMEOUT in env:
         return None
     try:
         seconds = ElasticConfig.from_env(env).rendezvous_timeout_s
@@ -329,10 +329,11 @@ def run(func: Optional[F] = None, *, counter: Optional[str] = "step") -> Any:
                     # The commit is agreed on every rank: rank 0 makes it durable now,
                     # whether or not it was due (a leaver may be rank 0 itself).
                     state.checkpoint_now()
-                    if liveness.leaving() or kind == "mpi" or state._removed_at_resize():
+                    removed = state._removed_at_resize()
+                    if liveness.leaving() or kind == "mpi" or removed:
                         # An early start's answer can say that this slot is not in the next world:
                         # leave now, as Horovod would end it at its next hvd.init().
-                        cause = ("removed" if state._removed_at_resize() else
+                        cause = ("removed" if removed else
                                  liveness.leave_cause if liveness.leaving() else "peer_sigterm")
                         _leave(state, liveness, kind, cause)
                     pending = Recovery("hosts_updated", state.commit_id, time.perf_counter(),

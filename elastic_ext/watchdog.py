@@ -56,7 +56,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, ContextManager, Iterator, List, Optional
 
-from elastic_ext.config import ElasticConfig
+from elastic_ext.config import ElasticConfig, elastic_horovodrun
 from elastic_ext.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -382,7 +382,7 @@ def install_early_sigterm(environ=None, liveness: Optional[Liveness] = None):
     previous handler, or None when not installed.
     """
     env = os.environ if environ is None else environ
-    if env.get("HOROVOD_ELASTIC") != "1" or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    if not elastic_horovodrun(env) or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return None
     try:
         config = ElasticConfig.from_env(env)
