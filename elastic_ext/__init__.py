@@ -17,16 +17,20 @@ from elastic_ext.state import State
 from elastic_ext.straggler import StepTimer, StragglerPolicy
 from elastic_ext.watchdog import phase, progress
 
+from elastic_ext import keeper as _keeper
 from elastic_ext import prestart as _prestart
 from elastic_ext.run import first_rendezvous_timeout as _first_rendezvous_timeout
 from elastic_ext.watchdog import install_early_sigterm as _install_early_sigterm
 
-# Under an elastic horovodrun (elsewhere these do nothing): a newcomer that
+# Under an elastic horovodrun (elsewhere these do nothing): with
+# ELASTIC_EXT_RESTART_IN_PLACE=1 this process becomes a keeper that restarts
+# the script's process when Gloo kills it while its round forms; a newcomer that
 # survivors with prestart_newcomers started early builds its model in a
 # Horovod world of one and joins at @elastic_ext.run (elastic_ext.prestart);
 # a newcomer's first hvd.init() waits for its peers as long as the
 # survivors' resets do; and a SIGTERM before @elastic_ext.run means leave at
 # the first commit, not die while the job's next round forms.
+_keeper.install()
 _prestart.install()
 _first_rendezvous_timeout()
 _install_early_sigterm()

@@ -34,6 +34,9 @@ ENV_HANG_TIMEOUT_S = "ELASTIC_EXT_HANG_TIMEOUT_S"
 ENV_STALL_TIMEOUT_S = "ELASTIC_EXT_STALL_TIMEOUT_S"
 ENV_TERM_GRACE_S = "ELASTIC_EXT_TERM_GRACE_S"
 ENV_FIRST_STEP_TIMEOUT_S = "ELASTIC_EXT_FIRST_STEP_TIMEOUT_S"
+# Read at import, before any ElasticConfig: a worker restarted in place by its keeper (elastic_ext.keeper).
+ENV_RESTART_IN_PLACE = "ELASTIC_EXT_RESTART_IN_PLACE"
+ENV_RESTARTED_IN_PLACE = "ELASTIC_EXT_RESTARTED_IN_PLACE"  # set by the keeper: 0 for its first child, k after k restarts
 # Set by horovodrun for every elastic worker: where its rendezvous server listens.
 ENV_HOROVOD_RENDEZVOUS_ADDR = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
 ENV_HOROVOD_RENDEZVOUS_PORT = "HOROVOD_GLOO_RENDEZVOUS_PORT"
@@ -270,6 +273,13 @@ def elastic_horovodrun(environ: Optional[Mapping[str, str]] = None) -> bool:
     """True in a worker that an elastic ``horovodrun`` (``--min-np``/``--max-np``, a discovery script) started."""
     env = os.environ if environ is None else environ
     return env.get("HOROVOD_ELASTIC") == "1"
+
+
+def restart_in_place(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """``ELASTIC_EXT_RESTART_IN_PLACE`` (default off); raises ConfigError naming a bad value."""
+    env = os.environ if environ is None else environ
+    text = env.get(ENV_RESTART_IN_PLACE, "")
+    return bool(text.strip()) and _parse_bool(ENV_RESTART_IN_PLACE, text)
 
 
 def horovod_rendezvous(environ: Optional[Mapping[str, str]] = None) -> Optional[tuple]:

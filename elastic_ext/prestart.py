@@ -53,6 +53,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Callable, Dict, Mapping, MutableMapping, Optional, Tuple
 
+from elastic_ext import keeper, round_watch
 from elastic_ext.config import (ENV_HOROVOD_RENDEZVOUS_ADDR, ENV_HOROVOD_RENDEZVOUS_PORT, elastic_horovodrun,
                                 horovod_rendezvous)
 from elastic_ext.errors import ConfigError
@@ -162,7 +163,8 @@ def join(binding: Any, environ: Optional[Mapping[str, str]] = None) -> bool:
     launch, _launch = _launch, None  # from here on, Horovod's own answers
     url = store_url(os.environ if environ is None else environ)
     try:
-        _put(f"{url}/{SCOPE}/{int(launch['HOROVOD_RANK'])}")
+        if not keeper.restarts():  # only the newcomers of an early start are waited for
+            _put(f"{url}/{SCOPE}/{int(launch['HOROVOD_RANK'])}")
     except (OSError, ValueError) as exc:
         logger.warning("could not announce this newcomer (%s); the survivors reset after their timeout", exc)
     binding.reset()
@@ -200,9 +202,25 @@ def install(environ: Optional[Mapping[str, str]] = None) -> bool:
 
     @functools.wraps(original)
     def init(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if early_start_under_way():
-            return start_solo(lambda: original(self, *args, **kwargs))
-        return original(self, *args, **kwargs)
+        # A worker its keeper restarted starts solo too, and asks for a rank at @elastic_ext.run.
+        global _first_init_done
+        reset = _first_init_done
+        restarted = keeper.restarts() > 0 and not reset
+        solo = early_start_under_way() or restarted
+        _first_init_done = True
+        keeper.enter_init()
+        # A restartable worker stops waiting for a peer that died (under python -m elastic_ext.horovodrun).
+        stop_watch = round_watch.watch(reset) if keeper.active() and not solo else None
+        try:
+            result = start_solo(lambda: original(self, *args, **kwargs)) if solo else original(self, *args, **kwargs)
+        except BaseException:
+            keeper.leave_init(joined=False)
+            raise
+        finally:
+            if stop_watch is not None:
+                stop_watch()
+        keeper.leave_init(joined=not solo)
+        return result
 
     init.elastic_ext_wraps = original  # type: ignore[attr-defined]
     replaced = {original: init}

@@ -54,10 +54,11 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, TypeVar
 
 import numpy as np
 
-from elastic_ext.config import ENV_HOROVOD_GLOO_TIMEOUT, ElasticConfig, elastic_horovodrun
+from elastic_ext.config import (ENV_CHECKPOINT_DIR, ENV_HOROVOD_GLOO_TIMEOUT, ENV_RESTART_IN_PLACE, ElasticConfig,
+                                elastic_horovodrun)
 from elastic_ext.connections import CollectiveConnections
 from elastic_ext.errors import ConfigError, NumericFaultError, RollbackLimitError
-from elastic_ext import prestart
+from elastic_ext import keeper, prestart
 from elastic_ext.numeric_rollback import NumericRecovery
 from elastic_ext.events import FINISH, LEAVE, RECOVERED, RESET, RESIZE, ROLLBACK, ROLLBACK_LIMIT, STALL, SUSPENDED
 from elastic_ext.watchdog import LEAVE_EXIT_CODE, LIVENESS, Liveness, Watchdog, install_sigterm, restore_sigterm
@@ -257,6 +258,11 @@ def run(func: Optional[F] = None, *, counter: Optional[str] = "step") -> Any:
             _announce_mpi(config)
         else:
             rendezvous_timeout(config)
+        if keeper.restarts() and config.checkpoint_dir is None:
+            raise ConfigError(
+                f"this worker was restarted in place ({ENV_RESTART_IN_PLACE}=1) and holds no commit; without a "
+                f"checkpoint_dir ({ENV_CHECKPOINT_DIR}) a job whose every worker was restarted would train again "
+                "from scratch: set one, or turn restarts in place off")
         notification_manager.init()
         notification_manager.register_listener(state)
         dog = Watchdog(config, on_stall=lambda idle: events.emit(STALL, idle_s=idle),

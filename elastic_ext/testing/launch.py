@@ -58,6 +58,36 @@ def kill_tree(pid: int) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
+def script_process(worker: psutil.Process) -> psutil.Process:
+    """The process running a worker's script: ``worker`` itself, or its child when ``worker`` is its keeper.
+
+    With ``ELASTIC_EXT_RESTART_IN_PLACE=1`` the process Horovod's driver
+    started (the keeper, :mod:`elastic_ext.keeper`) forks the script's
+    process, with the same command line.
+    """
+    try:
+        for child in worker.children():
+            if child.cmdline() == worker.cmdline() and child.status() != psutil.STATUS_ZOMBIE:
+                return child
+    except psutil.NoSuchProcess:
+        pass
+    return worker
+
+
+def kill_worker(pid: int) -> None:
+    """SIGKILLs a worker as a lost machine would: the script's process ``pid`` and its keeper, if it has one."""
+    proc = psutil.Process(pid)
+    parent = proc.parent()
+    targets = [proc]
+    if parent is not None and parent.cmdline() == proc.cmdline():
+        targets.insert(0, parent)
+    for target in targets:
+        try:
+            target.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 class Job:
     """A running command whose whole tree is killed on timeout or exit."""
 
@@ -122,5 +152,5 @@ def static_cmd(np_: int, script: str, *script_args: str) -> List[str]:
 
 
 
-__all__ = ["REPO", "VENV_BIN", "WORKERS", "STATIC", "base_env", "kill_tree", "Job", "run", "write_hosts",
-           "elastic_cmd", "static_cmd"]
+__all__ = ["REPO", "VENV_BIN", "WORKERS", "STATIC", "base_env", "kill_tree", "script_process", "kill_worker", "Job",
+           "run", "write_hosts", "elastic_cmd", "static_cmd"]

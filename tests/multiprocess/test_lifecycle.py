@@ -263,3 +263,50 @@ def test_a_newcomer_sigtermed_before_it_trains_leaves_at_its_first_commit(tmp_pa
     assert {r["size"] for r in records if "gen" in r} == {2, 4}
     analysis.assert_exactly_once(out, DIGITS, 1)
     analysis.assert_ranks_identical(analysis.load_finals(out))
+
+
+def newcomer_killed_before_it_starts_horovod(tmp_path, **env_extra):
+    """Two workers train; at step 8 a host of two newcomers joins, and one of them is SIGKILLed in its start."""
+    out = tmp_path / "job"
+    out.mkdir()
+    env = environment(out, ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S=15, ELASTIC_EXT_CHECKPOINT_DIR=str(out / "ckpt"),
+                      ELASTIC_EXT_CHECKPOINT_EVERY=1, **env_extra)
+    job = launch.Job(grow_at_step_8(out, newcomer_delay_s=4), env, str(out / "horovodrun.log"))
+    deadline = time.monotonic() + 150
+    while not list(out.glob("newcomer-*")):
+        assert job.proc.poll() is None, open(job.log_path).read()[-5000:]
+        assert time.monotonic() < deadline, "no newcomer started"
+        time.sleep(0.05)
+    launch.kill_worker(int(sorted(out.glob("newcomer-*"))[0].name.split("-")[1]))
+    return out, job
+
+
+@pytest.mark.timeout(300)
+def test_a_newcomer_killed_while_the_round_forms_ends_the_job_without_restart_in_place(tmp_path):
+    # The soak's most frequent job death: a member of a forming round dies
+    # before Gloo connected it; the others wait for it inside the native
+    # hvd.init(), end in std::terminate, and every member of the round has
+    # failed ("failure count == 4"). This is what restart in place is for.
+    out, job = newcomer_killed_before_it_starts_horovod(tmp_path)
+    code, output = job.wait(240)
+    assert code != 0
+    assert "failure count == 4" in output or "Aborted" in output, output[-5000:]
+
+
+@pytest.mark.timeout(300)
+def test_with_restart_in_place_a_newcomer_killed_while_the_round_forms_costs_only_its_host(tmp_path):
+    # The same, with ELASTIC_EXT_RESTART_IN_PLACE=1: each worker that Gloo
+    # aborts in hvd.init() is restarted by its keeper and asks for a rank in
+    # the driver's next round; the killed newcomer is that round's only
+    # failure, its host is blacklisted (its other newcomer is removed), and
+    # the two survivors resume from the newest checkpoint and finish the epoch.
+    out, job = newcomer_killed_before_it_starts_horovod(tmp_path, ELASTIC_EXT_RESTART_IN_PLACE=1)
+    code, output = job.wait(240)
+    assert code == 0, output[-5000:]
+    assert "restarting it in place" in output
+    assert "failure count" not in output
+    records = ledger.read(str(out))
+    sizes = [r["size"] for r in records if "gen" in r]
+    assert sizes[0] == 2 and sizes[-1] == 2, "the job goes on with the two survivors' host"
+    analysis.assert_exactly_once(out, DIGITS, 1)
+    analysis.assert_ranks_identical(analysis.load_finals(out))

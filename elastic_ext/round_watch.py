@@ -1,0 +1,111 @@
+"""Ending a wait in ``hvd.init()`` for a peer that is already dead.
+
+Horovod hands out a round's ranks, then its members connect through Gloo.
+A member that dies in between leaves the others waiting inside the native
+``hvd.init()`` until ``rendezvous_timeout_s`` (120 s by default); meanwhile
+the job trains nowhere, and every further fault that lands in that window
+adds a failure to the round (``bench.soak`` lost jobs that way).
+
+``python -m elastic_ext.horovodrun`` publishes in its rendezvous server's
+store the current round's number and a key per round in which a member
+failed (:data:`SCOPE`). While a worker whose keeper can restart it
+(:mod:`elastic_ext.keeper`) is inside ``hvd.init()``, a thread of
+:func:`watch` reads that key for the worker's round and, once it is there,
+aborts the process: the keeper restarts it and it asks for a rank in the
+next round at once. Under plain ``horovodrun`` the keys never appear and
+nothing happens.
+
+Which round is the worker's: a worker's first ``hvd.init()`` is in the round
+current when it starts (the driver starts it for that round); a reset's
+``hvd.init()`` first records the worker as ready in the current round's
+barrier, whose completion starts the next round, so it is the current one
+plus one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import urllib.error
+import urllib.request
+from typing import Callable, Optional
+
+from elastic_ext.config import elastic_horovodrun, horovod_rendezvous
+from elastic_ext.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+SCOPE = "elastic_ext_round"  # in the rendezvous server's store; cleared by Horovod at every new round
+CURRENT = "current"          # the number of the current round
+POLL_S = 0.25
+REQUEST_TIMEOUT_S = 2.0
+
+
+def failed_key(round_id: int) -> str:
+    """The key that exists once a member of round ``round_id`` failed."""
+    return f"failed_{round_id}"
+
+
+def _get(url: str) -> Optional[bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=REQUEST_TIMEOUT_S) as response:
+            return response.read()
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            return None
+        raise
+
+
+def _base_url() -> Optional[str]:
+    if not elastic_horovodrun():
+        return None
+    try:
+        rendezvous = horovod_rendezvous()
+    except ConfigError:
+        return None
+    return None if rendezvous is None else f"http://{rendezvous[0]}:{rendezvous[1]}/{SCOPE}"
+
+
+def watch(reset: bool, on_lost: Optional[Callable[[int], None]] = None) -> Callable[[], None]:
+    """Starts watching this worker's round during an ``hvd.init()``; returns the function that stops it.
+
+    ``reset``: this ``hvd.init()`` re-initialises (its round is the next
+    one). ``on_lost(round_id)`` runs in the watching thread when a member of
+    the round failed; by default it aborts the process (SIGABRT, which the
+    keeper restarts). Does nothing when the driver publishes no rounds.
+    """
+    base = _base_url()
+    current = None
+    if base is not None:
+        try:
+            current = _get(f"{base}/{CURRENT}")
+        except OSError:
+            current = None
+    if current is None:
+        return lambda: None
+    mine = int(current) + (1 if reset else 0)
+    stop = threading.Event()
+    thread = threading.Thread(target=_watch, args=(f"{base}/{failed_key(mine)}", mine, stop, on_lost or _abort),
+                              name="elastic_ext-round-watch", daemon=True)
+    thread.start()
+    return stop.set
+
+
+def _watch(url: str, mine: int, stop: threading.Event, on_lost: Callable[[int], None]) -> None:
+    while not stop.wait(POLL_S):
+        try:
+            failed = _get(url)
+        except OSError:
+            continue
+        if failed is not None and not stop.is_set():
+            on_lost(mine)
+            return
+
+
+def _abort(round_id: int) -> None:
+    print(f"elastic_ext: a member of round {round_id} died before the round formed; ending this worker's "
+          f"hvd.init() now rather than at the rendezvous timeout (its keeper restarts it)", file=sys.stderr,
+          flush=True)
+    os.abort()
