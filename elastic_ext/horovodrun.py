@@ -1,0 +1,121 @@
+"""``python -m elastic_ext.horovodrun ARGS``: ``horovodrun ARGS`` with a driver that tells a worker's death from a host's.
+
+The arguments are ``horovodrun``'s. Outside elastic mode this is plain
+``horovodrun``. In elastic mode, Horovod's driver (Horovod 0.28.1's
+``ElasticDriver``, run in this process) changes in two ways:
+
+1. **A host is blacklisted only when it lost all its workers of the round.**
+   Horovod blacklists the host of every failed worker, which also ends that
+   host's other workers ("has been removed from elastic job") and, when two
+   hosts each lose a worker in one round, leaves no host ("blacklisted
+   slots count == N", "No hosts from previous set remaining"): the job ends
+   although most of its workers are alive. A worker killed on a host whose
+   other workers recorded themselves ready in that round is a process
+   failure; the driver starts a new worker in its slot. A host whose every
+   worker of the round failed (a lost machine) is blacklisted as before,
+   and a single-slot host with a failed worker too.
+2. **Workers learn that their round is lost** (:mod:`elastic_ext.round_watch`):
+   the rendezvous server's store holds the current round's number and a key
+   per round in which a member failed, so workers waiting in ``hvd.init()``
+   for a dead peer need not wait for the rendezvous timeout (with
+   ``ELASTIC_EXT_RESTART_IN_PLACE=1``).
+
+Everything else is Horovod's, unchanged: ``--reset-limit``, the blacklist
+cooldown, discovery.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, List, Optional
+
+from elastic_ext.round_watch import CURRENT, SCOPE, failed_key
+
+_originals: dict = {}  # what install() replaced: (class, name) -> the original
+
+
+def _store(driver: Any, key: str, value: bytes) -> None:
+    """Writes into the driver's rendezvous server's key-value store (the scope workers read)."""
+    server = getattr(getattr(driver, "_rendezvous", None), "_httpd", None)
+    if server is None:
+        return
+    with server.cache_lock:
+        server.cache.setdefault(SCOPE, {})[key] = value
+
+
+def install() -> None:
+    """Changes Horovod's elastic driver as the module docstring says; idempotent."""
+    if _originals:
+        return
+    from horovod.runner.elastic.driver import ElasticDriver
+    from horovod.runner.elastic.registration import FAILURE, READY, WorkerStateRegistry
+
+    original_reset = WorkerStateRegistry.reset
+    original_recorded = WorkerStateRegistry._on_workers_recorded
+    original_exit = ElasticDriver._handle_worker_exit
+    original_update = ElasticDriver._update_host_assignments
+
+    def reset(self: Any, size: int) -> None:
+        original_reset(self, size)  # after the new round's assignments, which cleared the store
+        _store(self._driver, CURRENT, str(self.last_rendezvous()).encode("ascii"))
+
+    def on_workers_recorded(self: Any) -> None:
+        manager = self._host_manager
+        ready_hosts = {host for host, _ in self.get(READY)}
+        blacklist = manager.blacklist
+        # The failed slots of hosts that stay: the next round starts a new worker in each.
+        self._driver.elastic_ext_restart = {(host, slot) for host, slot in self.get(FAILURE) if host in ready_hosts}
+
+        def blacklist_lost_hosts(host: str) -> None:
+            if host in ready_hosts:
+                logging.info("elastic_ext: not blacklisting %s: another of its workers is ready (a worker "
+                             "failed, not the host)", host)
+                return
+            blacklist(host)
+
+        manager.blacklist = blacklist_lost_hosts
+        try:
+            original_recorded(self)
+        finally:
+            del manager.blacklist  # the class's method again
+
+    def update_host_assignments(self: Any, current_hosts: Any) -> Any:
+        restart = getattr(self, "elastic_ext_restart", set())
+        self.elastic_ext_restart = set()
+        if restart:  # Horovod starts workers only in slots it does not count as filled
+            self._host_assignments = {host: [slot for slot in slots if (host, slot.local_rank) not in restart]
+                                      for host, slots in self._host_assignments.items()}
+        return original_update(self, current_hosts)
+
+    def handle_worker_exit(self: Any, slot_info: Any, exit_code: int, timestamp: Any) -> None:
+        if exit_code != 0 and not self.finished() and self.has_rank_assignment(slot_info.hostname,
+                                                                                slot_info.local_rank):
+            who = f"{slot_info.hostname}[{slot_info.local_rank}]".encode()
+            _store(self, failed_key(self._worker_registry.last_rendezvous()), who)
+        original_exit(self, slot_info, exit_code, timestamp)
+
+    for cls, name, replacement in ((WorkerStateRegistry, "reset", reset),
+                                   (WorkerStateRegistry, "_on_workers_recorded", on_workers_recorded),
+                                   (ElasticDriver, "_update_host_assignments", update_host_assignments),
+                                   (ElasticDriver, "_handle_worker_exit", handle_worker_exit)):
+        _originals[(cls, name)] = getattr(cls, name)
+        setattr(cls, name, replacement)
+
+
+def uninstall() -> None:
+    """Gives Horovod's driver its own behaviour back (for tests that run both in one process)."""
+    for (cls, name), original in _originals.items():
+        setattr(cls, name, original)
+    _originals.clear()
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    install()
+    from horovod.runner.launch import run_commandline
+    sys.argv = ["horovodrun", *(sys.argv[1:] if argv is None else argv)]
+    run_commandline()
+
+
+if __name__ == "__main__":
+    main()

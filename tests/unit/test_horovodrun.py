@@ -1,0 +1,187 @@
+"""python -m elastic_ext.horovodrun: Horovod's real ElasticDriver and rendezvous server, with elastic_ext's changes.
+
+Workers are threads that send the HTTP request ``hvd.init()`` sends; a
+worker "dies" when the function the driver runs for it returns exit code 1.
+Each test runs with the changes and, where it shows what they change,
+without them (Horovod's own behaviour).
+"""
+
+import threading
+import time
+
+import pytest
+
+from elastic_ext import horovodrun, prestart, round_watch
+from tests.unit.test_prestart import Discovery, in_threads, wait_for
+
+
+class Job:
+    """Horovod's driver as horovodrun sets it up, with a worker exit the test triggers per slot."""
+
+    def __init__(self, hosts, min_np, max_np):
+        from horovod.runner.elastic.driver import ElasticDriver
+        from horovod.runner.elastic.rendezvous import create_rendezvous_handler
+        from horovod.runner.http.http_server import RendezvousServer
+
+        self.server = RendezvousServer()
+        self.driver = ElasticDriver(self.server, Discovery(hosts), min_np, max_np, timeout=30)
+        self.port = self.server.start(create_rendezvous_handler(self.driver))
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.started = []
+        self.exits = {}            # (host, local_rank) -> Event: set it and that worker exits with code 1
+        self.finish = threading.Event()
+
+    def _create_worker(self, slot_info, events):
+        key = (slot_info.hostname, slot_info.local_rank)
+        self.started.append(key)
+        died = self.exits.setdefault(key, threading.Event())
+        while not self.finish.is_set():
+            if died.wait(0.05):
+                self.exits[key] = threading.Event()  # a worker started later in this slot lives
+                return 1, time.time()
+        return 0, time.time()
+
+    def start(self, num_proc):
+        self.driver.wait_for_available_slots(num_proc)
+        self.driver.start(num_proc, self._create_worker)
+
+    def rank_and_size(self, host, local_rank):
+        return prestart.parse_slot(prestart._get(f"{self.url}/rank_and_size/{host}:{local_rank}", timeout_s=30))
+
+    def store(self, key):
+        return prestart._get(f"{self.url}/{round_watch.SCOPE}/{key}")
+
+    def stop(self):
+        self.finish.set()
+        self.driver.stop()
+
+
+SLOTS = [("host-a", 0), ("host-a", 1), ("host-b", 0), ("host-b", 1)]
+
+
+def started_job():
+    job = Job({"host-a": 2, "host-b": 2}, 2, 4)
+    job.start(4)
+    assert wait_for(lambda: len(job.started) == 4)
+    return job
+
+
+@pytest.fixture
+def changed():
+    horovodrun.install()
+    yield
+    horovodrun.uninstall()
+
+
+def a_worker_of_host_a_dies_in_a_round(job):
+    """host-a[1] fails while the three others ask for their ranks again (as after a collective failure)."""
+    asks, threads = in_threads(*[lambda s=s: job.rank_and_size(*s) for s in SLOTS if s != ("host-a", 1)])
+    time.sleep(0.3)
+    job.exits[("host-a", 1)].set()
+    for thread in threads:
+        thread.join(30)
+    return asks
+
+
+def test_horovod_blacklists_a_host_when_one_of_its_workers_fails():
+    job = started_job()
+    try:
+        asks = a_worker_of_host_a_dies_in_a_round(job)
+        assert asks == [(-1, -1), (0, 2), (1, 2)]  # host-a[0], alive, is removed from the job
+    finally:
+        job.stop()
+
+
+def test_a_host_whose_other_worker_is_ready_stays_and_the_failed_slot_gets_a_new_worker(changed):
+    job = started_job()
+    try:
+        asks = a_worker_of_host_a_dies_in_a_round(job)
+        assert [size for _, size in asks] == [4, 4, 4]
+        assert wait_for(lambda: job.started.count(("host-a", 1)) == 2), job.started
+        assert not job.driver._host_manager.is_blacklisted("host-a")
+    finally:
+        job.stop()
+
+
+def test_a_host_that_lost_every_worker_is_still_blacklisted(changed):
+    job = started_job()
+    try:
+        asks, threads = in_threads(lambda: job.rank_and_size("host-b", 0), lambda: job.rank_and_size("host-b", 1))
+        time.sleep(0.3)
+        job.exits[("host-a", 0)].set()
+        job.exits[("host-a", 1)].set()
+        for thread in threads:
+            thread.join(30)
+        assert asks == [(0, 2), (1, 2)]
+        assert job.driver._host_manager.is_blacklisted("host-a")
+    finally:
+        job.stop()
+
+
+def test_the_store_says_the_current_round_and_when_a_member_of_it_failed(changed):
+    job = started_job()
+    try:
+        assert job.store(round_watch.CURRENT) == b"1"
+        assert job.store(round_watch.failed_key(1)) is None
+        job.exits[("host-a", 1)].set()
+        assert wait_for(lambda: job.store(round_watch.failed_key(1)) == b"host-a[1]")
+    finally:
+        job.stop()
+
+
+def test_no_round_is_published_by_horovods_own_driver():
+    job = started_job()
+    try:
+        assert job.store(round_watch.CURRENT) is None
+    finally:
+        job.stop()
+
+
+def watch_env(monkeypatch, job):
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1")
+    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_PORT", str(job.port))
+
+
+def test_a_worker_waiting_in_its_first_init_learns_that_its_round_lost_a_member(changed, monkeypatch):
+    job = started_job()
+    try:
+        watch_env(monkeypatch, job)
+        lost = []
+        stop = round_watch.watch(reset=False, on_lost=lost.append)
+        time.sleep(0.6)
+        assert lost == []
+        job.exits[("host-b", 0)].set()
+        assert wait_for(lambda: lost == [1], 10)
+        stop()
+    finally:
+        job.stop()
+
+
+def test_a_resetting_worker_watches_the_next_round_not_the_one_whose_failure_it_recovers_from(changed, monkeypatch):
+    job = started_job()
+    try:
+        watch_env(monkeypatch, job)
+        job.exits[("host-a", 1)].set()  # round 1 lost a member: the others reset
+        assert wait_for(lambda: job.store(round_watch.failed_key(1)) is not None)
+        lost = []
+        stop = round_watch.watch(reset=True, on_lost=lost.append)
+        time.sleep(0.6)
+        assert lost == [], "round 1's failure is why this worker resets; its round is 2"
+        stop()
+    finally:
+        job.stop()
+
+
+def test_without_the_drivers_rounds_nothing_is_watched(monkeypatch):
+    job = started_job()
+    try:
+        watch_env(monkeypatch, job)
+        lost = []
+        stop = round_watch.watch(reset=False, on_lost=lost.append)
+        job.exits[("host-b", 0)].set()
+        time.sleep(1.0)
+        assert lost == []
+        stop()
+    finally:
+        job.stop()
