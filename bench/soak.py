@@ -111,7 +111,8 @@ def steps_after(out: str, t: float) -> int:
 
 
 def soak(out: str, count: int, seed: int, gap_s=(5.0, 9.0), timeout_s: float = 1800.0,
-         log=print, restarts: int = 0, driver_log_level: str = "") -> Dict[str, Any]:
+         log=print, restarts: int = 0, driver_log_level: str = "", restart_in_place: bool = True,
+         rendezvous_timeout_s: float = 0.0) -> Dict[str, Any]:
     os.makedirs(out, exist_ok=True)
     rng = random.Random(seed + 1)
     schedule = make_schedule(count, seed)
@@ -137,6 +138,11 @@ def soak(out: str, count: int, seed: int, gap_s=(5.0, 9.0), timeout_s: float = 1
                           ELASTIC_EXT_CHECKPOINT_KEEP_LAST=3, ELASTIC_EXT_HANG_TIMEOUT_S=10,
                           ELASTIC_EXT_TERM_GRACE_S=20, ELASTIC_EXT_ROLLBACK_LIMIT=20)
     env.pop("HOROVOD_FUSION_THRESHOLD", None)  # Horovod's default: fused allreduces
+    if restart_in_place:  # workers with keepers, under elastic_ext's driver (see elastic_ext.horovodrun)
+        env["ELASTIC_EXT_RESTART_IN_PLACE"] = "1"
+        cmd = launch.under_elastic_ext_driver(cmd)
+    if rendezvous_timeout_s:
+        env["ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S"] = str(rendezvous_timeout_s)
     if restarts:  # a job Horovod's driver ends is started again and resumes from its newest checkpoint
         cmd = [sys.executable, "-m", "elastic_ext.supervise", "--max-restarts", str(restarts), "--backoff-s", "2",
                "--", *cmd]
@@ -186,13 +192,18 @@ def soak(out: str, count: int, seed: int, gap_s=(5.0, 9.0), timeout_s: float = 1
             launch.write_hosts(hosts_file, [h for h in all_hosts if h != removed])
             record["host"] = removed
         else:
-            target = procs[rng.randrange(len(procs))]
+            # The script's process; a SIGKILL takes its keeper too (a lost machine), SIGSTOP and SIGTERM
+            # reach the script (a hang; a scheduler signals every process of the job).
+            scripts = [launch.script_process(p) for p in procs]
+            target = scripts[rng.randrange(len(scripts))]
             if kind == "kill_rank0":
-                zero = [p for p in procs if rank_of(out, p.pid) == 0]
+                zero = [p for p in scripts if rank_of(out, p.pid) == 0]
                 target = zero[0] if zero else target
-            sig = {"stop": signal.SIGSTOP, "term": signal.SIGTERM}.get(kind, signal.SIGKILL)
             try:
-                target.send_signal(sig)
+                if kind in ("stop", "term"):
+                    target.send_signal(signal.SIGSTOP if kind == "stop" else signal.SIGTERM)
+                else:
+                    launch.kill_worker(target.pid)
             except psutil.NoSuchProcess:
                 continue
             record.update(pid=target.pid, rank=rank_of(out, target.pid))
@@ -256,6 +267,7 @@ def report(out: str, injected: List[dict], code: Optional[int], output: str, tim
         "exactly_once": audit["exactly_once"], "final_ranks": sorted(finals),
         "final_parameters_identical": identical, "identical_detail": log_identical,
         "guardian_kills": output.count("sent no heartbeat"),
+        "restarts_in_place": output.count("restarting it in place"),  # elastic_ext.keeper
         "native_aborts": {s: output.count(s) for s in NATIVE_ABORTS if s in output},
         "last_step_t": last, "faults": injected,
     }
@@ -271,8 +283,15 @@ def main(argv=None) -> int:
                         help="run the job under python -m elastic_ext.supervise with this many restarts")
     parser.add_argument("--driver-log-level", default="", choices=["", "INFO", "DEBUG"],
                         help="horovodrun --log-level: the driver's rounds (who recorded READY or FAILURE) in the log")
+    parser.add_argument("--no-restart-in-place", action="store_true",
+                        help="plain horovodrun and workers without a keeper (ELASTIC_EXT_RESTART_IN_PLACE off)")
+    parser.add_argument("--rendezvous-timeout-s", type=float, default=0.0,
+                        help="ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S for the job (0: elastic_ext's default, 120 s)")
     args = parser.parse_args(argv)
-    result = soak(args.out, args.faults, args.seed, restarts=args.restarts, driver_log_level=args.driver_log_level)
+    result = soak(args.out, args.faults, args.seed, restarts=args.restarts, driver_log_level=args.driver_log_level,
+                  restart_in_place=not args.no_restart_in_place, rendezvous_timeout_s=args.rendezvous_timeout_s)
+    result["options"] = {"restart_in_place": not args.no_restart_in_place,
+                         "rendezvous_timeout_s": args.rendezvous_timeout_s or None, "restarts": args.restarts}
     text = json.dumps({k: v for k, v in result.items() if k != "faults"}, indent=1, sort_keys=True)
     print(text)
     if args.json:

@@ -20,16 +20,21 @@ The arguments are ``horovodrun``'s. Outside elastic mode this is plain
    for a dead peer need not wait for the rendezvous timeout (with
    ``ELASTIC_EXT_RESTART_IN_PLACE=1``).
 
-Everything else is Horovod's, unchanged: ``--reset-limit``, the blacklist
+The workers restart in place (:mod:`elastic_ext.keeper`) unless
+``ELASTIC_EXT_RESTART_IN_PLACE`` says otherwise, when the job has durable
+checkpoints (``ELASTIC_EXT_CHECKPOINT_DIR``): a restarted worker holds no
+commit. Everything else is Horovod's, unchanged: ``--reset-limit``, the blacklist
 cooldown, discovery.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
-from typing import Any, List, Optional
+from typing import Any, List, MutableMapping, Optional
 
+from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_RESTART_IN_PLACE, restart_in_place
 from elastic_ext.round_watch import CURRENT, SCOPE, failed_key
 
 _originals: dict = {}  # what install() replaced: (class, name) -> the original
@@ -69,7 +74,7 @@ def install() -> None:
 
         def blacklist_lost_hosts(host: str) -> None:
             if host in ready_hosts:
-                logging.info("elastic_ext: not blacklisting %s: another of its workers is ready (a worker "
+                logging.warning("elastic_ext: not blacklisting %s: another of its workers is ready (a worker "
                              "failed, not the host)", host)
                 return
             blacklist(host)
@@ -110,7 +115,19 @@ def uninstall() -> None:
     _originals.clear()
 
 
+def restart_in_place_by_default(environ: MutableMapping[str, str]) -> bool:
+    """Turns restart in place on for the workers when the job has durable checkpoints and the user said nothing.
+
+    A restarted worker holds no commit, so without a checkpoint directory it
+    cannot help. Returns whether the workers restart in place.
+    """
+    if ENV_RESTART_IN_PLACE not in environ and environ.get(ENV_CHECKPOINT_DIR):
+        environ[ENV_RESTART_IN_PLACE] = "1"
+    return restart_in_place(environ)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
+    restart_in_place_by_default(os.environ)
     install()
     from horovod.runner.launch import run_commandline
     sys.argv = ["horovodrun", *(sys.argv[1:] if argv is None else argv)]

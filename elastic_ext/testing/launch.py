@@ -144,6 +144,11 @@ def elastic_cmd(np_: int, min_np: int, max_np: int, hosts_file: str, script: str
             "--network-interfaces", "lo", sys.executable, os.path.join(WORKERS, script), *script_args]
 
 
+def under_elastic_ext_driver(cmd: Sequence[str]) -> List[str]:
+    """A ``horovodrun`` command line run by ``python -m elastic_ext.horovodrun`` instead (the same arguments)."""
+    return [sys.executable, "-m", "elastic_ext.horovodrun", *cmd[1:]]
+
+
 def static_cmd(np_: int, script: str, *script_args: str) -> List[str]:
     """horovodrun with a fixed world of ``np_`` local Gloo workers, running a test worker."""
     return [os.path.join(VENV_BIN, "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
@@ -153,4 +158,4 @@ def static_cmd(np_: int, script: str, *script_args: str) -> List[str]:
 
 
 __all__ = ["REPO", "VENV_BIN", "WORKERS", "STATIC", "base_env", "kill_tree", "script_process", "kill_worker", "Job",
-           "run", "write_hosts", "elastic_cmd", "static_cmd"]
+           "run", "write_hosts", "elastic_cmd", "under_elastic_ext_driver", "static_cmd"]

@@ -265,6 +265,12 @@ def test_a_newcomer_sigtermed_before_it_trains_leaves_at_its_first_commit(tmp_pa
     analysis.assert_ranks_identical(analysis.load_finals(out))
 
 
+def sizes_in_time_order(out):
+    """The world size of every step the job trained, in the order they were trained."""
+    records = sorted((r for r in ledger.read(str(out)) if "gen" in r), key=lambda r: r["t"])
+    return [r["size"] for r in records]
+
+
 def newcomer_killed_before_it_starts_horovod(tmp_path, **env_extra):
     """Two workers train; at step 8 a host of two newcomers joins, and one of them is SIGKILLed in its start."""
     out = tmp_path / "job"
@@ -305,8 +311,61 @@ def test_with_restart_in_place_a_newcomer_killed_while_the_round_forms_costs_onl
     assert code == 0, output[-5000:]
     assert "restarting it in place" in output
     assert "failure count" not in output
-    records = ledger.read(str(out))
-    sizes = [r["size"] for r in records if "gen" in r]
+    sizes = sizes_in_time_order(out)
     assert sizes[0] == 2 and sizes[-1] == 2, "the job goes on with the two survivors' host"
+    analysis.assert_exactly_once(out, DIGITS, 1)
+    analysis.assert_ranks_identical(analysis.load_finals(out))
+
+
+# ------------------------------------------- python -m elastic_ext.horovodrun
+
+def test_under_elastic_ext_horovodrun_a_killed_worker_costs_no_healthy_neighbour(tmp_path):
+    # Rank 1 (localhost's second slot) is SIGKILLed at step 10. Horovod's driver
+    # blacklists localhost and removes its healthy worker too (the job goes on
+    # with 2); elastic_ext's driver keeps the host, whose other worker recorded
+    # itself ready, and starts a new worker in the slot (the job goes on with 4).
+    results = {}
+    for driver in ("horovod", "elastic_ext"):
+        out = tmp_path / driver
+        out.mkdir()
+        cmd = command(out, "--faults", "1:10:kill:allreduce")
+        if driver == "elastic_ext":
+            cmd = launch.under_elastic_ext_driver(cmd)
+        code, output = launch.run(cmd, environment(out), str(out / "horovodrun.log"), 240)
+        assert code == 0, output[-5000:]
+        sizes = sizes_in_time_order(out)
+        results[driver] = (sizes, sizes[-1], output)
+        analysis.assert_exactly_once(out, DIGITS, 1)
+        analysis.assert_ranks_identical(analysis.load_finals(out))
+    assert results["horovod"][1] == 2 and "has been removed from elastic job" in results["horovod"][2]
+    assert results["elastic_ext"][1] == 4, results["elastic_ext"][0]
+    assert "has been removed from elastic job" not in results["elastic_ext"][2]
+    assert "not blacklisting localhost" in results["elastic_ext"][2]
+
+
+@pytest.mark.timeout(300)
+def test_under_elastic_ext_horovodrun_workers_stop_waiting_for_a_newcomer_that_died(tmp_path):
+    # The newcomer killed while its round forms, with restart in place, under
+    # elastic_ext's driver and the default 120 s rendezvous timeout: the
+    # others learn from the driver that their round lost a member and are
+    # restarted at once, and the killed newcomer's slot gets a new worker
+    # (its host's other newcomer was ready), so the job grows back to 4.
+    out = tmp_path / "job"
+    out.mkdir()
+    env = environment(out, ELASTIC_EXT_CHECKPOINT_DIR=str(out / "ckpt"), ELASTIC_EXT_CHECKPOINT_EVERY=1,
+                      ELASTIC_EXT_RESTART_IN_PLACE=1)
+    job = launch.Job(launch.under_elastic_ext_driver(grow_at_step_8(out, newcomer_delay_s=4)), env,
+                     str(out / "horovodrun.log"))
+    deadline = time.monotonic() + 150
+    while not list(out.glob("newcomer-*")):
+        assert job.proc.poll() is None, open(job.log_path).read()[-5000:]
+        assert time.monotonic() < deadline, "no newcomer started"
+        time.sleep(0.05)
+    launch.kill_worker(int(sorted(out.glob("newcomer-*"))[0].name.split("-")[1]))
+    code, output = job.wait(240)
+    assert code == 0, output[-5000:]
+    assert "died before the round formed" in output
+    assert "Wait timeout" not in output, "nobody waited out the rendezvous timeout"
+    assert sizes_in_time_order(out)[-1] == 4
     analysis.assert_exactly_once(out, DIGITS, 1)
     analysis.assert_ranks_identical(analysis.load_finals(out))

@@ -185,3 +185,13 @@ def test_without_the_drivers_rounds_nothing_is_watched(monkeypatch):
         stop()
     finally:
         job.stop()
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({"ELASTIC_EXT_CHECKPOINT_DIR": "/ckpt"}, True),
+    ({}, False),                                                            # nothing to restart from
+    ({"ELASTIC_EXT_CHECKPOINT_DIR": "/ckpt", "ELASTIC_EXT_RESTART_IN_PLACE": "0"}, False),  # the user said no
+    ({"ELASTIC_EXT_RESTART_IN_PLACE": "1"}, True),
+])
+def test_workers_restart_in_place_by_default_when_the_job_has_checkpoints(environ, expected):
+    assert horovodrun.restart_in_place_by_default(environ) is expected
