@@ -15,10 +15,11 @@ The arguments are ``horovodrun``'s. Outside elastic mode this is plain
    worker of the round failed (a lost machine) is blacklisted as before,
    and a single-slot host with a failed worker too.
 2. **Workers learn that their round is lost** (:mod:`elastic_ext.round_watch`):
-   the rendezvous server's store holds the current round's number and a key
-   per round in which a member failed, so workers waiting in ``hvd.init()``
-   for a dead peer need not wait for the rendezvous timeout (with
-   ``ELASTIC_EXT_RESTART_IN_PLACE=1``).
+   the rendezvous server's store holds the current round's number and
+   slots, and a key per round in which a member failed, so workers waiting
+   in ``hvd.init()`` for a dead peer need not wait for the rendezvous
+   timeout, and a keeper does not restart a worker whose slot left the job
+   (with ``ELASTIC_EXT_RESTART_IN_PLACE=1``).
 
 The workers restart in place (:mod:`elastic_ext.keeper`) unless
 ``ELASTIC_EXT_RESTART_IN_PLACE`` says otherwise, when the job has durable
@@ -35,7 +36,7 @@ import sys
 from typing import Any, List, MutableMapping, Optional
 
 from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_RESTART_IN_PLACE, restart_in_place
-from elastic_ext.round_watch import CURRENT, SCOPE, failed_key
+from elastic_ext.round_watch import ASSIGNED, CURRENT, SCOPE, failed_key
 
 _originals: dict = {}  # what install() replaced: (class, name) -> the original
 
@@ -63,7 +64,11 @@ def install() -> None:
 
     def reset(self: Any, size: int) -> None:
         original_reset(self, size)  # after the new round's assignments, which cleared the store
-        _store(self._driver, CURRENT, str(self.last_rendezvous()).encode("ascii"))
+        driver = self._driver
+        slots = [f"{host}:{slot.local_rank}" for host, host_slots in driver.host_assignments.items()
+                 for slot in host_slots]
+        _store(driver, ASSIGNED, ",".join(slots).encode("utf-8"))
+        _store(driver, CURRENT, str(self.last_rendezvous()).encode("ascii"))
 
     def on_workers_recorded(self: Any) -> None:
         manager = self._host_manager

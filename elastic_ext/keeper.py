@@ -25,9 +25,12 @@ restarted, the job resumes from its newest durable checkpoint (``run()``
 refuses a restart without a checkpoint directory rather than start the
 training again). Any other end of the child (an exit, SIGKILL, an abort
 outside ``hvd.init()``) ends the keeper the same way, so the driver sees
-what it would have seen. A child whose host Horovod removed aborts again in
-its next ``hvd.init()``; after :data:`MAX_RESTARTS_WITHOUT_JOINING`
-restarts without a real ``hvd.init()`` completing, the keeper gives up.
+what it would have seen. A child whose slot the driver's current round
+does not hold (its host removed or blacklisted; ``python -m
+elastic_ext.horovodrun`` publishes the round's slots) is not restarted: it
+would abort again in its next ``hvd.init()``. Nor is one after
+:data:`MAX_RESTARTS_WITHOUT_JOINING` restarts without a real ``hvd.init()``
+completing (under plain ``horovodrun``, the only limit).
 
 The keeper ignores SIGTERM, SIGINT and SIGHUP: the driver's shutdown and a
 scheduler's preemption signal the whole process tree, and the child handles
@@ -45,6 +48,7 @@ import signal
 import sys
 from typing import Any, Mapping, Optional
 
+from elastic_ext import round_watch
 from elastic_ext.config import ENV_RESTARTED_IN_PLACE, elastic_horovodrun, restart_in_place
 
 logger = logging.getLogger(__name__)
@@ -127,7 +131,8 @@ def install(environ: Optional[Mapping[str, str]] = None) -> bool:
         phase, joined = shared[PHASE], shared[JOINED]
         shared.close()
         without_joining = 0 if joined else without_joining + 1
-        if not restartable(status, phase) or without_joining > MAX_RESTARTS_WITHOUT_JOINING:
+        if not restartable(status, phase) or without_joining > MAX_RESTARTS_WITHOUT_JOINING \
+                or round_watch.slot_assigned(env) is False:  # removed from the job: nothing to restart for
             _end_as(status)
         count += 1
         print(f"elastic_ext: worker {pid} died in hvd.init() while its job re-formed; restarting it in place "

@@ -30,7 +30,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 from elastic_ext.config import elastic_horovodrun, horovod_rendezvous
 from elastic_ext.errors import ConfigError
@@ -41,6 +41,9 @@ SCOPE = "elastic_ext_round"  # in the rendezvous server's store; cleared by Horo
 CURRENT = "current"          # the number of the current round
 POLL_S = 0.25
 REQUEST_TIMEOUT_S = 2.0
+
+
+ASSIGNED = "assigned"         # the current round's slots, "host:local_rank" joined by commas
 
 
 def failed_key(round_id: int) -> str:
@@ -58,14 +61,34 @@ def _get(url: str) -> Optional[bytes]:
         raise
 
 
-def _base_url() -> Optional[str]:
-    if not elastic_horovodrun():
+def _base_url(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    if not elastic_horovodrun(environ):
         return None
     try:
-        rendezvous = horovod_rendezvous()
+        rendezvous = horovod_rendezvous(environ)
     except ConfigError:
         return None
     return None if rendezvous is None else f"http://{rendezvous[0]}:{rendezvous[1]}/{SCOPE}"
+
+
+def slot_assigned(environ: Optional[Mapping[str, str]] = None) -> Optional[bool]:
+    """Whether this worker's slot is in the driver's current round (None: the driver does not say).
+
+    A worker whose slot is not (its host removed or blacklisted) has nothing
+    to restart for: Horovod starts a new worker if the slot comes back.
+    """
+    env = os.environ if environ is None else environ
+    base = _base_url(env)
+    if base is None or not env.get("HOROVOD_HOSTNAME") or "HOROVOD_LOCAL_RANK" not in env:
+        return None
+    try:
+        assigned = _get(f"{base}/{ASSIGNED}")
+    except OSError:
+        return None
+    if assigned is None:
+        return None
+    slot = f"{env['HOROVOD_HOSTNAME']}:{env['HOROVOD_LOCAL_RANK']}"
+    return slot in assigned.decode("utf-8", "replace").split(",")
 
 
 def watch(reset: bool, on_lost: Optional[Callable[[int], None]] = None) -> Callable[[], None]:

@@ -195,3 +195,35 @@ def test_without_the_drivers_rounds_nothing_is_watched(monkeypatch):
 ])
 def test_workers_restart_in_place_by_default_when_the_job_has_checkpoints(environ, expected):
     assert horovodrun.restart_in_place_by_default(environ) is expected
+
+
+def test_a_keeper_can_tell_whether_its_slot_is_still_in_the_job(changed, monkeypatch):
+    job = started_job()
+    try:
+        watch_env(monkeypatch, job)
+        assert job.store(round_watch.ASSIGNED).decode().split(",") == [f"{h}:{s}" for h, s in SLOTS]
+        env = {"HOROVOD_ELASTIC": "1", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+               "HOROVOD_GLOO_RENDEZVOUS_PORT": str(job.port), "HOROVOD_HOSTNAME": "host-b", "HOROVOD_LOCAL_RANK": "1"}
+        assert round_watch.slot_assigned(env) is True
+        # host-b loses both workers in a round: it is blacklisted and its slots leave the job
+        asks, threads = in_threads(lambda: job.rank_and_size("host-a", 0), lambda: job.rank_and_size("host-a", 1))
+        time.sleep(0.3)
+        job.exits[("host-b", 0)].set()
+        job.exits[("host-b", 1)].set()
+        for thread in threads:
+            thread.join(30)
+        assert asks == [(0, 2), (1, 2)]
+        assert round_watch.slot_assigned(env) is False
+        assert round_watch.slot_assigned({**env, "HOROVOD_HOSTNAME": "host-a"}) is True
+    finally:
+        job.stop()
+
+
+def test_without_the_drivers_rounds_a_keeper_is_not_told(monkeypatch):
+    job = started_job()
+    try:
+        env = {"HOROVOD_ELASTIC": "1", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+               "HOROVOD_GLOO_RENDEZVOUS_PORT": str(job.port), "HOROVOD_HOSTNAME": "host-b", "HOROVOD_LOCAL_RANK": "1"}
+        assert round_watch.slot_assigned(env) is None
+    finally:
+        job.stop()
