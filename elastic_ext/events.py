@@ -60,6 +60,10 @@ The run loop (``run.py``):
   shows one rank slow for long enough (:mod:`elastic_ext.eviction`);
   ``commit_id``, ``evicted_rank``, ``step``, ``ratio``, ``slow_since``,
   ``slow_steps``, ``ratios``, and ``host`` on the evicted rank.
+- ``restarted_in_place`` (:data:`RESTARTED_IN_PLACE`, at ``@elastic_ext.run``
+  of a worker its keeper restarted, see :mod:`elastic_ext.keeper`): Gloo
+  aborted the previous process of this slot inside ``hvd.init()``;
+  ``restarts`` (how many times this slot's keeper restarted it).
 - ``job_restart`` (:data:`JOB_RESTART`, written by ``python -m
   elastic_ext.supervise`` with rank -1): the whole job failed and is started
   again; ``exit_code``, ``restart``, ``max_restarts``, ``ran_s``.
@@ -110,11 +114,12 @@ CHECKPOINT_RESUMED = "checkpoint_resumed"
 NUMERIC_ROLLBACK = "numeric_rollback"
 STRAGGLER = "straggler"
 JOB_RESTART = "job_restart"
+RESTARTED_IN_PLACE = "restarted_in_place"
 
 #: Every event name elastic_ext emits (the module docstring says what each means).
 ALL_EVENTS = (COMMIT, SYNC, ROLLBACK, ROLLBACK_LIMIT, RESIZE, PRESTART, NEWCOMERS_JOINED, RESET, RECOVERED,
               FINISH, STALL, SUSPENDED, LEAVE, CHECKPOINT, CHECKPOINT_SKIPPED, CHECKPOINT_FAILED, CHECKPOINT_RESUMED, NUMERIC_ROLLBACK,
-              STRAGGLER, JOB_RESTART)
+              STRAGGLER, JOB_RESTART, RESTARTED_IN_PLACE)
 
 
 class EventLog:

@@ -60,7 +60,8 @@ from elastic_ext.connections import CollectiveConnections
 from elastic_ext.errors import ConfigError, NumericFaultError, RollbackLimitError
 from elastic_ext import keeper, prestart
 from elastic_ext.numeric_rollback import NumericRecovery
-from elastic_ext.events import FINISH, LEAVE, RECOVERED, RESET, RESIZE, ROLLBACK, ROLLBACK_LIMIT, STALL, SUSPENDED
+from elastic_ext.events import (FINISH, LEAVE, RECOVERED, RESET, RESIZE, RESTARTED_IN_PLACE, ROLLBACK, ROLLBACK_LIMIT,
+                                STALL, SUSPENDED)
 from elastic_ext.watchdog import LEAVE_EXIT_CODE, LIVENESS, Liveness, Watchdog, install_sigterm, restore_sigterm
 
 if TYPE_CHECKING:
@@ -263,6 +264,8 @@ def run(func: Optional[F] = None, *, counter: Optional[str] = "step") -> Any:
                 f"this worker was restarted in place ({ENV_RESTART_IN_PLACE}=1) and holds no commit; without a "
                 f"checkpoint_dir ({ENV_CHECKPOINT_DIR}) a job whose every worker was restarted would train again "
                 "from scratch: set one, or turn restarts in place off")
+        if keeper.restarts():
+            events.emit(RESTARTED_IN_PLACE, restarts=keeper.restarts())
         notification_manager.init()
         notification_manager.register_listener(state)
         dog = Watchdog(config, on_stall=lambda idle: events.emit(STALL, idle_s=idle),

@@ -311,6 +311,8 @@ def test_with_restart_in_place_a_newcomer_killed_while_the_round_forms_costs_onl
     assert code == 0, output[-5000:]
     assert "restarting it in place" in output
     assert "failure count" not in output
+    restarted = [e for e in analysis.read_events(str(out / "events.jsonl")) if e["event"] == "restarted_in_place"]
+    assert len(restarted) >= 2 and all(e["restarts"] >= 1 for e in restarted), restarted  # the two survivors
     sizes = sizes_in_time_order(out)
     assert sizes[0] == 2 and sizes[-1] == 2, "the job goes on with the two survivors' host"
     analysis.assert_exactly_once(out, DIGITS, 1)
