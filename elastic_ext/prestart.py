@@ -49,14 +49,12 @@ import sys
 import threading
 import time
 import types
-import urllib.error
 import urllib.request
 from typing import Any, Callable, Dict, Mapping, MutableMapping, Optional, Tuple
 
 from elastic_ext import keeper, round_watch
-from elastic_ext.config import (ENV_HOROVOD_RENDEZVOUS_ADDR, ENV_HOROVOD_RENDEZVOUS_PORT, elastic_horovodrun,
-                                horovod_rendezvous)
-from elastic_ext.errors import ConfigError
+from elastic_ext.config import ENV_HOROVOD_RENDEZVOUS_ADDR, ENV_HOROVOD_RENDEZVOUS_PORT
+from elastic_ext.round_watch import store_url
 
 logger = logging.getLogger(__name__)
 
@@ -67,17 +65,6 @@ POLL_S = 0.1
 REQUEST_TIMEOUT_S = 10.0
 
 
-def store_url(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
-    """The rendezvous server's URL when this process is a worker of an elastic ``horovodrun``, else None."""
-    if not elastic_horovodrun(environ):
-        return None
-    try:
-        rendezvous = horovod_rendezvous(environ)
-    except ConfigError:
-        return None  # not a port: no server to reach
-    return None if rendezvous is None else f"http://{rendezvous[0]}:{rendezvous[1]}"
-
-
 def _put(url: str, value: bytes = b"1") -> None:
     request = urllib.request.Request(url, data=value, method="PUT")
     with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S):
@@ -86,13 +73,7 @@ def _put(url: str, value: bytes = b"1") -> None:
 
 def _get(url: str, timeout_s: Optional[float] = REQUEST_TIMEOUT_S) -> Optional[bytes]:
     """The value, or None when the key is not there (404)."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            return response.read()
-    except urllib.error.HTTPError as exc:
-        if exc.code == 404:
-            return None
-        raise
+    return round_watch.get(url, timeout_s)
 
 
 # ------------------------------------------------------------ newcomer side

@@ -51,9 +51,10 @@ def failed_key(round_id: int) -> str:
     return f"failed_{round_id}"
 
 
-def _get(url: str) -> Optional[bytes]:
+def get(url: str, timeout_s: Optional[float] = REQUEST_TIMEOUT_S) -> Optional[bytes]:
+    """A value of the rendezvous server's store, or None when the key is not there (404)."""
     try:
-        with urllib.request.urlopen(url, timeout=REQUEST_TIMEOUT_S) as response:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
             return response.read()
     except urllib.error.HTTPError as exc:
         if exc.code == 404:
@@ -61,14 +62,20 @@ def _get(url: str) -> Optional[bytes]:
         raise
 
 
-def _base_url(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+def store_url(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The rendezvous server's URL when this process is a worker of an elastic ``horovodrun``, else None."""
     if not elastic_horovodrun(environ):
         return None
     try:
         rendezvous = horovod_rendezvous(environ)
     except ConfigError:
-        return None
-    return None if rendezvous is None else f"http://{rendezvous[0]}:{rendezvous[1]}/{SCOPE}"
+        return None  # not a port: no server to reach
+    return None if rendezvous is None else f"http://{rendezvous[0]}:{rendezvous[1]}"
+
+
+def _base_url(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    url = store_url(environ)
+    return None if url is None else f"{url}/{SCOPE}"
 
 
 def slot_assigned(environ: Optional[Mapping[str, str]] = None) -> Optional[bool]:
@@ -82,7 +89,7 @@ def slot_assigned(environ: Optional[Mapping[str, str]] = None) -> Optional[bool]
     if base is None or not env.get("HOROVOD_HOSTNAME") or "HOROVOD_LOCAL_RANK" not in env:
         return None
     try:
-        assigned = _get(f"{base}/{ASSIGNED}")
+        assigned = get(f"{base}/{ASSIGNED}")
     except OSError:
         return None
     if assigned is None:
@@ -103,7 +110,7 @@ def watch(reset: bool, on_lost: Optional[Callable[[int], None]] = None) -> Calla
     current = None
     if base is not None:
         try:
-            current = _get(f"{base}/{CURRENT}")
+            current = get(f"{base}/{CURRENT}")
         except OSError:
             current = None
     if current is None:
@@ -119,7 +126,7 @@ def watch(reset: bool, on_lost: Optional[Callable[[int], None]] = None) -> Calla
 def _watch(url: str, mine: int, stop: threading.Event, on_lost: Callable[[int], None]) -> None:
     while not stop.wait(POLL_S):
         try:
-            failed = _get(url)
+            failed = get(url)
         except OSError:
             continue
         if failed is not None and not stop.is_set():

@@ -210,6 +210,16 @@ def grow_at_step_8(out, newcomer_delay_s):
                               "--newcomer-delay-s", str(newcomer_delay_s))
 
 
+def first_newcomer(out, job):
+    """The pid of the first newcomer, once it has imported its framework (it then sleeps before hvd.init())."""
+    deadline = time.monotonic() + 150
+    while not list(out.glob("newcomer-*")):
+        assert job.proc.poll() is None, open(job.log_path).read()[-5000:]
+        assert time.monotonic() < deadline, "no newcomer started"
+        time.sleep(0.05)
+    return int(sorted(out.glob("newcomer-*"))[0].name.split("-")[1])
+
+
 @pytest.mark.timeout(300)
 def test_survivors_wait_for_a_newcomer_slower_than_horovods_30s_rendezvous_timeout(tmp_path):
     # Two workers train; at step 8 a second host is added. Its newcomers take
@@ -244,12 +254,7 @@ def test_a_newcomer_sigtermed_before_it_trains_leaves_at_its_first_commit(tmp_pa
     out.mkdir()
     env = environment(out, ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S=40, ELASTIC_EXT_TERM_GRACE_S=120)
     job = launch.Job(grow_at_step_8(out, newcomer_delay_s=6), env, str(out / "horovodrun.log"))
-    deadline = time.monotonic() + 150
-    while not list(out.glob("newcomer-*")):
-        assert job.proc.poll() is None, open(job.log_path).read()[-5000:]
-        assert time.monotonic() < deadline, "no newcomer started"
-        time.sleep(0.05)
-    leaver = int(sorted(out.glob("newcomer-*"))[0].name.split("-")[1])
+    leaver = first_newcomer(out, job)
     os.kill(leaver, signal.SIGTERM)
     code, output = job.wait(240)
     assert code == 0, output[-5000:]
@@ -271,19 +276,15 @@ def sizes_in_time_order(out):
     return [r["size"] for r in records]
 
 
-def newcomer_killed_before_it_starts_horovod(tmp_path, **env_extra):
+def newcomer_killed_before_it_starts_horovod(tmp_path, elastic_ext_driver=False, **env_extra):
     """Two workers train; at step 8 a host of two newcomers joins, and one of them is SIGKILLed in its start."""
     out = tmp_path / "job"
     out.mkdir()
-    env = environment(out, ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S=15, ELASTIC_EXT_CHECKPOINT_DIR=str(out / "ckpt"),
-                      ELASTIC_EXT_CHECKPOINT_EVERY=1, **env_extra)
-    job = launch.Job(grow_at_step_8(out, newcomer_delay_s=4), env, str(out / "horovodrun.log"))
-    deadline = time.monotonic() + 150
-    while not list(out.glob("newcomer-*")):
-        assert job.proc.poll() is None, open(job.log_path).read()[-5000:]
-        assert time.monotonic() < deadline, "no newcomer started"
-        time.sleep(0.05)
-    launch.kill_worker(int(sorted(out.glob("newcomer-*"))[0].name.split("-")[1]))
+    env = environment(out, ELASTIC_EXT_CHECKPOINT_DIR=str(out / "ckpt"), ELASTIC_EXT_CHECKPOINT_EVERY=1, **env_extra)
+    cmd = grow_at_step_8(out, newcomer_delay_s=4)
+    job = launch.Job(launch.under_elastic_ext_driver(cmd) if elastic_ext_driver else cmd, env,
+                     str(out / "horovodrun.log"))
+    launch.kill_worker(first_newcomer(out, job))
     return out, job
 
 
@@ -293,7 +294,7 @@ def test_a_newcomer_killed_while_the_round_forms_ends_the_job_without_restart_in
     # before Gloo connected it; the others wait for it inside the native
     # hvd.init(), end in std::terminate, and every member of the round has
     # failed ("failure count == 4"). This is what restart in place is for.
-    out, job = newcomer_killed_before_it_starts_horovod(tmp_path)
+    out, job = newcomer_killed_before_it_starts_horovod(tmp_path, ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S=15)
     code, output = job.wait(240)
     assert code != 0
     assert "failure count == 4" in output or "Aborted" in output, output[-5000:]
@@ -306,7 +307,8 @@ def test_with_restart_in_place_a_newcomer_killed_while_the_round_forms_costs_onl
     # the driver's next round; the killed newcomer is that round's only
     # failure, its host is blacklisted (its other newcomer is removed), and
     # the two survivors resume from the newest checkpoint and finish the epoch.
-    out, job = newcomer_killed_before_it_starts_horovod(tmp_path, ELASTIC_EXT_RESTART_IN_PLACE=1)
+    out, job = newcomer_killed_before_it_starts_horovod(tmp_path, ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S=15,
+                                                        ELASTIC_EXT_RESTART_IN_PLACE=1)
     code, output = job.wait(240)
     assert code == 0, output[-5000:]
     assert "restarting it in place" in output
@@ -352,18 +354,7 @@ def test_under_elastic_ext_horovodrun_workers_stop_waiting_for_a_newcomer_that_d
     # others learn from the driver that their round lost a member and are
     # restarted at once, and the killed newcomer's slot gets a new worker
     # (its host's other newcomer was ready), so the job grows back to 4.
-    out = tmp_path / "job"
-    out.mkdir()
-    env = environment(out, ELASTIC_EXT_CHECKPOINT_DIR=str(out / "ckpt"), ELASTIC_EXT_CHECKPOINT_EVERY=1,
-                      ELASTIC_EXT_RESTART_IN_PLACE=1)
-    job = launch.Job(launch.under_elastic_ext_driver(grow_at_step_8(out, newcomer_delay_s=4)), env,
-                     str(out / "horovodrun.log"))
-    deadline = time.monotonic() + 150
-    while not list(out.glob("newcomer-*")):
-        assert job.proc.poll() is None, open(job.log_path).read()[-5000:]
-        assert time.monotonic() < deadline, "no newcomer started"
-        time.sleep(0.05)
-    launch.kill_worker(int(sorted(out.glob("newcomer-*"))[0].name.split("-")[1]))
+    out, job = newcomer_killed_before_it_starts_horovod(tmp_path, elastic_ext_driver=True, ELASTIC_EXT_RESTART_IN_PLACE=1)
     code, output = job.wait(240)
     assert code == 0, output[-5000:]
     assert "died before the round formed" in output

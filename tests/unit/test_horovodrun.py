@@ -83,6 +83,17 @@ def a_worker_of_host_a_dies_in_a_round(job):
     return asks
 
 
+def a_host_loses_both_workers(job, lost, other):
+    """Both workers of ``lost`` fail while those of ``other`` ask for their ranks again; returns their answers."""
+    asks, threads = in_threads(lambda: job.rank_and_size(other, 0), lambda: job.rank_and_size(other, 1))
+    time.sleep(0.3)
+    job.exits[(lost, 0)].set()
+    job.exits[(lost, 1)].set()
+    for thread in threads:
+        thread.join(30)
+    return asks
+
+
 def test_horovod_blacklists_a_host_when_one_of_its_workers_fails():
     job = started_job()
     try:
@@ -106,13 +117,7 @@ def test_a_host_whose_other_worker_is_ready_stays_and_the_failed_slot_gets_a_new
 def test_a_host_that_lost_every_worker_is_still_blacklisted(changed):
     job = started_job()
     try:
-        asks, threads = in_threads(lambda: job.rank_and_size("host-b", 0), lambda: job.rank_and_size("host-b", 1))
-        time.sleep(0.3)
-        job.exits[("host-a", 0)].set()
-        job.exits[("host-a", 1)].set()
-        for thread in threads:
-            thread.join(30)
-        assert asks == [(0, 2), (1, 2)]
+        assert a_host_loses_both_workers(job, "host-a", "host-b") == [(0, 2), (1, 2)]
         assert job.driver._host_manager.is_blacklisted("host-a")
     finally:
         job.stop()
@@ -135,6 +140,12 @@ def test_no_round_is_published_by_horovods_own_driver():
         assert job.store(round_watch.CURRENT) is None
     finally:
         job.stop()
+
+
+def worker_env(job, host, local_rank):
+    """What horovodrun gives the worker of a slot, as far as round_watch reads it."""
+    return {"HOROVOD_ELASTIC": "1", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(job.port), "HOROVOD_HOSTNAME": host, "HOROVOD_LOCAL_RANK": str(local_rank)}
 
 
 def watch_env(monkeypatch, job):
@@ -201,18 +212,11 @@ def test_a_keeper_can_tell_whether_its_slot_is_still_in_the_job(changed, monkeyp
     job = started_job()
     try:
         watch_env(monkeypatch, job)
-        assert job.store(round_watch.ASSIGNED).decode().split(",") == [f"{h}:{s}" for h, s in SLOTS]
-        env = {"HOROVOD_ELASTIC": "1", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
-               "HOROVOD_GLOO_RENDEZVOUS_PORT": str(job.port), "HOROVOD_HOSTNAME": "host-b", "HOROVOD_LOCAL_RANK": "1"}
+        assert sorted(job.store(round_watch.ASSIGNED).decode().split(",")) == [f"{h}:{s}" for h, s in SLOTS]
+        env = worker_env(job, "host-b", 1)
         assert round_watch.slot_assigned(env) is True
         # host-b loses both workers in a round: it is blacklisted and its slots leave the job
-        asks, threads = in_threads(lambda: job.rank_and_size("host-a", 0), lambda: job.rank_and_size("host-a", 1))
-        time.sleep(0.3)
-        job.exits[("host-b", 0)].set()
-        job.exits[("host-b", 1)].set()
-        for thread in threads:
-            thread.join(30)
-        assert asks == [(0, 2), (1, 2)]
+        assert a_host_loses_both_workers(job, "host-b", "host-a") == [(0, 2), (1, 2)]
         assert round_watch.slot_assigned(env) is False
         assert round_watch.slot_assigned({**env, "HOROVOD_HOSTNAME": "host-a"}) is True
     finally:
@@ -222,8 +226,7 @@ def test_a_keeper_can_tell_whether_its_slot_is_still_in_the_job(changed, monkeyp
 def test_without_the_drivers_rounds_a_keeper_is_not_told(monkeypatch):
     job = started_job()
     try:
-        env = {"HOROVOD_ELASTIC": "1", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
-               "HOROVOD_GLOO_RENDEZVOUS_PORT": str(job.port), "HOROVOD_HOSTNAME": "host-b", "HOROVOD_LOCAL_RANK": "1"}
+        env = worker_env(job, "host-b", 1)
         assert round_watch.slot_assigned(env) is None
     finally:
         job.stop()
