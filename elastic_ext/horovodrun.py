@@ -13,7 +13,10 @@ The arguments are ``horovodrun``'s. Outside elastic mode this is plain
    other workers recorded themselves ready in that round is a process
    failure; the driver starts a new worker in its slot. A host whose every
    worker of the round failed (a lost machine) is blacklisted as before,
-   and a single-slot host with a failed worker too.
+   and a single-slot host with a failed worker too. A slot whose worker
+   fails at every start (a broken GPU) then costs the job a round each
+   time, where Horovod would have set its host aside for the blacklist
+   cooldown: ``--reset-limit`` bounds that.
 2. **Workers learn that their round is lost** (:mod:`elastic_ext.round_watch`):
    the rendezvous server's store holds the current round's number and
    slots, and a key per round in which a member failed, so workers waiting
@@ -80,7 +83,7 @@ def install() -> None:
         def blacklist_lost_hosts(host: str) -> None:
             if host in ready_hosts:
                 logging.warning("elastic_ext: not blacklisting %s: another of its workers is ready (a worker "
-                             "failed, not the host)", host)
+                                "failed, not the host)", host)
                 return
             blacklist(host)
 
