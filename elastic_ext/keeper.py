@@ -41,7 +41,6 @@ keeper (``PR_SET_PDEATHSIG``).
 from __future__ import annotations
 
 import ctypes
-import logging
 import mmap
 import os
 import signal
@@ -50,8 +49,6 @@ from typing import Any, Mapping, Optional
 
 from elastic_ext import round_watch
 from elastic_ext.config import ENV_RESTARTED_IN_PLACE, elastic_horovodrun, restart_in_place
-
-logger = logging.getLogger(__name__)
 
 MAX_RESTARTS_WITHOUT_JOINING = 2
 IGNORED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)

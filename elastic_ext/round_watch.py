@@ -24,7 +24,6 @@ plus one.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
@@ -35,15 +34,11 @@ from typing import Callable, Mapping, Optional
 from elastic_ext.config import elastic_horovodrun, horovod_rendezvous
 from elastic_ext.errors import ConfigError
 
-logger = logging.getLogger(__name__)
-
 SCOPE = "elastic_ext_round"  # in the rendezvous server's store; cleared by Horovod at every new round
 CURRENT = "current"          # the number of the current round
+ASSIGNED = "assigned"        # the current round's slots, "host:local_rank" joined by commas
 POLL_S = 0.25
 REQUEST_TIMEOUT_S = 2.0
-
-
-ASSIGNED = "assigned"         # the current round's slots, "host:local_rank" joined by commas
 
 
 def failed_key(round_id: int) -> str:
