@@ -32,6 +32,17 @@ would abort again in its next ``hvd.init()``. Nor is one after
 :data:`MAX_RESTARTS_WITHOUT_JOINING` restarts without a real ``hvd.init()``
 completing (under plain ``horovodrun``, the only limit).
 
+A restart after the child ended its wait because its round lost a member
+(:mod:`elastic_ext.round_watch`), in a later round than the previous such
+restart, does not count toward that limit: another worker's exit, which
+the driver saw and accounts for, ended the round, and the driver has
+moved on. ``bench.soak`` lost a job so: four newcomers killed one after
+the other while they started broke four rounds in a row, and both
+survivors' keepers gave up at the third. Those restarts have their own,
+larger limit, :data:`MAX_LOST_ROUNDS_WITHOUT_JOINING`: a slot whose new
+worker dies at every start would otherwise cost a round and a restart of
+every other worker forever (``--reset-limit`` bounds it on Horovod's side).
+
 The keeper ignores SIGTERM, SIGINT and SIGHUP: the driver's shutdown and a
 scheduler's preemption signal the whole process tree, and the child handles
 them (a SIGTERM is a leave at the next commit). The child dies with its
@@ -51,12 +62,15 @@ from elastic_ext import round_watch
 from elastic_ext.config import ENV_RESTARTED_IN_PLACE, elastic_horovodrun, restart_in_place
 
 MAX_RESTARTS_WITHOUT_JOINING = 2
+MAX_LOST_ROUNDS_WITHOUT_JOINING = 8
 IGNORED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1
 
-# Where the child is, in a byte the keeper reads after the child's end.
+# Where the child is, in bytes the keeper reads after the child's end.
 OUTSIDE_INIT, IN_INIT = 0, 1
 PHASE, JOINED = 0, 1  # offsets: the phase, and 1 once a hvd.init() with the job's peers completed
+LOST = slice(2, 10)   # the round whose loss ended the child's wait, plus one (0: none), little-endian
+SHARED_BYTES = 10
 
 _shared: Optional[mmap.mmap] = None  # in a child of a keeper: the bytes its keeper reads
 
@@ -77,6 +91,17 @@ def leave_init(joined: bool) -> None:
         _shared[PHASE] = OUTSIDE_INIT
         if joined:
             _shared[JOINED] = 1
+
+
+def lost_round(round_id: int) -> None:
+    """Ends this worker's wait in ``hvd.init()``: a member of its round ``round_id`` died.
+
+    Tells the keeper which round, then aborts (the ``on_lost`` of
+    :func:`elastic_ext.round_watch.watch` for a worker that has a keeper).
+    """
+    if _shared is not None:
+        _shared[LOST] = (round_id + 1).to_bytes(8, "little")
+    round_watch.abort(round_id)
 
 
 def restarts(environ: Optional[Mapping[str, str]] = None) -> int:
@@ -108,9 +133,10 @@ def install(environ: Optional[Mapping[str, str]] = None) -> bool:
         return False  # a process the script started (the guardian, a data worker) inherited the variable
     keeper = os.getpid()
     dispositions = {sig: signal.getsignal(sig) for sig in IGNORED}
-    count = without_joining = 0
+    count = without_joining = lost_without_joining = 0
+    last_lost = -1
     while True:
-        shared = mmap.mmap(-1, 2)  # anonymous and shared with the child
+        shared = mmap.mmap(-1, SHARED_BYTES)  # anonymous and shared with the child
         for stream in (sys.stdout, sys.stderr):
             if stream is not None:
                 stream.flush()
@@ -126,10 +152,22 @@ def install(environ: Optional[Mapping[str, str]] = None) -> bool:
             signal.signal(sig, signal.SIG_IGN)
         status = _wait(pid)
         phase, joined = shared[PHASE], shared[JOINED]
+        lost = int.from_bytes(shared[LOST], "little") - 1
         shared.close()
-        without_joining = 0 if joined else without_joining + 1
-        if not restartable(status, phase) or without_joining > MAX_RESTARTS_WITHOUT_JOINING \
-                or round_watch.slot_assigned(env) is False:  # removed from the job: nothing to restart for
+        moved_on = lost > last_lost  # a later round than the last one lost: the driver moved on
+        last_lost = max(last_lost, lost)
+        if joined:
+            without_joining = lost_without_joining = 0
+        elif moved_on:
+            lost_without_joining += 1
+        else:
+            without_joining += 1
+        if not restartable(status, phase) or round_watch.slot_assigned(env) is False:
+            _end_as(status)  # an end the driver must see, or removed from the job: nothing to restart for
+        if without_joining > MAX_RESTARTS_WITHOUT_JOINING or lost_without_joining > MAX_LOST_ROUNDS_WITHOUT_JOINING:
+            print(f"elastic_ext: worker {pid} died in hvd.init() again; not restarting it (restarts since it "
+                  f"last joined its job: {without_joining + lost_without_joining}, {lost_without_joining} of them "
+                  f"after a round lost a member)", file=sys.stderr, flush=True)
             _end_as(status)
         count += 1
         print(f"elastic_ext: worker {pid} died in hvd.init() while its job re-formed; restarting it in place "

@@ -191,7 +191,7 @@ def install(environ: Optional[Mapping[str, str]] = None) -> bool:
         _first_init_done = True
         keeper.enter_init()
         # A restartable worker stops waiting for a peer that died (under python -m elastic_ext.horovodrun).
-        stop_watch = round_watch.watch(reset) if keeper.active() and not solo else None
+        stop_watch = round_watch.watch(reset, keeper.lost_round) if keeper.active() and not solo else None
         try:
             result = start_solo(lambda: original(self, *args, **kwargs)) if solo else original(self, *args, **kwargs)
         except BaseException:

@@ -98,8 +98,8 @@ def watch(reset: bool, on_lost: Optional[Callable[[int], None]] = None) -> Calla
 
     ``reset``: this ``hvd.init()`` re-initialises (its round is the next
     one). ``on_lost(round_id)`` runs in the watching thread when a member of
-    the round failed; by default it aborts the process (SIGABRT, which the
-    keeper restarts). Does nothing when the driver publishes no rounds.
+    the round failed; by default :func:`abort` (SIGABRT, which the keeper
+    restarts). Does nothing when the driver publishes no rounds.
     """
     base = _base_url()
     current = None
@@ -112,7 +112,7 @@ def watch(reset: bool, on_lost: Optional[Callable[[int], None]] = None) -> Calla
         return lambda: None
     mine = int(current) + (1 if reset else 0)
     stop = threading.Event()
-    thread = threading.Thread(target=_watch, args=(f"{base}/{failed_key(mine)}", mine, stop, on_lost or _abort),
+    thread = threading.Thread(target=_watch, args=(f"{base}/{failed_key(mine)}", mine, stop, on_lost or abort),
                               name="elastic_ext-round-watch", daemon=True)
     thread.start()
     return stop.set
@@ -129,7 +129,8 @@ def _watch(url: str, mine: int, stop: threading.Event, on_lost: Callable[[int], 
             return
 
 
-def _abort(round_id: int) -> None:
+def abort(round_id: int) -> None:
+    """Says why, and aborts the process."""
     print(f"elastic_ext: a member of round {round_id} died before the round formed; ending this worker's "
           f"hvd.init() now rather than at the rendezvous timeout (its keeper restarts it)", file=sys.stderr,
           flush=True)

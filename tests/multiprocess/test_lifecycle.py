@@ -5,6 +5,7 @@ and an abort that cuts only the collective library's connections.
 
 import json
 import os
+import re
 import signal
 import socket
 import threading
@@ -324,27 +325,24 @@ def test_with_restart_in_place_a_newcomer_killed_while_the_round_forms_costs_onl
 # ------------------------------------------- python -m elastic_ext.horovodrun
 
 def test_under_elastic_ext_horovodrun_a_killed_worker_costs_no_healthy_neighbour(tmp_path):
-    # Rank 1 (localhost's second slot) is SIGKILLed at step 10. Horovod's driver
-    # blacklists localhost and removes its healthy worker too (the job goes on
-    # with 2); elastic_ext's driver keeps the host, whose other worker recorded
-    # itself ready, and starts a new worker in the slot (the job goes on with 4).
-    results = {}
-    for driver in ("horovod", "elastic_ext"):
-        out = tmp_path / driver
-        out.mkdir()
-        cmd = command(out, "--faults", "1:10:kill:allreduce")
-        if driver == "elastic_ext":
-            cmd = launch.under_elastic_ext_driver(cmd)
-        code, output = launch.run(cmd, environment(out), str(out / "horovodrun.log"), 240)
-        assert code == 0, output[-5000:]
-        sizes = sizes_in_time_order(out)
-        results[driver] = (sizes, sizes[-1], output)
-        analysis.assert_exactly_once(out, DIGITS, 1)
-        analysis.assert_ranks_identical(analysis.load_finals(out))
-    assert results["horovod"][1] == 2 and "has been removed from elastic job" in results["horovod"][2]
-    assert results["elastic_ext"][1] == 4, results["elastic_ext"][0]
-    assert "has been removed from elastic job" not in results["elastic_ext"][2]
-    assert "not blacklisting localhost" in results["elastic_ext"][2]
+    # Rank 1 is SIGKILLed at step 10. Horovod's driver would blacklist its host
+    # and remove the host's healthy worker too (the job would go on with 2;
+    # bench.soak --no-restart-in-place shows it); elastic_ext's driver keeps
+    # the host, whose other worker recorded itself ready, and starts a new
+    # worker in the slot: the job goes on with 4. Which host holds rank 1
+    # depends on Horovod's host order, which varies from run to run.
+    out = tmp_path / "job"
+    out.mkdir()
+    cmd = launch.under_elastic_ext_driver(command(out, "--faults", "1:10:kill:allreduce"))
+    code, output = launch.run(cmd, environment(out), str(out / "horovodrun.log"), 240)
+    assert code == 0, output[-5000:]
+    sizes = sizes_in_time_order(out)
+    assert sizes[0] == 4 and sizes[-1] == 4, sizes
+    assert "has been removed from elastic job" not in output
+    assert re.search(r"not blacklisting (localhost|127\.0\.0\.1): another of its workers is ready", output), \
+        output[-5000:]
+    analysis.assert_exactly_once(out, DIGITS, 1)
+    analysis.assert_ranks_identical(analysis.load_finals(out))
 
 
 @pytest.mark.timeout(300)

@@ -101,6 +101,44 @@ def test_a_child_that_joined_in_between_resets_the_count(tmp_path):
     assert proc.returncode == 0
 
 
+def test_rounds_lost_one_after_the_other_do_not_use_up_the_restarts(tmp_path):
+    # bench.soak: newcomers killed one after the other while they started broke
+    # four rounds in a row; each ended the survivors' wait (round_watch), and
+    # their keepers gave up at the third restart. A later round each time is
+    # the driver moving on: those restarts have their own, larger limit.
+    rounds = 2 * (keeper.MAX_RESTARTS_WITHOUT_JOINING + 1)
+    assert rounds <= keeper.MAX_LOST_ROUNDS_WITHOUT_JOINING
+    proc, children = run_script(tmp_path, f"""
+        keeper.enter_init()
+        if n < {rounds}:
+            keeper.lost_round(10 + n)
+        keeper.leave_init(joined=True)
+        sys.exit(3)
+    """)
+    assert len(children) == rounds + 1, proc.stderr
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stderr.count("a member of round") == rounds
+
+
+def test_the_same_round_lost_again_counts_as_a_restart_without_joining(tmp_path):
+    proc, children = run_script(tmp_path, """
+        keeper.enter_init()
+        keeper.lost_round(5)
+    """)
+    # The first loss of round 5 is progress; each later one is not.
+    assert len(children) == keeper.MAX_RESTARTS_WITHOUT_JOINING + 2, proc.stderr
+    assert proc.returncode == -signal.SIGABRT
+
+
+def test_the_keeper_gives_up_after_too_many_lost_rounds_without_joining(tmp_path):
+    proc, children = run_script(tmp_path, """
+        keeper.enter_init()
+        keeper.lost_round(n)
+    """)
+    assert len(children) == keeper.MAX_LOST_ROUNDS_WITHOUT_JOINING + 1, proc.stderr
+    assert proc.returncode == -signal.SIGABRT
+
+
 def test_the_keeper_ignores_sigterm_and_the_child_dies_with_the_keeper(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(PRELUDE + "time.sleep(60)\n")
