@@ -36,12 +36,14 @@ A restart after the child ended its wait because its round lost a member
 (:mod:`elastic_ext.round_watch`), in a later round than the previous such
 restart, does not count toward that limit: another worker's exit, which
 the driver saw and accounts for, ended the round, and the driver has
-moved on. ``bench.soak`` lost a job so: four newcomers killed one after
-the other while they started broke four rounds in a row, and both
-survivors' keepers gave up at the third. Those restarts have their own,
-larger limit, :data:`MAX_LOST_ROUNDS_WITHOUT_JOINING`: a slot whose new
-worker dies at every start would otherwise cost a round and a restart of
-every other worker forever (``--reset-limit`` bounds it on Horovod's side).
+moved on. Otherwise three newcomers killed one after the other while they
+start (a spot pool reclaiming instances as they boot) would break three
+rounds in a row, and every other worker's keeper would give up at the
+third: the job would end with a failure for every member of the round.
+Those restarts have their own, larger limit,
+:data:`MAX_LOST_ROUNDS_WITHOUT_JOINING`: a slot whose new worker dies at
+every start would otherwise cost a round and a restart of every other
+worker forever (``--reset-limit`` bounds it on Horovod's side).
 
 The keeper ignores SIGTERM, SIGINT and SIGHUP: the driver's shutdown and a
 scheduler's preemption signal the whole process tree, and the child handles

@@ -102,10 +102,10 @@ def test_a_child_that_joined_in_between_resets_the_count(tmp_path):
 
 
 def test_rounds_lost_one_after_the_other_do_not_use_up_the_restarts(tmp_path):
-    # bench.soak: newcomers killed one after the other while they started broke
-    # four rounds in a row; each ended the survivors' wait (round_watch), and
-    # their keepers gave up at the third restart. A later round each time is
-    # the driver moving on: those restarts have their own, larger limit.
+    # Newcomers killed one after the other while they start break a round each
+    # time; each ends the other workers' wait (round_watch). Before, their
+    # keepers gave up at the third restart. A later round each time is the
+    # driver moving on: those restarts have their own, larger limit.
     rounds = 2 * (keeper.MAX_RESTARTS_WITHOUT_JOINING + 1)
     assert rounds <= keeper.MAX_LOST_ROUNDS_WITHOUT_JOINING
     proc, children = run_script(tmp_path, f"""
