@@ -47,6 +47,9 @@ EXTERNAL = ("kill", "kill_rank0", "kill_recovering", "stop", "term", "remove_hos
 INTERNAL = ("kill_commit", "kill_sync")
 WEIGHTS = {"kill": 4, "kill_rank0": 2, "kill_recovering": 3, "stop": 2, "term": 2, "remove_host": 2,
            "kill_commit": 1, "kill_sync": 1}
+# What Horovod's driver says when it ends the job.
+DRIVER_STOPS = ("failure count ==", "blacklisted slots count ==", "failed to activate new hosts",
+                "number of resets during elastic job exceeded limit")
 NATIVE_ABORTS = ("has been removed from elastic job", "EnforceNotMet", "op.preamble.length <= op.nbytes",
                  "Aborted", "terminate called")
 
@@ -268,6 +271,11 @@ def report(out: str, injected: List[dict], code: Optional[int], output: str, tim
         "final_parameters_identical": identical, "identical_detail": log_identical,
         "guardian_kills": output.count("sent no heartbeat"),
         "restarts_in_place": output.count("restarting it in place"),  # elastic_ext.keeper
+        "keepers_gave_up": output.count("not restarting it"),
+        # Every worker holding the commit lost, the job going on from its checkpoint: at a
+        # job restart, and inside one job when the next round had only fresh workers.
+        "resumed_from_checkpoint": sum(e["event"] == "checkpoint_resumed" for e in evs),
+        "driver_stops": {s: output.count(s) for s in DRIVER_STOPS if s in output},
         "native_aborts": {s: output.count(s) for s in NATIVE_ABORTS if s in output},
         "last_step_t": last, "faults": injected,
     }
@@ -287,15 +295,31 @@ def main(argv=None) -> int:
                         help="plain horovodrun and workers without a keeper (ELASTIC_EXT_RESTART_IN_PLACE off)")
     parser.add_argument("--rendezvous-timeout-s", type=float, default=0.0,
                         help="ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S for the job (0: elastic_ext's default, 120 s)")
+    parser.add_argument("--report-from", default="",
+                        help="recompute the report of an earlier run from its --json file and its --out directory "
+                             "(after a change to the audit); runs no job")
     args = parser.parse_args(argv)
+    if args.report_from:
+        with open(args.report_from) as handle:
+            earlier = json.load(handle)
+        with open(os.path.join(args.out, "horovodrun.log"), errors="replace") as handle:
+            output = handle.read()
+        result = report(args.out, earlier["faults"], earlier["exit_code"], output, earlier["timed_out"],
+                        earlier["duration_s"], earlier["seed"])
+        result["options"] = earlier["options"]
+        return finish(result, args.json)
     result = soak(args.out, args.faults, args.seed, restarts=args.restarts, driver_log_level=args.driver_log_level,
                   restart_in_place=not args.no_restart_in_place, rendezvous_timeout_s=args.rendezvous_timeout_s)
     result["options"] = {"restart_in_place": not args.no_restart_in_place,
                          "rendezvous_timeout_s": args.rendezvous_timeout_s or None, "restarts": args.restarts}
-    text = json.dumps({k: v for k, v in result.items() if k != "faults"}, indent=1, sort_keys=True)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as handle:
+    return finish(result, args.json)
+
+
+def finish(result: Dict[str, Any], json_path: str) -> int:
+    """Prints the report (and writes it to ``json_path``); 0 when the run met the goal."""
+    print(json.dumps({k: v for k, v in result.items() if k != "faults"}, indent=1, sort_keys=True))
+    if json_path:
+        with open(json_path, "w") as handle:
             json.dump(result, handle, indent=1, sort_keys=True)
     ok = (result["job_deaths"] == 0 and result["faults_survived"] == result["faults_injected"]
           and result["exactly_once"] and result["final_parameters_identical"])

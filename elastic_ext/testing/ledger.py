@@ -82,9 +82,13 @@ def read(directory: str) -> List[dict]:
     numbers its generations from its checkpoint's again, which may repeat
     those the dead job reached after that checkpoint; its generations are
     read as ``restart * RESTART_STRIDE + generation`` so they come after.
+    The same happens inside one job when every worker holding the commit
+    died and the next round resumed from the checkpoint (workers restarted
+    in place, new workers in the dead ones' slots): see :func:`split_cohorts`.
     """
-    records = []
+    files = []
     for path in sorted(glob.glob(os.path.join(directory, "steps-*.jsonl"))):
+        records = []
         with open(path, encoding="utf-8") as handle:
             for line in handle:
                 try:
@@ -95,7 +99,54 @@ def read(directory: str) -> List[dict]:
                     if key in record and record.get("restart"):
                         record[key] += record["restart"] * RESTART_STRIDE
                 records.append(record)
-    return records
+        files.append(records)
+    split_cohorts(files)
+    return [record for records in files for record in records]
+
+
+COHORT_GAP_S = 1.0  # a generation begun again by new processes starts at least this long after the last one died
+COHORTS = 1000      # cohort k of generation g is read as g + k / COHORTS
+
+
+def split_cohorts(files: List[List[dict]]) -> None:
+    """Gives a generation that two sets of processes began one after the other two keys (in place).
+
+    ``files``: each process's records. When every worker holding the commit
+    dies, the next round resumes from the newest checkpoint and takes the
+    generation after the checkpoint's, which the dead workers may already
+    have begun and trained in. Both began at the same position, so the
+    dead ones' steps would read as part of the committed history. The
+    processes that began a generation are split into cohorts whose time
+    spans (start record to last record) overlap; a cohort that starts more
+    than :data:`COHORT_GAP_S` after every earlier one ended (a new set of
+    processes has to start Python, its framework and a round first) is read
+    as generation ``g + k / COHORTS``: after the first, before ``g + 1``.
+    """
+    spans: Dict[Any, List[Tuple[float, float, int]]] = {}
+    for index, records in enumerate(files):
+        first: Dict[Any, float] = {}
+        last: Dict[Any, float] = {}
+        for record in records:
+            gen = record.get("gen", record.get("start"))
+            if gen is None or "t" not in record:
+                continue
+            first.setdefault(gen, record["t"])
+            last[gen] = record["t"]
+        for gen, began in first.items():
+            spans.setdefault(gen, []).append((began, last[gen], index))
+    cohort_of: Dict[Tuple[int, Any], int] = {}
+    for gen, members in spans.items():
+        cohort, reach = 0, None
+        for began, ended, index in sorted(members):
+            if reach is not None and began > reach + COHORT_GAP_S:
+                cohort += 1
+            reach = ended if reach is None else max(reach, ended)
+            cohort_of[(index, gen)] = cohort
+    for index, records in enumerate(files):
+        for record in records:
+            for key in ("gen", "start"):
+                if key in record and cohort_of.get((index, record[key]), 0):
+                    record[key] = record[key] + cohort_of[(index, record[key])] / COHORTS
 
 
 def starts(records: Iterable[dict]) -> Dict[int, Tuple[int, int, int]]:
