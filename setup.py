@@ -14,7 +14,7 @@ setup(
     packages=find_packages(include=["elastic_ext", "elastic_ext.*"]),
     # Horovod is not listed: 0.28.1 must be built from source against the
     # installed frameworks (tools/setup.sh does it, see README).
-    install_requires=["numpy>=1.24,<2"],
+    install_requires=["numpy>=1.24,<2", "xxhash>=3.0,<5"],
     extras_require={
         "torch": ["torch>=2.1,<2.14"],
         "tensorflow": ["tensorflow-cpu>=2.15,<2.18", "tf_keras>=2.15,<2.18"],

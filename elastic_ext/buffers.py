@@ -13,6 +13,8 @@ them while it writes them out. Both talk to this object directly.
 - *Double buffer*: with two sets (``commit_buffers=2``) a commit copies into
   the spare set, swapped in only at the end, so the previous commit survives
   even an interrupted copy.
+- *Alignment*: buffers of 1 MiB or more start on a page, so the checkpoint
+  writer can hand them to ``O_DIRECT`` writes without a copy.
 - *Lease*: a background checkpoint write reads the buffers of the commit it
   writes. Until the writer releases its :class:`Lease`, later commits and
   syncs copy into other buffers (a parked set from an earlier write, or new
@@ -33,11 +35,26 @@ from elastic_ext.snapshot import ArraySource, Capture, Entry
 Entries = Dict[str, Entry]
 
 
+PAGE_BYTES = 4096            # the alignment O_DIRECT needs
+ALIGNED_MIN_BYTES = 1 << 20  # smaller buffers are not written with O_DIRECT: no need to align them
+
+
+def aligned_empty(shape: Tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """``np.empty(shape, dtype)``, starting on a page if it holds at least 1 MiB (4 KiB more allocated)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes < ALIGNED_MIN_BYTES:
+        return np.empty(shape, dtype=dtype)
+    raw = np.empty(nbytes + PAGE_BYTES, dtype=np.uint8)
+    start = -raw.ctypes.data % PAGE_BYTES
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
 def reuse(old: Optional[Entry], key: str, shape: Tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """``old``'s buffer for ``key`` if it has this shape and dtype, else a new empty one."""
     buffer = old.arrays.get(key) if old is not None else None
     if buffer is None or buffer.shape != tuple(shape) or buffer.dtype != dtype:
-        buffer = np.empty(shape, dtype=dtype)
+        buffer = aligned_empty(tuple(shape), np.dtype(dtype))
     return buffer
 
 

@@ -1,7 +1,8 @@
 """Durable asynchronous checkpoints of the committed state: atomic, checksummed, no pickle.
 
 - :mod:`~elastic_ext.checkpoint.format`: the on-disk format (names,
-  manifest rules, dtype guard, CRC-32);
+  manifest rules, dtype guard, checksums);
+- :mod:`~elastic_ext.checkpoint.direct`: local writes with ``O_DIRECT``;
 - :mod:`~elastic_ext.checkpoint.files`: writing and reading one checkpoint;
 - :mod:`~elastic_ext.checkpoint.storage`: the file operations, local or
   through fsspec (``s3://``, ``memory://``...), behind one protocol;
@@ -13,7 +14,7 @@
 
 from elastic_ext.checkpoint.files import read_checkpoint, write_checkpoint
 from elastic_ext.checkpoint.format import (ALIGN_BYTES, DATA_FILE, FORMAT, FORMAT_VERSION, MANIFEST_FILE,
-                                           MAX_JSON_DEPTH, Crc32, Loaded, checkpoint_name)
+                                           MAX_JSON_DEPTH, Crc32, Loaded, Xxh3, checkpoint_name)
 from elastic_ext.checkpoint.storage import FsspecStorage, LocalStorage, Storage, open_storage
 from elastic_ext.checkpoint.store import READ_ATTEMPTS, READ_RETRY_DELAY_S, CheckpointStore
 from elastic_ext.checkpoint.writer import Checkpointer
@@ -21,5 +22,5 @@ from elastic_ext.checkpoint.writer import Checkpointer
 __all__ = [
     "ALIGN_BYTES", "DATA_FILE", "FORMAT", "FORMAT_VERSION", "MANIFEST_FILE", "MAX_JSON_DEPTH", "READ_ATTEMPTS",
     "READ_RETRY_DELAY_S", "CheckpointStore", "Checkpointer", "Crc32", "FsspecStorage", "Loaded", "LocalStorage",
-    "Storage", "checkpoint_name", "open_storage", "read_checkpoint", "write_checkpoint",
+    "Storage", "Xxh3", "checkpoint_name", "open_storage", "read_checkpoint", "write_checkpoint",
 ]

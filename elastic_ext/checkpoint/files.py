@@ -4,7 +4,7 @@ Each file is written to ``<name>.tmp``, flushed, fsynced and renamed into
 place, then the directory is fsynced (on object stores, the manifest written
 last is what makes a checkpoint valid); a directory without a manifest is a
 *partial* checkpoint (the write was cut) and is never loaded. Reading
-validates the manifest before using it and reads raw bytes into ``np.empty``
+validates the manifest before using it and reads raw bytes into fresh
 buffers of numeric dtypes only. A checkpoint that fails any check raises
 :class:`CorruptCheckpointError`; storage that cannot be read (permission
 denied, EIO, a 503) raises :class:`CheckpointReadError`: that says nothing
@@ -21,20 +21,22 @@ from typing import Any, Callable, Dict, Iterable, List
 
 import numpy as np
 
-from elastic_ext.checkpoint.format import (ALIGN_BYTES, CHUNK_BYTES, DATA_FILE, DTYPE_TEXT, FORMAT, FORMAT_VERSION,
+from elastic_ext.buffers import aligned_empty
+from elastic_ext.checkpoint.format import (CHUNK_BYTES, DATA_DIGESTS, DATA_FILE, DTYPE_TEXT, FORMAT, FORMAT_VERSION,
                                            MANIFEST_FILE, MAX_JSON_DEPTH, NAME_PATTERN, SAFE_KINDS, SKIP_BYTES,
-                                           Crc32, Loaded, canonical, check_manifest, checkpoint_name, json_depth,
-                                           parse_manifest, versions)
+                                           Crc32, Loaded, array_offset, canonical, check_manifest, checkpoint_name,
+                                           data_digest, json_depth, parse_manifest, versions)
 from elastic_ext.checkpoint.storage import Storage, open_storage
 from elastic_ext.errors import CheckpointError, CheckpointReadError, CorruptCheckpointError
 from elastic_ext.snapshot import Entry
 
 logger = logging.getLogger(__name__)
 
+
 def _array_chunks(arrays: List[np.ndarray]) -> Iterable[memoryview]:
     offset = 0
     for array in arrays:
-        pad = -offset % ALIGN_BYTES
+        pad = array_offset(offset, array.nbytes) - offset
         if pad:
             yield memoryview(bytes(pad))
             offset += pad
@@ -69,16 +71,16 @@ def write_checkpoint(directory: str, commit_id: int, entries: Dict[str, Entry], 
                 if not DTYPE_TEXT.match(array.dtype.str) or array.dtype.kind not in SAFE_KINDS:
                     raise CheckpointError(f"cannot write checkpoint {path}: {name}/{key} has dtype "
                                           f"{array.dtype.str!r}; only plain numeric dtypes can be checkpointed")
-                offset += -offset % ALIGN_BYTES
+                offset = array_offset(offset, int(array.nbytes))
                 table.append([name, key, array.dtype.str, list(array.shape), offset, int(array.nbytes)])
                 ordered.append(array)
                 offset += int(array.nbytes)
-        size, crc = store.write(store.join(checkpoint_name(commit_id), DATA_FILE), _array_chunks(ordered))
+        size, checksum = store.write(store.join(checkpoint_name(commit_id), DATA_FILE), _array_chunks(ordered))
         body = dict(info)
         body.update({"format": FORMAT, "format_version": FORMAT_VERSION, "commit_id": int(commit_id),
                      "written_time": time.time(), "versions": versions(), "arrays": table,
                      "objects": {name: {"meta": entries[name].meta} for name in sorted(entries)},
-                     "files": {DATA_FILE: {"bytes": size, "crc32": crc}}})
+                     "files": {DATA_FILE: {"bytes": size, DATA_DIGESTS[FORMAT_VERSION][0]: checksum}}})
         depth = json_depth(body)
         if depth > MAX_JSON_DEPTH:  # the reader would refuse it: fail now, loudly, not at resume time
             raise CheckpointError(f"cannot write checkpoint {path}: its manifest would nest {depth} levels deep "
@@ -167,7 +169,7 @@ def _read_arrays(store: Storage, data_path: str, path: str, manifest: dict) -> D
         raise CorruptCheckpointError(f"{path}: {DATA_FILE} has {actual_size} bytes, the manifest records "
                                      f"{record['bytes']} (truncated or replaced)")
     entries = {name: Entry(arrays={}, meta=obj["meta"]) for name, obj in manifest["objects"].items()}
-    digest, position = Crc32(), 0
+    (field, digest), position = data_digest(manifest), 0
     scratch = np.empty(SKIP_BYTES, dtype=np.uint8)  # reads the padding between arrays
     handle = _io(path, f"open {DATA_FILE}", store.open_read, data_path)
     try:
@@ -188,7 +190,7 @@ def _read_arrays(store: Storage, data_path: str, path: str, manifest: dict) -> D
         for name, key, dtype_text, shape, offset, nbytes in manifest["arrays"]:
             skip_to(offset, f"the padding before {name}/{key}")
             try:
-                array = np.empty(shape, dtype=np.dtype(dtype_text))
+                array = aligned_empty(shape, np.dtype(dtype_text))  # commit buffers after a resume
             except (ValueError, OverflowError) as exc:
                 raise CorruptCheckpointError(f"{path}: array {name}/{key} of shape {shape} cannot be made: "
                                              f"{exc}") from None
@@ -208,7 +210,7 @@ def _read_arrays(store: Storage, data_path: str, path: str, manifest: dict) -> D
             handle.close()
         except Exception as exc:  # noqa: BLE001 - a failed close of a read handle loses nothing
             logger.debug("closing %s failed: %s", data_path, exc)
-    if digest.hexdigest() != record["crc32"]:
+    if digest.hexdigest() != record[field]:
         raise CorruptCheckpointError(f"{path}: {DATA_FILE} checksum ({digest.hexdigest()}) does not match the "
-                                     f"manifest ({record['crc32']})")
+                                     f"manifest ({record[field]})")
     return entries

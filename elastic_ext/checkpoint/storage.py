@@ -19,7 +19,8 @@ import os
 import shutil
 from typing import IO, Iterable, List, Protocol, Tuple
 
-from elastic_ext.checkpoint.format import Crc32
+from elastic_ext.checkpoint.direct import DirectFile
+from elastic_ext.checkpoint.format import Xxh3
 
 
 class Storage(Protocol):
@@ -49,7 +50,7 @@ class Storage(Protocol):
         """A binary read handle."""
 
     def write(self, path: str, chunks: Iterable[memoryview]) -> Tuple[int, str]:
-        """Writes ``chunks`` durably at ``path``; returns (bytes, crc32 hex)."""
+        """Writes ``chunks`` durably at ``path``; returns (bytes, XXH3-64 hex)."""
 
     def remove(self, path: str) -> None:
         """Deletes ``path`` (a file or a whole directory); raises OSError if it cannot."""
@@ -63,10 +64,10 @@ def open_storage(root: str) -> Storage:
     return FsspecStorage(root) if "://" in root else LocalStorage(root)
 
 
-def _copy_chunks(handle: IO[bytes], chunks: Iterable[memoryview]) -> Tuple[int, str]:
-    digest, total = Crc32(), 0
+def _copy_chunks(handle: "IO[bytes] | DirectFile", chunks: Iterable[memoryview]) -> Tuple[int, str]:
+    digest, total = Xxh3(), 0
     for chunk in chunks:
-        digest.update(chunk)  # zlib.crc32 and write both release the GIL on large buffers
+        digest.update(chunk)  # xxhash and write both release the GIL on large buffers
         handle.write(chunk)
         total += chunk.nbytes
     return total, digest.hexdigest()
@@ -125,14 +126,9 @@ class LocalStorage:
 
     def write(self, path: str, chunks: Iterable[memoryview]) -> Tuple[int, str]:
         target = path + ".tmp"
-        with open(target, "wb") as handle:
+        with DirectFile(target) as handle:  # O_DIRECT where it can: no copy into the page cache
             result = _copy_chunks(handle, chunks)
-            handle.flush()
-            os.fsync(handle.fileno())
-            if hasattr(os, "posix_fadvise"):
-                # The pages are on disk now: drop them from the page cache, where
-                # hundreds of MB per checkpoint would push out the training's data.
-                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            handle.sync()
         os.replace(target, path)
         return result
 

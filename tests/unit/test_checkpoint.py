@@ -76,7 +76,7 @@ def test_round_trip_is_bitwise_and_manifest_records_the_commit(tmp_path):
     assert manifest["world_size"] == 4 and manifest["generation"] == 1
     assert manifest["versions"]["numpy"] == np.__version__ and "python" in manifest["versions"]
     assert manifest["written_time"] > 0
-    assert len(manifest["files"]["arrays.bin"]["crc32"]) == 8
+    assert manifest["format_version"] == 2 and len(manifest["files"]["arrays.bin"]["xxh3_64"]) == 16
     assert all(row[4] % checkpoint.ALIGN_BYTES == 0 for row in manifest["arrays"])
     # Loaded arrays are fresh, writable buffers.
     assert loaded.entries["model"].arrays["w"].flags.writeable
@@ -156,6 +156,12 @@ class _Trap:
         return (open, (self.marker, "w"))
 
 
+def xxh3(payload):
+    digest = checkpoint.Xxh3()
+    digest.update(payload)
+    return digest.hexdigest()
+
+
 def _craft(directory, commit_id, dtype_text, payload):
     """A checkpoint whose checksums are all correct but whose array claims ``dtype_text``."""
     path = directory / checkpoint.checkpoint_name(commit_id)
@@ -164,7 +170,7 @@ def _craft(directory, commit_id, dtype_text, payload):
     body = {"format": checkpoint.FORMAT, "format_version": checkpoint.FORMAT_VERSION, "commit_id": commit_id,
             "arrays": [["model", "w", dtype_text, [1], 0, len(payload)]],
             "objects": {"model": {"meta": None}},
-            "files": {"arrays.bin": {"bytes": len(payload), "crc32": checkpoint.Crc32(payload).hexdigest()}}}
+            "files": {"arrays.bin": {"bytes": len(payload), "xxh3_64": xxh3(payload)}}}
     body["manifest_crc32"] = checkpoint.Crc32(checkpoint.format.canonical(body)).hexdigest()
     (path / "manifest.json").write_text(json.dumps(body))
     return path

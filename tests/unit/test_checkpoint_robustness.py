@@ -110,7 +110,13 @@ CRAFTED = [
     ("objects not a map", _set("objects", []), "objects ([])"),
     ("files not a map", _set("files", "x"), "files ('x')"),
     ("data size as text", lambda b: b["files"]["arrays.bin"].__setitem__("bytes", "99"), "bytes ('99')"),
-    ("crc as int", lambda b: b["files"]["arrays.bin"].__setitem__("crc32", 5), "crc32 (5)"),
+    ("checksum as int", lambda b: b["files"]["arrays.bin"].__setitem__("xxh3_64", 5), "xxh3_64 (5)"),
+    ("checksum too short", lambda b: b["files"]["arrays.bin"].__setitem__("xxh3_64", "0123abcd"),
+     "xxh3_64 ('0123abcd') must be 16 lowercase hex digits"),
+    ("a version-1 checksum in a version-2 manifest", lambda b: b["files"]["arrays.bin"].update(
+        {"crc32": "0123abcd", "xxh3_64": None}), "xxh3_64 (None)"),
+    ("unknown format version", _set("format_version", 3), "format_version (3) must be one of [1, 2]"),
+    ("format version as bool", _set("format_version", True), "format_version (True)"),
     ("nested too deep for the limit", _set("extra", json.loads(nested(300))), "nests 301 levels deep"),
 ]
 
@@ -196,7 +202,7 @@ JSON = st.recursive(
 TARGETS = (["commit_id", "files", "objects", "arrays", "generation", "world_size", "format",
             "format_version"]
            + [("arrays", row, col) for row in range(3) for col in range(6)]
-           + [("files", "arrays.bin", "bytes"), ("files", "arrays.bin", "crc32"), ("objects", "model")])
+           + [("files", "arrays.bin", "bytes"), ("files", "arrays.bin", "xxh3_64"), ("objects", "model")])
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +279,7 @@ def test_fuzz_truncated_bit_flipped_or_replaced_data_file(template, data):
     if kind == "truncate":
         damaged = original[:data.draw(st.integers(0, len(original) - 1))]
     elif kind == "flip":
-        # CRC-32 detects every error of up to 3 bits in a file this small.
+        # XXH3-64 misses a given random change with probability 2^-64.
         bits = data.draw(st.lists(st.integers(0, 8 * len(original) - 1), min_size=1, max_size=3, unique=True))
         buffer = bytearray(original)
         for bit in bits:
