@@ -29,6 +29,7 @@ import zlib
 from typing import TYPE_CHECKING, Dict, FrozenSet, List, Optional, Tuple
 
 import numpy as np
+import xxhash
 
 from elastic_ext.binding import Binding, broadcast_json, gather_striped, layout_sizes
 from elastic_ext.buffers import CommitBuffers
@@ -46,7 +47,8 @@ if TYPE_CHECKING:
 # Columns of the id table, one row per rank.
 ID, PARTICIPATED, GENERATION, DIGEST, FULL_DIGEST = range(5)
 
-DigestItem = Tuple[str, int, bool]  # (label, CRC32, must agree across ranks?)
+DigestItem = Tuple[str, int, bool]  # (label, checksum, must agree across ranks?)
+INT63 = (1 << 63) - 1
 
 
 def digest_items(entries: Dict[str, Entry], names: List[str],
@@ -59,9 +61,11 @@ def digest_items(entries: Dict[str, Entry], names: List[str],
         items.append((f"{name} (metadata)", zlib.crc32(json.dumps(entry.meta, sort_keys=True).encode()), True))
         buffers = buffer_keys.get(name, frozenset())
         for key, array in entry.arrays.items():
-            crc = zlib.crc32(f"{array.dtype.str}:{array.shape}".encode())
-            crc = zlib.crc32(np.ascontiguousarray(array).view(np.uint8).data, crc)
-            items.append((f"{name}{describe_key(key)}", crc, key not in buffers))
+            # XXH3-64: at memory speed, 5x CRC-32's here; it is on the recovery's path (437 MB: 0.13 s with CRC-32).
+            digest = xxhash.xxh3_64(f"{array.dtype.str}:{array.shape}".encode())
+            digest.update(np.ascontiguousarray(array).view(np.uint8).data)
+            value = digest.intdigest() & INT63  # the diagnosis gathers these in an int64 table
+            items.append((f"{name}{describe_key(key)}", value, key not in buffers))
     return items
 
 
