@@ -18,7 +18,7 @@ round. A ``"device"`` field in an older tag is ignored.
 
 from __future__ import annotations
 
-from typing import Any, Dict, FrozenSet, Optional, Tuple
+from typing import Any, FrozenSet, Optional, Tuple
 
 import numpy as np
 import torch
@@ -105,12 +105,6 @@ def make_tensor(array: np.ndarray, tag: dict, key: str = "",
     return tensor
 
 
-def live_devices(state: Any) -> Dict[str, torch.device]:
-    """The device of every tensor in a live ``state_dict()`` tree, by array key."""
-    arrays, _ = split(state, tensor_leaf)
-    return {key: source.tensor.device for key, source in arrays.items() if isinstance(source, TorchSource)}
-
-
 class ModuleAdapter:
     """``torch.nn.Module``: its ``state_dict`` (parameters and buffers)."""
 
@@ -141,9 +135,12 @@ class ModuleAdapter:
 class TorchStatefulAdapter(StatefulAdapter):
     """Optimizers, LR schedulers, gradient scalers and other ``state_dict`` objects.
 
-    Restored tensors are fresh copies: ``Optimizer.load_state_dict`` keeps
-    tensors that already have the right dtype and device, and an optimizer
-    step would otherwise write into the committed buffers.
+    Restored tensors never alias the committed buffers (an optimizer step
+    would write into them: ``Optimizer.load_state_dict`` keeps tensors that
+    already have the right dtype and device). An optimizer's own state
+    tensors (Adam's moments) are restored in place, copied into the live
+    tensor at the same key when its shape and dtype match, so a rollback
+    allocates nothing; every other tensor is a fresh copy.
     """
 
     name = "torch.stateful"
@@ -157,10 +154,26 @@ class TorchStatefulAdapter(StatefulAdapter):
     def apply(self, obj: Any, entry: Entry) -> Any:
         # Where this rank's live object keeps a tensor (an optimizer's
         # exp_avg on cuda:<local_rank>), the restored one goes there too.
-        devices = live_devices(obj.state_dict())
-        obj.load_state_dict(join(entry.meta, entry.arrays,
-                                 lambda array, tag, key: make_tensor(array, tag, key, devices.get(key))))
+        live, _ = split(obj.state_dict(), tensor_leaf)
+        devices = {key: source.tensor.device for key, source in live.items() if isinstance(source, TorchSource)}
+        # Only an optimizer's state is private to it; a scheduler's tensors may be shared.
+        reusable = live if isinstance(obj, torch.optim.Optimizer) else {}
+
+        def restore(array: np.ndarray, tag: dict, key: str) -> torch.Tensor:
+            source = reusable.get(key)
+            if isinstance(source, TorchSource) and fits(source.tensor, array, tag):
+                with torch.no_grad():
+                    return source.tensor.copy_(host_view(array, tag))
+            return make_tensor(array, tag, key, devices.get(key))
+
+        obj.load_state_dict(join(entry.meta, entry.arrays, restore))
         return obj
+
+
+def fits(tensor: torch.Tensor, array: np.ndarray, tag: dict) -> bool:
+    """True if the committed ``array`` (``tag``) can be copied into the live ``tensor`` in place."""
+    return (tuple(tensor.shape) == array.shape and str(tensor.dtype) == f"torch.{tag['dtype']}"
+            and tensor.requires_grad == bool(tag.get("requires_grad")) and tensor.is_contiguous())
 
 
 class TensorAdapter:

@@ -80,6 +80,34 @@ def test_restore_is_bitwise_for_model_optimizer_and_scheduler(make_opt):
     assert_bitwise(snapshot(model, optimizer), after_restore)
 
 
+def test_a_rollback_restores_adam_moments_into_their_own_storage_and_a_fresh_optimizer_gets_copies():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 256), torch.nn.ReLU(), torch.nn.Linear(256, 2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    state = make_state(model=model, optimizer=optimizer)
+    train_steps(model, optimizer, 2)
+    state.commit()
+    committed = snapshot(model, optimizer)
+    def storages():  # (parameter index, state key) -> where the tensor's data lives
+        return {(i, key): t.data_ptr() for i, st in enumerate(optimizer.state.values()) for key, t in st.items()
+                if isinstance(t, torch.Tensor) and t.dim() > 0}
+
+    where = storages()
+    train_steps(model, optimizer, 3, seed=2)
+    state.restore()
+    assert_bitwise(snapshot(model, optimizer), committed)
+    assert storages() == where  # copied in place: nothing allocated
+    buffers = {a.ctypes.data for e in state._buffers.entries.values() for a in e.arrays.values()}
+    assert not buffers & set(where.values())
+    # A fresh optimizer (no state yet, as on a newcomer) gets fresh tensors, not the buffers.
+    fresh = torch.optim.Adam(model.parameters(), lr=0.01)
+    state._tracked.objects["optimizer"] = fresh
+    state.restore()
+    assert_bitwise(snapshot(model, fresh), committed)
+    assert not buffers & {t.data_ptr() for st in fresh.state.values() for t in st.values()
+                          if isinstance(t, torch.Tensor)}
+
+
 def test_optimizer_steps_after_restore_do_not_write_into_the_commit():
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.Adam(model.parameters())
