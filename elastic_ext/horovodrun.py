@@ -2,7 +2,7 @@
 
 The arguments are ``horovodrun``'s. Outside elastic mode this is plain
 ``horovodrun``. In elastic mode, Horovod's driver (Horovod 0.28.1's
-``ElasticDriver``, run in this process) changes in two ways:
+``ElasticDriver``, run in this process) changes in three ways:
 
 1. **A host is blacklisted only when it lost all its workers of the round.**
    Horovod blacklists the host of every failed worker, which also ends that
@@ -23,6 +23,17 @@ The arguments are ``horovodrun``'s. Outside elastic mode this is plain
    in ``hvd.init()`` for a dead peer need not wait for the rendezvous
    timeout, and a keeper does not restart a worker whose slot left the job
    (with ``ELASTIC_EXT_RESTART_IN_PLACE=1``).
+3. **The exit of a replaced worker is not charged to its successor.**
+   Horovod names a worker by its slot (host, local rank) and records every
+   exit under that name. A worker on a blacklisted host is ended by its
+   driver in up to 10 s (SIGTERM, 5 s, then SIGKILL), and an elastic_ext
+   worker leaves at its next commit on SIGTERM, so it often takes that
+   long. When the blacklist cooldown is shorter, the host is back and a new
+   worker runs in the same slot by then: Horovod records the old worker's
+   exit (137) as the new worker's failure in the current round, which
+   later ends the job early, terminating whoever is still finishing
+   ("key exists and new state SUCCESS not FAILURE"). The driver now
+   ignores the exit of a worker that is no longer its slot's newest.
 
 The workers restart in place (:mod:`elastic_ext.keeper`) unless
 ``ELASTIC_EXT_RESTART_IN_PLACE`` says otherwise, when the job has durable
@@ -64,6 +75,7 @@ def install() -> None:
     original_recorded = WorkerStateRegistry._on_workers_recorded
     original_exit = ElasticDriver._handle_worker_exit
     original_update = ElasticDriver._update_host_assignments
+    original_start = ElasticDriver._start_worker_process
 
     def reset(self: Any, size: int) -> None:
         original_reset(self, size)  # after the new round's assignments, which cleared the store
@@ -101,7 +113,17 @@ def install() -> None:
                                       for host, slots in self._host_assignments.items()}
         return original_update(self, current_hosts)
 
+    def start_worker_process(self: Any, slot_info: Any) -> None:
+        newest = self.__dict__.setdefault("elastic_ext_newest", {})
+        newest[(slot_info.hostname, slot_info.local_rank)] = slot_info
+        original_start(self, slot_info)
+
     def handle_worker_exit(self: Any, slot_info: Any, exit_code: int, timestamp: Any) -> None:
+        newest = getattr(self, "elastic_ext_newest", {}).get((slot_info.hostname, slot_info.local_rank))
+        if newest is not None and newest is not slot_info:
+            logging.warning("elastic_ext: ignoring exit code %d of a replaced worker of %s[%d]: a newer worker "
+                            "runs in its slot", exit_code, slot_info.hostname, slot_info.local_rank)
+            return
         if exit_code != 0 and not self.finished() and self.has_rank_assignment(slot_info.hostname,
                                                                                 slot_info.local_rank):
             who = f"{slot_info.hostname}[{slot_info.local_rank}]".encode()
@@ -111,6 +133,7 @@ def install() -> None:
     for cls, name, replacement in ((WorkerStateRegistry, "reset", reset),
                                    (WorkerStateRegistry, "_on_workers_recorded", on_workers_recorded),
                                    (ElasticDriver, "_update_host_assignments", update_host_assignments),
+                                   (ElasticDriver, "_start_worker_process", start_worker_process),
                                    (ElasticDriver, "_handle_worker_exit", handle_worker_exit)):
         _originals[(cls, name)] = getattr(cls, name)
         setattr(cls, name, replacement)

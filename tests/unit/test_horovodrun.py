@@ -24,20 +24,20 @@ class Job:
         from horovod.runner.http.http_server import RendezvousServer
 
         self.server = RendezvousServer()
-        self.driver = ElasticDriver(self.server, Discovery(hosts), min_np, max_np, timeout=30)
+        self.discovery = Discovery(hosts)
+        self.driver = ElasticDriver(self.server, self.discovery, min_np, max_np, timeout=30)
         self.port = self.server.start(create_rendezvous_handler(self.driver))
         self.url = f"http://127.0.0.1:{self.port}"
         self.started = []
-        self.exits = {}            # (host, local_rank) -> Event: set it and that worker exits with code 1
+        self.exits = {}            # (host, local_rank) -> Event: set it and the slot's newest worker exits with code 1
         self.finish = threading.Event()
 
     def _create_worker(self, slot_info, events):
         key = (slot_info.hostname, slot_info.local_rank)
+        died = self.exits[key] = threading.Event()  # each worker its own: one started later in the slot lives
         self.started.append(key)
-        died = self.exits.setdefault(key, threading.Event())
         while not self.finish.is_set():
             if died.wait(0.05):
-                self.exits[key] = threading.Event()  # a worker started later in this slot lives
                 return 1, time.time()
         return 0, time.time()
 
@@ -140,6 +140,41 @@ def test_no_round_is_published_by_horovods_own_driver():
         assert job.store(round_watch.CURRENT) is None
     finally:
         job.stop()
+
+
+@pytest.mark.parametrize("with_changes", [False, True])
+def test_the_late_exit_of_a_replaced_worker_is_not_charged_to_the_new_worker_in_its_slot(with_changes):
+    if with_changes:
+        horovodrun.install()
+    job = started_job()
+    try:
+        # host-b leaves and comes back before its old workers have exited (as a
+        # worker told to go takes up to 10 s to die while a blacklist cooldown may be 1 s).
+        job.discovery.hosts = {"host-a": 2}
+        time.sleep(1.5)  # the driver rediscovers hosts every second
+        asks, threads = in_threads(*[lambda s=s: job.rank_and_size(*s) for s in SLOTS])
+        for thread in threads:
+            thread.join(30)
+        assert asks == [(0, 2), (1, 2), (-1, -1), (-1, -1)]
+        old = job.exits[("host-b", 0)]
+        job.discovery.hosts = {"host-a": 2, "host-b": 2}
+        time.sleep(1.5)
+        asks, threads = in_threads(lambda: job.rank_and_size("host-a", 0), lambda: job.rank_and_size("host-a", 1))
+        for thread in threads:
+            thread.join(30)
+        assert asks == [(0, 4), (1, 4)]
+        assert wait_for(lambda: job.started.count(("host-b", 0)) == 2), job.started
+        round_now = job.driver._worker_registry.last_rendezvous()
+        old.set()  # the old host-b[0] exits now, in the round of its successor
+        time.sleep(0.5)
+        charged = ("host-b", 0) in job.driver._worker_registry.get("FAILURE")
+        assert charged is not with_changes
+        if with_changes:
+            assert job.store(round_watch.failed_key(round_now)) is None
+    finally:
+        job.stop()
+        if with_changes:
+            horovodrun.uninstall()
 
 
 def worker_env(job, host, local_rank):
