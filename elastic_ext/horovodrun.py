@@ -27,7 +27,7 @@ The arguments are ``horovodrun``'s. Outside elastic mode this is plain
    Horovod names a worker by its slot (host, local rank) and records every
    exit under that name. A worker on a blacklisted host is ended by its
    driver in up to 10 s (SIGTERM, 5 s, then SIGKILL), and an elastic_ext
-   worker leaves at its next commit on SIGTERM, so it often takes that
+   worker leaves at its next commit on SIGTERM, so it can take that
    long. When the blacklist cooldown is shorter, the host is back and a new
    worker runs in the same slot by then: Horovod records the old worker's
    exit (137) as the new worker's failure in the current round, which
