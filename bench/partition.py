@@ -15,7 +15,7 @@ job shrinks to 6 workers. Three experiments in one run:
    the committed position and computes its first batch.
    - ``new``: :class:`elastic_ext.ElasticPartitioner`, ``load_state_dict``,
      ``next(batches())``: the order is a keyed Feistel permutation computed
-     per position (``elastic_ext.partition.FeistelOrder``).
+     per position (``elastic_ext.data.partition.FeistelOrder``).
    - ``old``: the approach it replaced, kept here as the baseline
      (:func:`old_epoch_order`): ``np.arange(size)`` shuffled by numpy's PCG64,
      then this rank's slice. Measured up to ``--old-max-size`` (default
@@ -110,7 +110,7 @@ def check_plans(size: int, committed: Dict[str, Any]) -> Dict[str, Any]:
     Raises:
         AssertionError: a position is missing, repeated, or already consumed.
     """
-    from elastic_ext import partition
+    from elastic_ext.data import partition
 
     taken, padding = [], 0
     for rank in range(NEW_WORLD):
@@ -129,7 +129,7 @@ def check_plans(size: int, committed: Dict[str, Any]) -> Dict[str, Any]:
 
 def child_first_batch_time(size: int, reps: int, old: bool) -> Dict[str, Any]:
     """Old and new alternated in one process; checks that each batch is the right slice of its order."""
-    from elastic_ext import partition
+    from elastic_ext.data import partition
 
     committed = committed_position(size)
     positions = committed["cursor"] + RANK * BATCH + np.arange(BATCH)

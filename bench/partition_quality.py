@@ -1,6 +1,6 @@
 """bench.partition's shuffle-quality checks: the epoch order as a shuffle, old and new side by side.
 
-A virtual order (a keyed Feistel network, elastic_ext.partition.FeistelOrder)
+A virtual order (a keyed Feistel network, elastic_ext.data.partition.FeistelOrder)
 replaced a numpy shuffle of the whole index space; these statistics say
 whether it still shuffles like one. Each gives a chi-square statistic or a
 z-score with its p-value under the hypothesis of a uniform random
@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List
 import numpy as np
 from scipy import stats
 
-from elastic_ext import partition
+from elastic_ext.data import partition
 
 OrderFn = Callable[[int, int, int], np.ndarray]  # (size, seed, epoch) -> whole order
 

@@ -78,8 +78,8 @@ def workers(root_pid: int) -> List[psutil.Process]:
     for proc in tree:
         try:
             cmd = " ".join(proc.cmdline())
-            launcher = "horovodrun" in cmd or "elastic_ext.supervise" in cmd  # the driver is not a worker
-            if "lifecycle.py" in cmd and not launcher and "elastic_ext.guardian" not in cmd \
+            launcher = "horovodrun" in cmd or "elastic_ext.launch.supervise" in cmd  # the driver is not a worker
+            if "lifecycle.py" in cmd and not launcher and "elastic_ext.runtime.guardian" not in cmd \
                     and proc.status() != psutil.STATUS_ZOMBIE \
                     and os.path.basename(proc.cmdline()[0]).startswith("python"):
                 found.append(proc)
@@ -141,13 +141,13 @@ def soak(out: str, count: int, seed: int, gap_s=(5.0, 9.0), timeout_s: float = 1
                           ELASTIC_EXT_CHECKPOINT_KEEP_LAST=3, ELASTIC_EXT_HANG_TIMEOUT_S=10,
                           ELASTIC_EXT_TERM_GRACE_S=20, ELASTIC_EXT_ROLLBACK_LIMIT=20)
     env.pop("HOROVOD_FUSION_THRESHOLD", None)  # Horovod's default: fused allreduces
-    if restart_in_place:  # workers with keepers, under elastic_ext's driver (see elastic_ext.horovodrun)
+    if restart_in_place:  # workers with keepers, under elastic_ext's driver (see elastic_ext.launch.horovodrun)
         env["ELASTIC_EXT_RESTART_IN_PLACE"] = "1"
         cmd = launch.under_elastic_ext_driver(cmd)
     if rendezvous_timeout_s:
         env["ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S"] = str(rendezvous_timeout_s)
     if restarts:  # a job Horovod's driver ends is started again and resumes from its newest checkpoint
-        cmd = [sys.executable, "-m", "elastic_ext.supervise", "--max-restarts", str(restarts), "--backoff-s", "2",
+        cmd = [sys.executable, "-m", "elastic_ext.launch.supervise", "--max-restarts", str(restarts), "--backoff-s", "2",
                "--", *cmd]
     started = time.time()
     job = launch.Job(cmd, env, os.path.join(out, "horovodrun.log"))
@@ -270,7 +270,7 @@ def report(out: str, injected: List[dict], code: Optional[int], output: str, tim
         "exactly_once": audit["exactly_once"], "final_ranks": sorted(finals),
         "final_parameters_identical": identical, "identical_detail": log_identical,
         "guardian_kills": output.count("sent no heartbeat"),
-        "restarts_in_place": output.count("restarting it in place"),  # elastic_ext.keeper
+        "restarts_in_place": output.count("restarting it in place"),  # elastic_ext.launch.keeper
         "keepers_gave_up": output.count("not restarting it"),
         # Every worker holding the commit lost, the job going on from its checkpoint: at a
         # job restart, and inside one job when the next round had only fresh workers.
@@ -288,7 +288,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="/tmp/elastic_ext_soak")
     parser.add_argument("--json", default="", help="also write the report here")
     parser.add_argument("--restarts", type=int, default=0,
-                        help="run the job under python -m elastic_ext.supervise with this many restarts")
+                        help="run the job under python -m elastic_ext.launch.supervise with this many restarts")
     parser.add_argument("--driver-log-level", default="", choices=["", "INFO", "DEBUG"],
                         help="horovodrun --log-level: the driver's rounds (who recorded READY or FAILURE) in the log")
     parser.add_argument("--no-restart-in-place", action="store_true",

@@ -34,7 +34,7 @@ ENV_HANG_TIMEOUT_S = "ELASTIC_EXT_HANG_TIMEOUT_S"
 ENV_STALL_TIMEOUT_S = "ELASTIC_EXT_STALL_TIMEOUT_S"
 ENV_TERM_GRACE_S = "ELASTIC_EXT_TERM_GRACE_S"
 ENV_FIRST_STEP_TIMEOUT_S = "ELASTIC_EXT_FIRST_STEP_TIMEOUT_S"
-# Read at import, before any ElasticConfig: a worker restarted in place by its keeper (elastic_ext.keeper).
+# Read at import, before any ElasticConfig: a worker restarted in place by its keeper (elastic_ext.launch.keeper).
 ENV_RESTART_IN_PLACE = "ELASTIC_EXT_RESTART_IN_PLACE"
 ENV_RESTARTED_IN_PLACE = "ELASTIC_EXT_RESTARTED_IN_PLACE"  # set by the keeper: 0 for its first child, k after k restarts
 # Set by horovodrun for every elastic worker: where its rendezvous server listens.
@@ -97,7 +97,7 @@ class ElasticConfig:
         prestart_newcomers: at a host addition, keep training while Horovod's
             driver starts the newcomers, and resize at the first commit
             after every newcomer has built its model and reached
-            ``@elastic_ext.run`` (see :mod:`elastic_ext.prestart`):
+            ``@elastic_ext.run`` (see :mod:`elastic_ext.launch.prestart`):
             survivors no longer stand idle while newcomers import the
             framework and build the model. Scripts must import
             ``elastic_ext`` before calling ``hvd.init()``; a newcomer that
@@ -130,7 +130,7 @@ class ElasticConfig:
         abort_connections: when a collective fails on this rank, shut down
             this process's collective TCP connections at once, so that every
             peer's pending collective fails within milliseconds instead of
-            waiting for Gloo's timeout (see :mod:`elastic_ext.watchdog`).
+            waiting for Gloo's timeout (see :mod:`elastic_ext.runtime.watchdog`).
         heartbeat_period_s: how often the worker tells its guardian process
             that it is alive.
         hang_timeout_s: a worker whose heartbeat stops this long (SIGSTOP, a

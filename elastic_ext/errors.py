@@ -80,7 +80,7 @@ class NumericFaultError(ElasticExtError):
     A signal for the ``run`` decorator (roll back, skip the step's samples,
     continue), like Horovod's ``HorovodInternalError`` for a failed
     collective. ``step`` is the global step, ``reason`` one of
-    ``elastic_ext.guard.REASONS``, ``verdict`` the full ``elastic_ext.guard.Verdict``;
+    ``elastic_ext.policies.guard.REASONS``, ``verdict`` the full ``elastic_ext.policies.guard.Verdict``;
     ``skips`` the sample ranges ``(sampler name, epoch, start, stop)`` the
     step would have consumed (filled by ``State.guard_step``).
     """

@@ -57,15 +57,15 @@ The run loop (``run.py``):
   leaves at a commit; ``commit_id``, ``cause``, ``durable_commit_id`` (the
   newest checkpoint rank 0 made durable first).
 - ``straggler`` (:data:`STRAGGLER`): every rank, when the commit's table
-  shows one rank slow for long enough (:mod:`elastic_ext.eviction`);
+  shows one rank slow for long enough (:mod:`elastic_ext.policies.eviction`);
   ``commit_id``, ``evicted_rank``, ``step``, ``ratio``, ``slow_since``,
   ``slow_steps``, ``ratios``, and ``host`` on the evicted rank.
 - ``restarted_in_place`` (:data:`RESTARTED_IN_PLACE`, at ``@elastic_ext.run``
-  of a worker its keeper restarted, see :mod:`elastic_ext.keeper`): Gloo
+  of a worker its keeper restarted, see :mod:`elastic_ext.launch.keeper`): Gloo
   aborted the previous process of this slot inside ``hvd.init()``;
   ``restarts`` (how many times this slot's keeper restarted it).
 - ``job_restart`` (:data:`JOB_RESTART`, written by ``python -m
-  elastic_ext.supervise`` with rank -1): the whole job failed and is started
+  elastic_ext.launch.supervise`` with rank -1): the whole job failed and is started
   again; ``exit_code``, ``restart``, ``max_restarts``, ``ran_s``.
 
 Durable checkpoints (the checkpoint writer, and State on resume):

@@ -1,6 +1,6 @@
 """Writing one local file, its page-aligned spans with ``O_DIRECT``.
 
-Large commit buffers start on a page (:func:`elastic_ext.buffers.aligned_empty`)
+Large commit buffers start on a page (:func:`elastic_ext.state.buffers.aligned_empty`)
 and the format starts large arrays on a page of ``arrays.bin``, so most of
 a checkpoint goes from the commit buffers to the disk without the kernel
 copying it into the page cache first: that copy was about half of the
@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 
-from elastic_ext.buffers import PAGE_BYTES
+from elastic_ext.state.buffers import PAGE_BYTES
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere every byte is written through the page cache
 

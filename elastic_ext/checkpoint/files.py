@@ -21,14 +21,14 @@ from typing import Any, Callable, Dict, Iterable, List
 
 import numpy as np
 
-from elastic_ext.buffers import aligned_empty
+from elastic_ext.state.buffers import aligned_empty
 from elastic_ext.checkpoint.format import (CHUNK_BYTES, DATA_DIGESTS, DATA_FILE, DTYPE_TEXT, FORMAT, FORMAT_VERSION,
                                            MANIFEST_FILE, MAX_JSON_DEPTH, NAME_PATTERN, SAFE_KINDS, SKIP_BYTES,
                                            Crc32, Loaded, array_offset, canonical, check_manifest, checkpoint_name,
                                            data_digest, json_depth, parse_manifest, versions)
 from elastic_ext.checkpoint.storage import Storage, open_storage
 from elastic_ext.errors import CheckpointError, CheckpointReadError, CorruptCheckpointError
-from elastic_ext.snapshot import Entry
+from elastic_ext.state.snapshot import Entry
 
 logger = logging.getLogger(__name__)
 

@@ -32,9 +32,9 @@ from typing import Any, Dict, Iterable, Optional, Tuple, Type, Union
 import numpy as np
 import xxhash
 
-from elastic_ext.buffers import ALIGNED_MIN_BYTES, PAGE_BYTES
+from elastic_ext.state.buffers import ALIGNED_MIN_BYTES, PAGE_BYTES
 from elastic_ext.errors import CorruptCheckpointError
-from elastic_ext.snapshot import Entry
+from elastic_ext.state.snapshot import Entry
 
 FORMAT = "elastic_ext.checkpoint"
 FORMAT_VERSION = 2  # what the writer writes; the reader also takes version 1 (CRC-32 of the data)

@@ -8,7 +8,7 @@ are not checkpointed: after a restart from storage each rank keeps the
 streams its script seeded.
 
 The write reads the commit's own buffers, leased from
-:class:`~elastic_ext.buffers.CommitBuffers` and released when it is done;
+:class:`~elastic_ext.state.buffers.CommitBuffers` and released when it is done;
 the buffers decide where later commits copy meanwhile.
 """
 
@@ -22,14 +22,14 @@ import time
 import weakref
 from typing import Any, Dict, Iterable, Optional, Set, Tuple
 
-from elastic_ext.buffers import CommitBuffers, Lease
+from elastic_ext.state.buffers import CommitBuffers, Lease
 from elastic_ext.checkpoint.files import write_checkpoint
 from elastic_ext.checkpoint.format import Loaded
 from elastic_ext.checkpoint.store import CheckpointStore
 from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import CheckpointError
 from elastic_ext.events import CHECKPOINT, CHECKPOINT_FAILED, CHECKPOINT_RESUMED, CHECKPOINT_SKIPPED, EventLog
-from elastic_ext.run import error_detail
+from elastic_ext.runtime.run import error_detail
 
 logger = logging.getLogger(__name__)
 

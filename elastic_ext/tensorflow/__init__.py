@@ -4,11 +4,11 @@ source driven by the elastic cursor, Horovod's gradient API for Keras 2 and
 Keras 3 variables, and the callback that makes ``model.fit`` elastic.
 
 The only package of elastic_ext that imports tensorflow. Importing it
-registers its adapters with the core (:mod:`elastic_ext.adapters`), which
+registers its adapters with the core (:mod:`elastic_ext.state.adapters`), which
 loads this package by itself once TensorFlow or Keras is imported.
 """
 
-from elastic_ext import adapters as _core
+from elastic_ext.state import adapters as _core
 from elastic_ext.tensorflow import adapters as _adapters
 from elastic_ext.tensorflow.callbacks import ElasticCallback, FitStep
 from elastic_ext.tensorflow.data import ElasticSampler, index_dataset

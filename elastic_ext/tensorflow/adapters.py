@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from elastic_ext.errors import StateError
-from elastic_ext.snapshot import Capture, Entry
+from elastic_ext.state.snapshot import Capture, Entry
 
 
 class VariableSource:

@@ -25,7 +25,7 @@ steps per epoch follow the world size). Keras keeps ``steps_per_epoch``
 fixed within a call, and calls after a reset are new calls, so both are
 right. The data is a ``tf.data`` stream of ``load(indices, pad)`` over this
 rank's share of each global step from the committed cursor on
-(:mod:`elastic_ext.partition`), so the samples of rolled-back steps are
+(:mod:`elastic_ext.data.partition`), so the samples of rolled-back steps are
 handed out again, once.
 
 The callback, at the end of every batch, checks that the batch Keras
@@ -56,7 +56,7 @@ import numpy as np
 import tensorflow as tf
 
 from elastic_ext.errors import ConfigError, StateError
-from elastic_ext.sampler import ElasticPartitioner
+from elastic_ext.data.sampler import ElasticPartitioner
 from elastic_ext.tensorflow.data import plan_at, steps_in_epoch
 
 logger = logging.getLogger(__name__)

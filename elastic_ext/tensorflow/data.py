@@ -6,8 +6,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from elastic_ext import partition
-from elastic_ext.sampler import ElasticPartitioner
+from elastic_ext.data import partition
+from elastic_ext.data.sampler import ElasticPartitioner
 
 
 class ElasticSampler(ElasticPartitioner):

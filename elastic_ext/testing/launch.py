@@ -62,7 +62,7 @@ def script_process(worker: psutil.Process) -> psutil.Process:
     """The process running a worker's script: ``worker`` itself, or its child when ``worker`` is its keeper.
 
     With ``ELASTIC_EXT_RESTART_IN_PLACE=1`` the process Horovod's driver
-    started (the keeper, :mod:`elastic_ext.keeper`) forks the script's
+    started (the keeper, :mod:`elastic_ext.launch.keeper`) forks the script's
     process, with the same command line.
     """
     try:
@@ -145,8 +145,8 @@ def elastic_cmd(np_: int, min_np: int, max_np: int, hosts_file: str, script: str
 
 
 def under_elastic_ext_driver(cmd: Sequence[str]) -> List[str]:
-    """A ``horovodrun`` command line run by ``python -m elastic_ext.horovodrun`` instead (the same arguments)."""
-    return [sys.executable, "-m", "elastic_ext.horovodrun", *cmd[1:]]
+    """A ``horovodrun`` command line run by ``python -m elastic_ext.launch.horovodrun`` instead (the same arguments)."""
+    return [sys.executable, "-m", "elastic_ext.launch.horovodrun", *cmd[1:]]
 
 
 def static_cmd(np_: int, script: str, *script_args: str) -> List[str]:

@@ -23,10 +23,10 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from elastic_ext.events import NUMERIC_ROLLBACK
-from elastic_ext.supervise import ENV_RESTART
+from elastic_ext.launch.supervise import ENV_RESTART
 
 RESTART_STRIDE = 1_000_000  # generations of restart k are read as k * RESTART_STRIDE + generation
-from elastic_ext.partition import epoch_order
+from elastic_ext.data.partition import epoch_order
 
 
 class Ledger:
@@ -37,7 +37,7 @@ class Ledger:
         self._file = open(os.path.join(directory, f"steps-{os.getpid()}.jsonl"), "a", buffering=1,
                           encoding="utf-8")
         self._rollbacks_written = 0  # numeric_rollback events already written as skipped records
-        # Under python -m elastic_ext.supervise: which restart of the whole job this process belongs to.
+        # Under python -m elastic_ext.launch.supervise: which restart of the whole job this process belongs to.
         self._restart = int(os.environ.get(ENV_RESTART, "0") or 0)
 
     def start(self, generation: int, epoch: int, cursor: int, step: int, rank: int, size: int) -> None:
@@ -78,7 +78,7 @@ class Ledger:
 def read(directory: str) -> List[dict]:
     """All records of all processes; a line cut by a SIGKILL is skipped.
 
-    A restarted job (``restart`` > 0, see :mod:`elastic_ext.supervise`)
+    A restarted job (``restart`` > 0, see :mod:`elastic_ext.launch.supervise`)
     numbers its generations from its checkpoint's again, which may repeat
     those the dead job reached after that checkpoint; its generations are
     read as ``restart * RESTART_STRIDE + generation`` so they come after.

@@ -3,11 +3,11 @@ RNGs, the Horovod binding, and the elastic sampler for ``DataLoader``.
 
 The only package of elastic_ext that imports torch. Importing it registers
 its adapters and its part of :class:`elastic_ext.GlobalRNG` with the core
-(:mod:`elastic_ext.adapters`), which loads this package by itself once
+(:mod:`elastic_ext.state.adapters`), which loads this package by itself once
 torch is imported.
 """
 
-from elastic_ext import adapters as _core
+from elastic_ext.state import adapters as _core
 from elastic_ext.torch import adapters as _adapters
 from elastic_ext.torch import rng as _rng
 from elastic_ext.torch.sampler import ElasticSampler, PadIndex, PaddedDataset

@@ -23,10 +23,10 @@ from typing import Any, FrozenSet, Optional, Tuple
 import numpy as np
 import torch
 
-from elastic_ext.adapters import StatefulAdapter
+from elastic_ext.state.adapters import StatefulAdapter
 from elastic_ext.errors import StateError
-from elastic_ext.snapshot import Capture, Entry
-from elastic_ext.tree import join, path_key, split
+from elastic_ext.state.snapshot import Capture, Entry
+from elastic_ext.state.tree import join, path_key, split
 
 # torch dtypes without a numpy twin, stored bit for bit as unsigned ints
 _BIT_VIEWS = {torch.bfloat16: np.uint16}

@@ -49,7 +49,7 @@ class TorchBinding:
         hvd.init()
 
     def local_rank(self) -> int:
-        """This rank's slot on its host: Horovod's rank request after a reset names it (elastic_ext.prestart)."""
+        """This rank's slot on its host: Horovod's rank request after a reset names it (elastic_ext.launch.prestart)."""
         return hvd.local_rank()
 
     def local_size(self) -> int:

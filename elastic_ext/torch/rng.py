@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from elastic_ext.snapshot import Capture, Entry, NumpySource
+from elastic_ext.state.snapshot import Capture, Entry, NumpySource
 
 
 def capture_global() -> Capture:

@@ -6,7 +6,7 @@ from typing import Any, Iterator, List, Optional, Sized
 
 import torch.utils.data
 
-from elastic_ext.sampler import ElasticPartitioner
+from elastic_ext.data.sampler import ElasticPartitioner
 
 
 class PadIndex(int):
@@ -24,7 +24,7 @@ class ElasticSampler(ElasticPartitioner, torch.utils.data.Sampler):
 
     Args:
         dataset: a sized dataset, or the number of samples.
-        **kwargs: as :class:`elastic_ext.sampler.ElasticPartitioner`.
+        **kwargs: as :class:`elastic_ext.data.sampler.ElasticPartitioner`.
     """
 
     def __init__(self, dataset: Any, **kwargs: Any) -> None:

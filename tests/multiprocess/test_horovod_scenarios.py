@@ -143,7 +143,7 @@ def test_blacklisted_host_comes_back_after_its_cooldown(tmp_path, flavour):
     # Horovod's driver to end, it could outlive the 1-2 s cooldown (the driver
     # allows 10 s, and an elastic_ext worker told to go leaves at its next
     # commit), and Horovod would charge its exit to the new worker in its slot
-    # (see test_horovodrun.py's replaced-worker test; elastic_ext.horovodrun
+    # (see test_horovodrun.py's replaced-worker test; elastic_ext.launch.horovodrun
     # ignores such exits).
     code, output, epochs, out = run_scenario(tmp_path, flavour, TWO_HOSTS, "--exit-schedule", '{"1,0": [2, 3]}',
                                              "--epochs", "4", "--epoch-wait-s", "2", np_=4,

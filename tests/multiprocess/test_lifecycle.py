@@ -91,7 +91,7 @@ def test_a_whole_job_suspended_and_resumed_kills_nobody(tmp_path):
         time.sleep(0.1)
     root = psutil.Process(job.proc.pid)
     procs = [root] + root.children(recursive=True)
-    assert sum("elastic_ext.guardian" in " ".join(p.cmdline()) for p in procs) == 4, "expected 4 guardians"
+    assert sum("elastic_ext.runtime.guardian" in " ".join(p.cmdline()) for p in procs) == 4, "expected 4 guardians"
     for proc in procs:
         proc.send_signal(signal.SIGSTOP)
     time.sleep(3 * max(stall_s, hang_s))
@@ -322,7 +322,7 @@ def test_with_restart_in_place_a_newcomer_killed_while_the_round_forms_costs_onl
     analysis.assert_ranks_identical(analysis.load_finals(out))
 
 
-# ------------------------------------------- python -m elastic_ext.horovodrun
+# ------------------------------------------- python -m elastic_ext.launch.horovodrun
 
 def test_under_elastic_ext_horovodrun_a_killed_worker_costs_no_healthy_neighbour(tmp_path):
     # Rank 1 is SIGKILLed at step 10. Horovod's driver would blacklist its host

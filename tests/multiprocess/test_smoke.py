@@ -71,7 +71,7 @@ def test_core_imports_without_any_framework(tmp_path):
         "    raise SystemExit('torch import was not blocked')\n"
         "except ImportError:\n"
         "    pass\n"
-        "import elastic_ext, elastic_ext.partition, elastic_ext.sampler, elastic_ext.discovery\n"
+        "import elastic_ext, elastic_ext.data.partition, elastic_ext.data.sampler, elastic_ext.discovery\n"
         "from elastic_ext.testing import SoloBinding\n"
         "s = elastic_ext.State(binding=SoloBinding(), epoch=3)\n"
         "s.commit(); s.epoch = 4; s.restore(); assert s.epoch == 3\n"

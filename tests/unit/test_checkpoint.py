@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from elastic_ext import GlobalRNG, State, checkpoint, tree
-from elastic_ext.adapters import Entry
+from elastic_ext import GlobalRNG, State, checkpoint
+from elastic_ext.state import tree
+from elastic_ext.state.adapters import Entry
 from elastic_ext.checkpoint import CheckpointStore, read_checkpoint, write_checkpoint
 from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import CheckpointError, ConfigError, CorruptCheckpointError
-from elastic_ext.sampler import ElasticPartitioner
+from elastic_ext.data.sampler import ElasticPartitioner
 from elastic_ext.testing import SoloBinding
 
 

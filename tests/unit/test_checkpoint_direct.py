@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from elastic_ext import checkpoint
-from elastic_ext.adapters import Entry
-from elastic_ext.buffers import PAGE_BYTES, CommitBuffers, aligned_empty
+from elastic_ext.state.adapters import Entry
+from elastic_ext.state.buffers import PAGE_BYTES, CommitBuffers, aligned_empty
 from elastic_ext.checkpoint import direct, read_checkpoint, write_checkpoint
 from elastic_ext.errors import CheckpointError, CorruptCheckpointError
-from elastic_ext.snapshot import ArraySource, Capture
+from elastic_ext.state.snapshot import ArraySource, Capture
 
 MIB = 1 << 20
 

@@ -37,7 +37,7 @@ def test_the_interpreter_is_the_pinned_one():
 
 def test_the_file_list_covers_the_project():
     files = tracked_python_files()
-    for expected in ("examples/run_demo.py", "examples/pytorch_elastic.py", "elastic_ext/state.py", "setup.py"):
+    for expected in ("examples/run_demo.py", "examples/pytorch_elastic.py", "elastic_ext/state/state.py", "setup.py"):
         assert expected in files, f"{expected} missing from the compiled files: {files[:10]}..."
 
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from elastic_ext import ElasticPartitioner, State, StragglerPolicy
-from elastic_ext.eviction import StragglerWatch, samples_per_step
-from elastic_ext.host_updates import FIELDS
+from elastic_ext.policies.eviction import StragglerWatch, samples_per_step
+from elastic_ext.state.host_updates import FIELDS
 from elastic_ext.testing.solo import SoloBinding
 
 POLICY = StragglerPolicy(enabled=True, factor=3.0, window_steps=8, warmup_steps=4, min_size=1)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from elastic_ext.errors import ConfigError, ElasticExtError, RollbackLimitError
-from elastic_ext.guard import (LOSS_SPIKE, NONFINITE_GRADIENT, NONFINITE_LOSS, FaultCounter, GlobalSignal,
+from elastic_ext.policies.guard import (LOSS_SPIKE, NONFINITE_GRADIENT, NONFINITE_LOSS, FaultCounter, GlobalSignal,
                                LocalSignal, LossWindow, NumericFaultError, NumericGuard,
                                NumericRollbackLimitError, Verdict, agree, reduce_rows)
 
@@ -85,7 +85,7 @@ def test_agree_allgathers_one_row_and_reduces_it_the_same_way_on_every_rank():
         binding = GatherTable(rows)
         signals.append(agree(binding, LocalSignal(loss=[1.0, 3.0][rank], samples=[3, 1][rank])))
         (sent, name), = binding.calls
-        assert sent.shape == (1, 5) and sent.dtype == np.float64 and name == "elastic_ext.guard"
+        assert sent.shape == (1, 5) and sent.dtype == np.float64 and name == "elastic_ext.policies.guard"
     assert signals[0] == signals[1]
     assert signals[0].loss == pytest.approx((1.0 * 3 + 3.0 * 1) / 4)  # weighted by samples
     assert signals[0].grad_norm == pytest.approx(math.sqrt((4.0 + 2.0) / 2))

@@ -13,11 +13,11 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# A stand-in for a worker: starts its guardian like elastic_ext.watchdog does,
+# A stand-in for a worker: starts its guardian like elastic_ext.runtime.watchdog does,
 # prints the guardian's pid, then beats every 0.2 s (or never, with "silent").
 WORKER = textwrap.dedent("""
     import subprocess, sys, time
-    guardian = subprocess.Popen([sys.executable, "-m", "elastic_ext.guardian", "--pid", str(__import__("os").getpid()),
+    guardian = subprocess.Popen([sys.executable, "-m", "elastic_ext.runtime.guardian", "--pid", str(__import__("os").getpid()),
                                  "--timeout-s", sys.argv[1]], stdin=subprocess.PIPE)
     print(guardian.pid, flush=True)
     if sys.argv[2] == "fork-and-exit":
@@ -58,7 +58,7 @@ def test_a_guardian_never_kills_a_pid_that_is_not_its_parent():
     # The pid a guardian was told to watch now belongs to some other process
     # (what pid reuse looks like from the guardian): it must not be touched.
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    guardian = subprocess.Popen([sys.executable, "-m", "elastic_ext.guardian", "--pid", str(bystander.pid),
+    guardian = subprocess.Popen([sys.executable, "-m", "elastic_ext.runtime.guardian", "--pid", str(bystander.pid),
                                  "--timeout-s", "1"], stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=env())
     try:
         _, err = guardian.communicate(timeout=20)  # its stdin stays open: no EOF, no heartbeat

@@ -1,4 +1,4 @@
-"""python -m elastic_ext.horovodrun: Horovod's real ElasticDriver and rendezvous server, with elastic_ext's changes.
+"""python -m elastic_ext.launch.horovodrun: Horovod's real ElasticDriver and rendezvous server, with elastic_ext's changes.
 
 Workers are threads that send the HTTP request ``hvd.init()`` sends; a
 worker "dies" when the function the driver runs for it returns exit code 1.
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from elastic_ext import horovodrun, prestart, round_watch
+from elastic_ext.launch import horovodrun, prestart, round_watch
 from tests.unit.test_prestart import Discovery, in_threads, wait_for
 
 

@@ -1,4 +1,4 @@
-"""The keeper (elastic_ext.keeper): which ends of its child it restarts, and how it ends otherwise.
+"""The keeper (elastic_ext.launch.keeper): which ends of its child it restarts, and how it ends otherwise.
 
 Each test runs a small script in a fresh interpreter with the environment
 of an elastic horovodrun worker and ELASTIC_EXT_RESTART_IN_PLACE=1. The
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from elastic_ext import keeper
+from elastic_ext.launch import keeper
 from elastic_ext.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PRELUDE = """
 import os, signal, sys, time
 import elastic_ext
-from elastic_ext import keeper
+from elastic_ext.launch import keeper
 n = keeper.restarts()
 out = sys.argv[1]
 with open(os.path.join(out, f"child-{n}"), "w") as f:

@@ -6,8 +6,8 @@ import pytest
 
 import elastic_ext
 from elastic_ext import ConfigError, ElasticConfig, NumericGuard, State, StateError
-from elastic_ext.numeric_rollback import WINDOW_NAME
-from elastic_ext.sampler import ElasticPartitioner
+from elastic_ext.policies.numeric_rollback import WINDOW_NAME
+from elastic_ext.data.sampler import ElasticPartitioner
 from elastic_ext.testing import SoloBinding
 
 

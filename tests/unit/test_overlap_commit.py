@@ -10,7 +10,7 @@ from horovod.common.exceptions import HostsUpdatedInterrupt
 from elastic_ext import State
 from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import StateDivergenceError
-from elastic_ext.host_updates import HOSTS_ADDED, HOSTS_REMOVED, HostUpdates
+from elastic_ext.state.host_updates import HOSTS_ADDED, HOSTS_REMOVED, HostUpdates
 
 from tests.unit.test_state_agreement import ThreadWorld
 

@@ -5,9 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elastic_ext import partition
+from elastic_ext.data import partition
 from elastic_ext.errors import PartitionError, StateDivergenceError
-from elastic_ext.sampler import ElasticPartitioner
+from elastic_ext.data.sampler import ElasticPartitioner
 
 
 def test_order_is_a_seeded_permutation():

@@ -18,9 +18,9 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from elastic_ext import partition
+from elastic_ext.data import partition
 from elastic_ext.errors import PartitionError
-from elastic_ext.sampler import ElasticPartitioner
+from elastic_ext.data.sampler import ElasticPartitioner
 
 Z = 4.5
 M64 = (1 << 64) - 1
@@ -140,7 +140,7 @@ def test_orders_are_pinned_across_versions():
 
 CHILD = """
 import json, sys
-from elastic_ext import partition
+from elastic_ext.data import partition
 out = {}
 for size, seed, epoch in json.loads(sys.argv[1]):
     out[f"{size},{seed},{epoch}"] = partition.epoch_order(size, seed, epoch)[max(0, size - 64):size].tolist()

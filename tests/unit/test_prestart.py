@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from elastic_ext import prestart
-from elastic_ext.host_updates import HOSTS_ADDED, HOSTS_REMOVED, HostUpdates, agreement_vector, read_agreement
-from elastic_ext.prestart import Prestart, parse_slot
+from elastic_ext.launch import prestart
+from elastic_ext.state.host_updates import HOSTS_ADDED, HOSTS_REMOVED, HostUpdates, agreement_vector, read_agreement
+from elastic_ext.launch.prestart import Prestart, parse_slot
 
 from tests.unit.test_state_agreement import ThreadWorld
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from elastic_ext.errors import PartitionError
-from elastic_ext.sampler import ElasticPartitioner
+from elastic_ext.data.sampler import ElasticPartitioner
 from elastic_ext.testing import ledger
 
 

@@ -225,7 +225,7 @@ class ExplodingAdapter:
         return isinstance(obj, dict) and "explode" in obj
 
     def capture(self, obj):
-        from elastic_ext.adapters import Capture, NumpySource
+        from elastic_ext.state.adapters import Capture, NumpySource
         source = ExplodingSource((2,)) if self.armed else NumpySource(np.array(obj["explode"], np.float32))
         return Capture(arrays={"a": source}, meta=None)
 
@@ -353,6 +353,6 @@ def test_run_restores_the_sigterm_handler_and_stops_its_guardian():
 
     assert train(state) == 1
     assert seen["handler"] is not before, "SIGTERM is handled while training"
-    assert any("elastic_ext.guardian" in " ".join(c) for c in seen["children"]), seen["children"]
+    assert any("elastic_ext.runtime.guardian" in " ".join(c) for c in seen["children"]), seen["children"]
     assert signal.getsignal(signal.SIGTERM) is before
-    assert not [p for p in psutil.Process().children() if "elastic_ext.guardian" in " ".join(p.cmdline())]
+    assert not [p for p in psutil.Process().children() if "elastic_ext.runtime.guardian" in " ".join(p.cmdline())]

@@ -17,11 +17,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elastic_ext import State, tree
-from elastic_ext.adapters import Entry
+from elastic_ext import State
+from elastic_ext.state import tree
+from elastic_ext.state.adapters import Entry
 from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import StateDivergenceError, StateError
-from elastic_ext.state import reserved_names
+from elastic_ext.state.state import reserved_names
 from elastic_ext.testing import SoloBinding
 
 
@@ -206,7 +207,7 @@ def test_per_rank_objects_may_differ_and_are_never_broadcast():
 def test_survivors_and_a_newcomer_meet_in_the_same_first_collective():
     """A removal-only resize whose freed slot a newcomer fills: survivors used to
     call verify() (allgather "elastic_ext.verify") while the newcomer called
-    sync() (allgather "elastic_ext.sync.ids"): a hang under Horovod."""
+    sync() (allgather "elastic_ext.state.sync.ids"): a hang under Horovod."""
     world = ThreadWorld(2)
     survivor_model, newcomer_model = bn_model(0), bn_model(1)
     survivor = State(binding=world.binding(0), config=ElasticConfig(), model=survivor_model, step=0)

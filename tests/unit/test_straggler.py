@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from elastic_ext.errors import ConfigError, PartitionError
-from elastic_ext.straggler import (Eviction, StepTimer, StragglerPolicy, StragglerTracker, pack_slots, ratios,
+from elastic_ext.policies.straggler import (Eviction, StepTimer, StragglerPolicy, StragglerTracker, pack_slots, ratios,
                                    shares, unpack_slots)
 
 BASE_S = 0.1  # a normal step's compute time in these tables (numbers only: nothing sleeps)

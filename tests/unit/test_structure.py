@@ -129,10 +129,10 @@ def find_cycle(graph: Dict[str, Set[str]]) -> Optional[List[str]]:
 
 def test_the_graph_sees_the_package():
     graph = import_graph()
-    for module in ("elastic_ext", "elastic_ext.state", "elastic_ext.adapters", "elastic_ext.torch.adapters"):
+    for module in ("elastic_ext", "elastic_ext.state.state", "elastic_ext.state.adapters", "elastic_ext.torch.adapters"):
         assert module in graph, f"{module} missing from the import graph: {sorted(graph)[:10]}..."
-    assert "elastic_ext.snapshot" in graph["elastic_ext.tree"], graph["elastic_ext.tree"]
-    assert "elastic_ext.adapters" in graph["elastic_ext.torch.adapters"], graph["elastic_ext.torch.adapters"]
+    assert "elastic_ext.state.snapshot" in graph["elastic_ext.state.tree"], graph["elastic_ext.state.tree"]
+    assert "elastic_ext.state.adapters" in graph["elastic_ext.torch.adapters"], graph["elastic_ext.torch.adapters"]
 
 
 def test_find_cycle_names_the_circle():
@@ -196,7 +196,7 @@ def test_a_framework_in_the_process_brings_its_registered_adapters_and_rng():
 def test_rng_state_of_a_framework_not_in_the_process_is_a_clear_error():
     out = _run("import random, numpy as np\n"
                "from elastic_ext import GlobalRNG, StateError, adapters\n"
-               "from elastic_ext.snapshot import Entry\n"
+               "from elastic_ext.state.snapshot import Entry\n"
                "adapter = adapters.GlobalRNGAdapter()\n"
                "capture = adapter.capture(GlobalRNG())\n"
                "arrays = {}\n"

@@ -1,4 +1,4 @@
-"""python -m elastic_ext.supervise: restarts a failed job, within a limit, and says so."""
+"""python -m elastic_ext.launch.supervise: restarts a failed job, within a limit, and says so."""
 
 import json
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from elastic_ext import supervise
+from elastic_ext.launch import supervise
 
 
 def job(tmp_path, fail_times):
@@ -40,7 +40,7 @@ def test_the_limit_ends_it_with_the_jobs_exit_code(tmp_path):
 
 def test_bad_arguments_and_a_missing_checkpoint_dir_are_refused(tmp_path, monkeypatch):
     monkeypatch.delenv("ELASTIC_EXT_CHECKPOINT_DIR", raising=False)
-    run = lambda *args: subprocess.run([sys.executable, "-m", "elastic_ext.supervise", *args],
+    run = lambda *args: subprocess.run([sys.executable, "-m", "elastic_ext.launch.supervise", *args],
                                        capture_output=True, text=True)
     result = run("--", "true")
     assert result.returncode == 2 and "ELASTIC_EXT_CHECKPOINT_DIR is not set" in result.stderr

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from elastic_ext import watchdog
+from elastic_ext.runtime import watchdog
 
 
 def verdict(idle_s, *, stall=3.0, first=30.0, first_pending=False, phases=(), training=True, collective=False):
@@ -73,7 +73,7 @@ def test_a_long_wait_in_a_collective_gives_a_fresh_stall_timeout_after_it():
 
 def test_run_sets_the_rendezvous_timeout_unless_the_user_did():
     from elastic_ext.config import ConfigError, ElasticConfig
-    from elastic_ext.run import rendezvous_timeout
+    from elastic_ext.runtime.run import rendezvous_timeout
     env = {}
     assert rendezvous_timeout(ElasticConfig(), env) == "120" and env == {"HOROVOD_GLOO_TIMEOUT_SECONDS": "120"}
     env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": "45"}
@@ -90,7 +90,7 @@ def test_a_newcomers_first_init_waits_as_long_as_the_survivors_resets(monkeypatc
     30 s ("Wait timeout after 30 seconds") while the survivors waited 120 s for it."""
     import importlib
     from elastic_ext.config import ElasticConfig
-    run_module = importlib.import_module("elastic_ext.run")  # the package's name "run" is the decorator
+    run_module = importlib.import_module("elastic_ext.runtime.run")  # the package's name "run" is the decorator
     monkeypatch.setattr(run_module, "_TIMEOUT_SET_AT_IMPORT", None)
     env = {"HOROVOD_ELASTIC": "1", "ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S": "200"}
     assert run_module.first_rendezvous_timeout(env) == "200" and env["HOROVOD_GLOO_TIMEOUT_SECONDS"] == "200"
@@ -109,9 +109,9 @@ def test_a_collective_failing_before_the_first_sync_is_survived(monkeypatch):
 
     import elastic_ext
     import sys
-    run_module = sys.modules["elastic_ext.run"]
+    run_module = sys.modules["elastic_ext.runtime.run"]
     from elastic_ext.config import ElasticConfig
-    from elastic_ext.connections import CollectiveConnections
+    from elastic_ext.runtime.connections import CollectiveConnections
     from elastic_ext.testing import SoloBinding
 
     failures = [HorovodInternalError("peer gone during the rendezvous")]
@@ -140,7 +140,7 @@ def test_a_collective_failing_before_the_first_sync_is_survived(monkeypatch):
 _SIGTERM_CHILD = r"""
 import os, signal, sys, time
 import elastic_ext
-from elastic_ext import watchdog
+from elastic_ext.runtime import watchdog
 case = sys.argv[1]
 if case == "in_run_outside_training":  # between two resets: not in training, inside run()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

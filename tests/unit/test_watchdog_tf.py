@@ -7,7 +7,7 @@ import time
 
 import tensorflow as tf
 
-from elastic_ext import watchdog
+from elastic_ext.runtime import watchdog
 
 
 def sample_while(main_work):

@@ -17,9 +17,9 @@ else:
     import keras  # noqa: E402
 
 from elastic_ext import State  # noqa: E402
-from elastic_ext.adapters import adapter_table  # noqa: E402
+from elastic_ext.state.adapters import adapter_table  # noqa: E402
 from elastic_ext.errors import StateError  # noqa: E402
-from elastic_ext.snapshot import Entry  # noqa: E402
+from elastic_ext.state.snapshot import Entry  # noqa: E402
 from elastic_ext.testing import SoloBinding  # noqa: E402
 
 assert keras.__version__.startswith(sys.argv[1]), keras.__version__

@@ -52,9 +52,9 @@ import types
 import urllib.request
 from typing import Any, Callable, Dict, Mapping, MutableMapping, Optional, Tuple
 
-from elastic_ext import keeper, round_watch
+from elastic_ext.launch import keeper, round_watch
 from elastic_ext.config import ENV_HOROVOD_RENDEZVOUS_ADDR, ENV_HOROVOD_RENDEZVOUS_PORT
-from elastic_ext.round_watch import store_url
+from elastic_ext.launch.round_watch import store_url
 
 logger = logging.getLogger(__name__)
 
@@ -183,14 +183,14 @@ def install(environ: Optional[Mapping[str, str]] = None) -> bool:
 
     @functools.wraps(original)
     def init(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # A worker its keeper restarted starts solo too, and asks for a rank at @elastic_ext.run.
+        # A worker its keeper restarted starts solo too, and asks for a rank at @elastic_ext.runtime.run.
         global _first_init_done
         reset = _first_init_done
         restarted = keeper.restarts() > 0 and not reset
         solo = early_start_under_way() or restarted
         _first_init_done = True
         keeper.enter_init()
-        # A restartable worker stops waiting for a peer that died (under python -m elastic_ext.horovodrun).
+        # A restartable worker stops waiting for a peer that died (under python -m elastic_ext.launch.horovodrun).
         stop_watch = round_watch.watch(reset, keeper.lost_round) if keeper.active() and not solo else None
         try:
             result = start_solo(lambda: original(self, *args, **kwargs)) if solo else original(self, *args, **kwargs)

@@ -18,7 +18,7 @@ TensorFlow op errors that come from a Horovod collective become
 wrapper returns None for them, so a worker could exit 0 on an error);
 consecutive rollbacks without a new commit are limited
 (``RollbackLimitError``); every reset writes a structured event; and the
-watchdog (:mod:`elastic_ext.watchdog`) makes failures known to every rank
+watchdog (:mod:`elastic_ext.runtime.watchdog`) makes failures known to every rank
 at once, turns hung workers into failures, and lets a worker told to leave
 (SIGTERM) go at its next commit without a rollback.
 
@@ -56,16 +56,16 @@ import numpy as np
 
 from elastic_ext.config import (ENV_CHECKPOINT_DIR, ENV_HOROVOD_GLOO_TIMEOUT, ENV_RESTART_IN_PLACE, ElasticConfig,
                                 elastic_horovodrun)
-from elastic_ext.connections import CollectiveConnections
+from elastic_ext.runtime.connections import CollectiveConnections
 from elastic_ext.errors import ConfigError, NumericFaultError, RollbackLimitError
-from elastic_ext import keeper, prestart
-from elastic_ext.numeric_rollback import NumericRecovery
+from elastic_ext.launch import keeper, prestart
+from elastic_ext.policies.numeric_rollback import NumericRecovery
 from elastic_ext.events import (FINISH, LEAVE, RECOVERED, RESET, RESIZE, RESTARTED_IN_PLACE, ROLLBACK, ROLLBACK_LIMIT,
                                 STALL, SUSPENDED)
-from elastic_ext.watchdog import LEAVE_EXIT_CODE, LIVENESS, Liveness, Watchdog, install_sigterm, restore_sigterm
+from elastic_ext.runtime.watchdog import LEAVE_EXIT_CODE, LIVENESS, Liveness, Watchdog, install_sigterm, restore_sigterm
 
 if TYPE_CHECKING:
-    from elastic_ext.state import State
+    from elastic_ext.state.state import State
 
 logger = logging.getLogger(__name__)
 

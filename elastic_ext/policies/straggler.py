@@ -43,7 +43,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from elastic_ext import partition
+from elastic_ext.data import partition
 from elastic_ext.errors import ConfigError
 
 from elastic_ext.events import STRAGGLER as EVENT_STRAGGLER  # written by every rank when one is asked to leave
@@ -212,7 +212,7 @@ class StragglerTracker:
 
 
 def shares(global_batch: int, world_size: int) -> List[int]:
-    """Samples per step of every rank under the partitioner (:func:`elastic_ext.partition.share`).
+    """Samples per step of every rank under the partitioner (:func:`elastic_ext.data.partition.share`).
 
     Raises:
         PartitionError: the batch is smaller than the world, or the world is empty.

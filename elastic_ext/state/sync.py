@@ -17,7 +17,7 @@
    sends one stripe of the arrays to the ranks that lack them.
 
 The host-update allreduce of every commit, which also carries the commit
-id, is in :mod:`elastic_ext.host_updates`.
+id, is in :mod:`elastic_ext.state.host_updates`.
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ import numpy as np
 import xxhash
 
 from elastic_ext.binding import Binding, broadcast_json, gather_striped, layout_sizes
-from elastic_ext.buffers import CommitBuffers
+from elastic_ext.state.buffers import CommitBuffers
 from elastic_ext.errors import CheckpointError, StateDivergenceError
 from elastic_ext.events import SYNC, EventLog
-from elastic_ext.host_updates import HostUpdates
-from elastic_ext.run import RollbackRecord
-from elastic_ext.snapshot import Entry
-from elastic_ext.tracked import Tracked
-from elastic_ext.tree import describe_key
+from elastic_ext.state.host_updates import HostUpdates
+from elastic_ext.runtime.run import RollbackRecord
+from elastic_ext.state.snapshot import Entry
+from elastic_ext.state.tracked import Tracked
+from elastic_ext.state.tree import describe_key
 
 if TYPE_CHECKING:
     from elastic_ext.checkpoint import Checkpointer
@@ -83,7 +83,7 @@ def gather_ids(binding: Binding, commit_id: int, participated: bool, generation:
     """The id table: every rank's ``(commit id, survivor?, generation, digest, full digest)``."""
     mine = np.array([[commit_id, int(participated), generation, combine(items, strict_only=True),
                       combine(items, strict_only=False)]], dtype=np.int64)
-    return binding.allgather(mine, "elastic_ext.sync.ids")
+    return binding.allgather(mine, "elastic_ext.state.sync.ids")
 
 
 def choose_root(table: np.ndarray) -> Tuple[int, int]:
@@ -121,10 +121,10 @@ def check_agreement(binding: Binding, table: np.ndarray, root: int, target: int,
         return
     b = binding
     labels = broadcast_json(b, [label for label, _, strict in items if strict] if b.rank() == root else None,
-                            root, "elastic_ext.sync.diagnose.labels")
+                            root, "elastic_ext.state.sync.diagnose.labels")
     crcs = dict((label, crc) for label, crc, strict in items if strict)
     row = np.array([[crcs.get(label, -1) for label in labels]], dtype=np.int64)
-    found = b.allgather(row, "elastic_ext.sync.diagnose.digests") if labels else np.zeros((b.size(), 0))
+    found = b.allgather(row, "elastic_ext.state.sync.diagnose.digests") if labels else np.zeros((b.size(), 0))
     first, differing = None, bad
     for column, label in enumerate(labels):
         ranks = [r for r in bad if found[r, column] != found[root, column]]
@@ -220,13 +220,13 @@ def sync(party: Party, verify: bool) -> None:
             "rollbacks": party.rollbacks.to_json(), "generation": record.generation}
     if party.checkpointer is not None:
         meta["resume_error"] = resume_error
-    meta = broadcast_json(b, meta, root, "elastic_ext.sync.meta")
+    meta = broadcast_json(b, meta, root, "elastic_ext.state.sync.meta")
     if meta.get("resume_error"):  # raised on every rank together, so none waits in a broadcast
         raise CheckpointError(meta["resume_error"])
     if "resume_error" in meta:
         target = int(meta["commit_id"])  # the checkpoint a fresh job resumed from, if any
     senders = holders(table, root, verify)  # a fresh job's root alone (it may have loaded a checkpoint)
-    arrays = gather_striped(b, flat_arrays(entries, names), meta["layout"], senders, "elastic_ext.sync.arrays")
+    arrays = gather_striped(b, flat_arrays(entries, names), meta["layout"], senders, "elastic_ext.state.sync.arrays")
     # Buffers (BatchNorm statistics) may differ: a rank loads unless its
     # *full* digest, buffers included, matches the root's.
     up_to_date = (record.participated and record.commit_id == target and verify

@@ -2,7 +2,7 @@
 
 When a collective fails on one rank, shutting down that rank's collective
 connections makes every peer's pending collective fail at once (see
-:mod:`elastic_ext.watchdog`). Only the collective library's (Gloo's)
+:mod:`elastic_ext.runtime.watchdog`). Only the collective library's (Gloo's)
 connections may be cut: a checkpoint upload, a metrics logger or a data
 reader of the same process must survive. They are recognised two ways:
 
@@ -117,7 +117,7 @@ class CollectiveConnections:
         rank = binding.rank()
         mine = established()
         rows = [[rank, endpoint_id(k[1]), endpoint_id(k[2])] for k in mine] + [[-1, rank, 0]]
-        table = binding.allgather(np.asarray(rows, dtype=np.int64), "elastic_ext.connections")
+        table = binding.allgather(np.asarray(rows, dtype=np.int64), "elastic_ext.runtime.connections")
         self.known = mirrored(mine, rank, np.asarray(table).reshape(-1, 3))
         logger.debug("[rank %d] %d of %d TCP connections are the collective library's",
                      rank, len(self.known), len(mine))

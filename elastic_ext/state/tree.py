@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from elastic_ext.errors import StateError
-from elastic_ext.snapshot import ArraySource, NumpySource, check_plain, decode_plain, encode_plain
+from elastic_ext.state.snapshot import ArraySource, NumpySource, check_plain, decode_plain, encode_plain
 
 # leaf(value) -> (source, tag) for framework tensors it recognises, else None
 Leaf = Callable[[Any], Optional[Tuple[ArraySource, dict]]]

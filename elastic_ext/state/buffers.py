@@ -30,7 +30,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import numpy as np
 
-from elastic_ext.snapshot import ArraySource, Capture, Entry
+from elastic_ext.state.snapshot import ArraySource, Capture, Entry
 
 Entries = Dict[str, Entry]
 

@@ -39,7 +39,7 @@ import numpy as np
 from elastic_ext.errors import PartitionError
 # The order itself lives in permutation.py; its names stay importable from here,
 # where users (and the sampler) have always found them.
-from elastic_ext.permutation import (ROUNDS, SMALL_ROUNDS, SMALL_SIZE, ArrayOrder, EpochOrder,
+from elastic_ext.data.permutation import (ROUNDS, SMALL_ROUNDS, SMALL_SIZE, ArrayOrder, EpochOrder,
                                      FeistelOrder, IdentityOrder, as_order, epoch_order, index_dtype,
                                      round_keys)
 

@@ -2,7 +2,7 @@
 
 :class:`Tracked` answers, for every name: which object is tracked now, which
 adapter captures and applies it (looked up once per name in
-:func:`elastic_ext.adapters.adapter_table`: the State's own adapters first,
+:func:`elastic_ext.state.adapters.adapter_table`: the State's own adapters first,
 then those the frameworks in use registered, then the core ones), and
 whether it is synced across ranks or kept per rank.
 """
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import Any, Dict, FrozenSet, Iterable, List
 
-from elastic_ext import adapters as _adapters
-from elastic_ext.adapters import Adapter
+from elastic_ext.state import adapters as _adapters
+from elastic_ext.state.adapters import Adapter
 from elastic_ext.errors import StateError
-from elastic_ext.sampler import ElasticPartitioner
-from elastic_ext.snapshot import Capture, Entry
-from elastic_ext.tree import join
+from elastic_ext.data.sampler import ElasticPartitioner
+from elastic_ext.state.snapshot import Capture, Entry
+from elastic_ext.state.tree import join
 
 
 class Tracked:

@@ -6,16 +6,16 @@ in their collective for Gloo's timeout (30 s): the neighbour that failed
 keeps its sockets open until it re-initialises, which needs the driver's
 barrier, which needs the waiting survivors. Three mechanisms break that:
 
-1. **Abort on failure** (:class:`elastic_ext.connections.CollectiveConnections`):
+1. **Abort on failure** (:class:`elastic_ext.runtime.connections.CollectiveConnections`):
    the rank that sees a collective fail shuts down (``shutdown(2)``, not
    close) its collective library's TCP connections, and only those (found by
    matching them with the other ranks' connections, see
-   :mod:`elastic_ext.connections`). Its peers' pending reads then fail at once
+   :mod:`elastic_ext.runtime.connections`). Its peers' pending reads then fail at once
    with "connection closed", they abort theirs, and the failure reaches every
    rank in milliseconds. Gloo still owns and closes the descriptors. Other
    connections of the process (an upload, a metrics logger) are untouched.
    Never under an MPI controller. Off with ``abort_connections=False``.
-2. **Guardian** (:class:`Watchdog` + ``python -m elastic_ext.guardian``): a
+2. **Guardian** (:class:`Watchdog` + ``python -m elastic_ext.runtime.guardian``): a
    small sidecar process per worker reads a heartbeat byte from a pipe every
    ``heartbeat_period_s``. If none arrives for ``hang_timeout_s`` (the worker
    is SIGSTOPped, or frozen in native code holding the GIL) it SIGKILLs the
@@ -248,7 +248,7 @@ class Watchdog:
     def start(self) -> None:
         if self._config.hang_timeout_s:
             self._guardian = subprocess.Popen(
-                [sys.executable, "-m", "elastic_ext.guardian", "--pid", str(os.getpid()),
+                [sys.executable, "-m", "elastic_ext.runtime.guardian", "--pid", str(os.getpid()),
                  "--timeout-s", str(self._config.hang_timeout_s)],
                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
         self._liveness.progress()

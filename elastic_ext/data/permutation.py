@@ -5,7 +5,7 @@ the keyed Feistel shuffle :class:`FeistelOrder` with its round keys and
 mixing function), and :func:`epoch_order`, which picks one for an epoch. An
 order is *virtual*: the index at any position is computed when asked for, so
 no array of ``size`` entries is built. Cutting the order into global steps
-and rank shares is :mod:`elastic_ext.partition`'s job, which re-exports
+and rank shares is :mod:`elastic_ext.data.partition`'s job, which re-exports
 these names.
 """
 

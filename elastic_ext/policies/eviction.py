@@ -1,9 +1,9 @@
 """Straggler eviction inside a job: the timer, the table on the commit's allreduce, the decision.
 
-:mod:`elastic_ext.straggler` holds the rules (pure arithmetic); this module
+:mod:`elastic_ext.policies.straggler` holds the rules (pure arithmetic); this module
 connects them to :class:`~elastic_ext.State`:
 
-- ``state.step_timer`` (a :class:`~elastic_ext.straggler.StepTimer`) is what
+- ``state.step_timer`` (a :class:`~elastic_ext.policies.straggler.StepTimer`) is what
   the training loop wraps around its own compute (forward, backward), not
   around what waits for the others::
 
@@ -37,10 +37,10 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
-from elastic_ext import partition
+from elastic_ext.data import partition
 from elastic_ext.discovery.static import read_exclude_file
 from elastic_ext.errors import ConfigError, DiscoveryInputError
-from elastic_ext.straggler import StepTimer, StragglerPolicy, StragglerTracker, pack_slots, unpack_slots
+from elastic_ext.policies.straggler import StepTimer, StragglerPolicy, StragglerTracker, pack_slots, unpack_slots
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class StragglerWatch:
         return vector
 
     def decide(self, reduced: np.ndarray, size: int):
-        """The :class:`~elastic_ext.straggler.Eviction` agreed from the reduced slots, or None.
+        """The :class:`~elastic_ext.policies.straggler.Eviction` agreed from the reduced slots, or None.
 
         None also when evicting would leave fewer than ``policy.min_size``
         ranks (the evicted rank's host goes with it; the largest host counts).

@@ -4,13 +4,13 @@
 epoch counter...), each handled by the adapter for its type. ``commit()``
 captures them (nothing is touched yet, so a bad object raises
 ``StateError`` and leaves the previous commit as it was), copies them into
-host buffers (:mod:`elastic_ext.buffers`: reuse, torn flag, double buffer),
+host buffers (:mod:`elastic_ext.state.buffers`: reuse, torn flag, double buffer),
 then runs the host-update allreduce, which also checks that every rank holds
 the same commit id. No rank finishes commit N+1 before every rank has
 captured N+1, so after a failure the survivors' ids differ by at most one
 and the newest is a consistent state. ``restore()`` brings every object back
 to the last commit bitwise; ``sync()`` makes every rank hold the same commit
-and checks that survivors agree on it (:mod:`elastic_ext.sync`).
+and checks that survivors agree on it (:mod:`elastic_ext.state.sync`).
 
 What must agree across ranks: parameters, optimizer state, plain values,
 sampler positions; not *buffers* (``buffer_keys``: BatchNorm statistics,
@@ -29,23 +29,23 @@ import logging
 import time
 from typing import Any, Callable, ContextManager, Dict, FrozenSet, Iterable, Optional
 
-from elastic_ext import sync as _sync
-from elastic_ext.adapters import Adapter
+from elastic_ext.state import sync as _sync
+from elastic_ext.state.adapters import Adapter
 from elastic_ext.binding import Binding, get_binding, guess_framework
-from elastic_ext.buffers import CommitBuffers
+from elastic_ext.state.buffers import CommitBuffers
 from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import NotCommittedError, StateError
 from elastic_ext.events import COMMIT, NEWCOMERS_JOINED, PRESTART, STRAGGLER, EventLog
-from elastic_ext.eviction import StragglerWatch, host_name
-from elastic_ext.host_updates import HostUpdates
-from elastic_ext.prestart import Prestart
-from elastic_ext import numeric_rollback as _numeric
-from elastic_ext.guard import NumericGuard, Verdict
-from elastic_ext.run import RollbackRecord
-from elastic_ext.sampler import ElasticPartitioner
-from elastic_ext.straggler import StepTimer, StragglerPolicy
-from elastic_ext.tracked import Tracked
-from elastic_ext.watchdog import LIVENESS
+from elastic_ext.policies.eviction import StragglerWatch, host_name
+from elastic_ext.state.host_updates import HostUpdates
+from elastic_ext.launch.prestart import Prestart
+from elastic_ext.policies import numeric_rollback as _numeric
+from elastic_ext.policies.guard import NumericGuard, Verdict
+from elastic_ext.runtime.run import RollbackRecord
+from elastic_ext.data.sampler import ElasticPartitioner
+from elastic_ext.policies.straggler import StepTimer, StragglerPolicy
+from elastic_ext.state.tracked import Tracked
+from elastic_ext.runtime.watchdog import LIVENESS
 
 logger = logging.getLogger(__name__)
 
@@ -71,11 +71,11 @@ class State:
             checkpoints, like RNG streams.
         guard: an :class:`elastic_ext.NumericGuard` (opt-in): enables
             :meth:`guard_step`; its loss window is committed as
-            ``numeric_guard_window`` (see :mod:`elastic_ext.numeric_rollback`).
+            ``numeric_guard_window`` (see :mod:`elastic_ext.policies.numeric_rollback`).
         straggler: an :class:`elastic_ext.StragglerPolicy` with
             ``enabled=True`` (opt-in): a rank much slower than the others,
             per ``state.step_timer``, is asked to leave at a commit (see
-            :mod:`elastic_ext.eviction`). Every rank must pass the same policy.
+            :mod:`elastic_ext.policies.eviction`). Every rank must pass the same policy.
         **objects: the objects to track, by name.
 
     Raises:
@@ -175,7 +175,7 @@ class State:
                    step: Optional[int] = None) -> Verdict:
         """Judges a step on every rank together; a bad one raises ``NumericFaultError``, which ``run``
         turns into a rollback that skips the step's samples. Call it after the gradient allreduce, before
-        the weights change and before ``commit()`` (see :func:`elastic_ext.numeric_rollback.guard_step`)."""
+        the weights change and before ``commit()`` (see :func:`elastic_ext.policies.numeric_rollback.guard_step`)."""
         return _numeric.guard_step(self, loss, grads, samples, step)
     # What tests inspect: the last commit's entries, and the adapter found per name.
     _entries = property(lambda self: self._buffers.entries)
@@ -260,7 +260,7 @@ class State:
         The newest commit among survivors is broadcast from the lowest rank
         holding it to every rank not holding exactly those bytes (only one
         allgather runs when all do); a fresh job's root first resumes from
-        the newest checkpoint. The steps are in :mod:`elastic_ext.sync`.
+        the newest checkpoint. The steps are in :mod:`elastic_ext.state.sync`.
 
         Raises:
             StateDivergenceError: survivors' commit ids differ by more than

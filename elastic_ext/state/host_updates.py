@@ -9,7 +9,7 @@ commit and acts on it together:
 - whether some rank was told to leave (SIGTERM): everyone resizes there,
   right after a commit, so nothing is lost;
 - whether the newcomers of an early start are all waiting
-  (:mod:`elastic_ext.prestart`);
+  (:mod:`elastic_ext.launch.prestart`);
 - the commit id, as its maximum and the maximum of its negation, so ranks
   that disagree on it fail at the commit where it happens, not at the next
   sync;
@@ -26,7 +26,7 @@ import numpy as np
 
 from elastic_ext.binding import Binding, allreduce_max_start
 from elastic_ext.errors import StateDivergenceError
-from elastic_ext.prestart import Prestart
+from elastic_ext.launch.prestart import Prestart
 
 # Horovod's HostUpdateResult flags, repeated here so the core needs no Horovod import.
 HOSTS_REMOVED = 1
@@ -94,7 +94,7 @@ class HostUpdates:
     rank reads the same reduced vector at the same commit, so they still act
     together. A reset drops the one in flight (:meth:`clear`).
 
-    With ``prestart`` (a factory of :class:`~elastic_ext.prestart.Prestart`,
+    With ``prestart`` (a factory of :class:`~elastic_ext.launch.prestart.Prestart`,
     None where there is no elastic ``horovodrun``) a pure host addition
     starts the newcomers while training goes on; the resize comes at the
     first commit that agrees they are all waiting. A removal or a leave

@@ -5,7 +5,7 @@ row), the ONE small allgather that shares those rows (:func:`agree`, over
 ``Binding.allgather``) and their reduction in rank order into the
 :class:`GlobalSignal` that every rank then holds bit for bit
 (:func:`reduce_rows`). An allgather rather than a sum allreduce also says
-*which* ranks saw non-finite values. :mod:`elastic_ext.guard` judges the
+*which* ranks saw non-finite values. :mod:`elastic_ext.policies.guard` judges the
 agreed signal and re-exports these names.
 """
 
@@ -102,7 +102,7 @@ def reduce_rows(table: np.ndarray) -> GlobalSignal:
                         grad_norm=norm, bad_ranks=tuple(bad_loss or bad_grad))
 
 
-def agree(binding: Any, local: Union[LocalSignal, np.ndarray], name: str = "elastic_ext.guard") -> GlobalSignal:
+def agree(binding: Any, local: Union[LocalSignal, np.ndarray], name: str = "elastic_ext.policies.guard") -> GlobalSignal:
     """The one collective of the guard: allgathers every rank's row, reduces it locally.
 
     ``binding`` is an :class:`elastic_ext.binding.Binding` (its ``allgather``

@@ -6,10 +6,10 @@ A member that dies in between leaves the others waiting inside the native
 the job trains nowhere, and every further fault that lands in that window
 adds a failure to the round (``bench.soak`` lost jobs that way).
 
-``python -m elastic_ext.horovodrun`` publishes in its rendezvous server's
+``python -m elastic_ext.launch.horovodrun`` publishes in its rendezvous server's
 store the current round's number and a key per round in which a member
 failed (:data:`SCOPE`). While a worker whose keeper can restart it
-(:mod:`elastic_ext.keeper`) is inside ``hvd.init()``, a thread of
+(:mod:`elastic_ext.launch.keeper`) is inside ``hvd.init()``, a thread of
 :func:`watch` reads that key for the worker's round and, once it is there,
 aborts the process: the keeper restarts it and it asks for a rank in the
 next round at once. Under plain ``horovodrun`` the keys never appear and

@@ -2,7 +2,7 @@
 
 :class:`ElasticPartitioner` holds the committed data position (epoch and
 global cursor) and turns it into this rank's batches with
-:func:`elastic_ext.partition.plan`. Put it in the :class:`~elastic_ext.State`
+:func:`elastic_ext.data.partition.plan`. Put it in the :class:`~elastic_ext.State`
 (its ``state_dict`` is plain values), call :meth:`record_step` after every
 optimizer step, and it rolls back with the weights on failure and
 re-partitions what is left on a resize. A numeric rollback (the guard,
@@ -20,7 +20,7 @@ from typing import Callable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from elastic_ext import partition
+from elastic_ext.data import partition
 from elastic_ext.errors import PartitionError, StateDivergenceError
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ runs the script. When the child dies of SIGABRT while inside ``hvd.init()``,
 the keeper forks a new child at the same point of the script. It starts
 Horovod as a world of one, builds its model, and at ``@elastic_ext.run``
 re-initialises, which asks the driver for a rank in its next round as a
-reset does (:mod:`elastic_ext.prestart` does both). The driver never sees
+reset does (:mod:`elastic_ext.launch.prestart` does both). The driver never sees
 the worker exit: the round is recorded with the dead member as the only
 failure, its host is blacklisted, and the job goes on.
 
@@ -27,13 +27,13 @@ training again). Any other end of the child (an exit, SIGKILL, an abort
 outside ``hvd.init()``) ends the keeper the same way, so the driver sees
 what it would have seen. A child whose slot the driver's current round
 does not hold (its host removed or blacklisted; ``python -m
-elastic_ext.horovodrun`` publishes the round's slots) is not restarted: it
+elastic_ext.launch.horovodrun`` publishes the round's slots) is not restarted: it
 would abort again in its next ``hvd.init()``. Nor is one after
 :data:`MAX_RESTARTS_WITHOUT_JOINING` restarts without a real ``hvd.init()``
 completing (under plain ``horovodrun``, the only limit).
 
 A restart after the child ended its wait because its round lost a member
-(:mod:`elastic_ext.round_watch`), in a later round than the previous such
+(:mod:`elastic_ext.launch.round_watch`), in a later round than the previous such
 restart, does not count toward that limit: another worker's exit, which
 the driver saw and accounts for, ended the round, and the driver has
 moved on. Otherwise three newcomers killed one after the other while they
@@ -60,7 +60,7 @@ import signal
 import sys
 from typing import Any, Mapping, Optional
 
-from elastic_ext import round_watch
+from elastic_ext.launch import round_watch
 from elastic_ext.config import ENV_RESTARTED_IN_PLACE, elastic_horovodrun, restart_in_place
 
 MAX_RESTARTS_WITHOUT_JOINING = 2
@@ -99,7 +99,7 @@ def lost_round(round_id: int) -> None:
     """Ends this worker's wait in ``hvd.init()``: a member of its round ``round_id`` died.
 
     Tells the keeper which round, then aborts (the ``on_lost`` of
-    :func:`elastic_ext.round_watch.watch` for a worker that has a keeper).
+    :func:`elastic_ext.launch.round_watch.watch` for a worker that has a keeper).
     """
     if _shared is not None:
         _shared[LOST] = (round_id + 1).to_bytes(8, "little")

@@ -7,7 +7,7 @@ round that can never complete, Gloo's store wait ends in ``std::terminate``
 Horovod's driver stops ("failure count == N"). Slurm's requeue does the same
 for a batch job. This is that requeue for any launcher::
 
-    python -m elastic_ext.supervise --max-restarts 5 -- \\
+    python -m elastic_ext.launch.supervise --max-restarts 5 -- \\
         horovodrun --min-np 4 --max-np 16 --host-discovery-script ... python train.py
 
 With ``ELASTIC_EXT_CHECKPOINT_DIR`` set, each restarted job's first sync
@@ -60,11 +60,11 @@ def supervise(command: List[str], max_restarts: int, backoff_s: float, log=print
             code = child.wait()
             if code == 0 or stopping["signal"] is not None or restarts >= max_restarts:
                 if code != 0 and stopping["signal"] is None:
-                    log(f"elastic_ext.supervise: the job failed with exit code {code}; "
+                    log(f"elastic_ext.launch.supervise: the job failed with exit code {code}; "
                         f"{restarts} restarts used of --max-restarts {max_restarts}: giving up")
                 return code
             restarts += 1
-            log(f"elastic_ext.supervise: the job failed with exit code {code} after {time.time() - started:.0f}s; "
+            log(f"elastic_ext.launch.supervise: the job failed with exit code {code} after {time.time() - started:.0f}s; "
                 f"restart {restarts} of {max_restarts} in {backoff_s:.0f}s (it resumes from the newest checkpoint)")
             events.emit(JOB_RESTART, exit_code=code, restart=restarts, max_restarts=max_restarts,
                         ran_s=time.time() - started)

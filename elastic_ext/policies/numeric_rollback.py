@@ -1,10 +1,10 @@
 """The numeric guard wired into ``State`` and ``run``: the checked step, the rollback, the skip.
 
-:mod:`elastic_ext.guard` decides whether a step is a numeric fault; this
+:mod:`elastic_ext.policies.guard` decides whether a step is a numeric fault; this
 module is what ``State(guard=...)``, ``state.guard_step(...)`` and the
 ``run`` decorator do with that decision:
 
-- :func:`attach` tracks the guard's :class:`~elastic_ext.guard.LossWindow`
+- :func:`attach` tracks the guard's :class:`~elastic_ext.policies.guard.LossWindow`
   in the State as the reserved committed object :data:`WINDOW_NAME`, so a
   rollback restores it and ``sync`` hands it to newcomers.
 - :func:`guard_step` computes this rank's signal row with the framework's
@@ -27,11 +27,11 @@ import numpy as np
 
 from elastic_ext.errors import ConfigError, NumericFaultError, NumericRollbackLimitError, StateError
 from elastic_ext.events import NUMERIC_ROLLBACK, ROLLBACK_LIMIT
-from elastic_ext.guard import FaultCounter, LocalSignal, NumericGuard, Verdict, agree
-from elastic_ext.sampler import ElasticPartitioner
+from elastic_ext.policies.guard import FaultCounter, LocalSignal, NumericGuard, Verdict, agree
+from elastic_ext.data.sampler import ElasticPartitioner
 
 if TYPE_CHECKING:
-    from elastic_ext.state import State
+    from elastic_ext.state.state import State
 
 #: Name under which a State with a guard tracks the guard's LossWindow (reserved: no user object may take it).
 WINDOW_NAME = "numeric_guard_window"

@@ -1,7 +1,7 @@
 """The guardian: a sidecar that SIGKILLs its worker when the heartbeat stops.
 
-Run as ``python -m elastic_ext.guardian --pid PID --timeout-s T`` with the
-worker's heartbeat pipe on stdin (see :mod:`elastic_ext.watchdog`). Exits
+Run as ``python -m elastic_ext.runtime.guardian --pid PID --timeout-s T`` with the
+worker's heartbeat pipe on stdin (see :mod:`elastic_ext.runtime.watchdog`). Exits
 quietly on EOF (the worker stopped the watchdog, or died) and when its parent
 is gone.
 

@@ -14,7 +14,7 @@ rank's 5-number :class:`LocalSignal` row, reduced in rank order; and the
 (restored on rollback, sent to newcomers by ``sync``). So
 :meth:`NumericGuard.judge` returns the same :class:`Verdict` on every rank.
 An allgather rather than a sum also says *which* ranks saw non-finite values.
-The signal and its agreement are :mod:`elastic_ext.numeric_signal`'s; this
+The signal and its agreement are :mod:`elastic_ext.policies.numeric_signal`'s; this
 module owns the rules, the verdict, the loss window and the rollback count.
 ``elastic_ext.torch.guard`` and ``elastic_ext.tensorflow.guard`` compute the
 local row from a framework's loss and gradients.
@@ -41,7 +41,7 @@ import numpy as np
 from elastic_ext.errors import ConfigError, NumericFaultError, NumericRollbackLimitError
 from elastic_ext.events import NUMERIC_ROLLBACK
 # The signal and its agreement live in numeric_signal.py; guard.X keeps working for them.
-from elastic_ext.numeric_signal import SIGNAL_WIDTH, GlobalSignal, LocalSignal, agree, reduce_rows
+from elastic_ext.policies.numeric_signal import SIGNAL_WIDTH, GlobalSignal, LocalSignal, agree, reduce_rows
 
 __all__ = ["EVENT_NUMERIC_ROLLBACK", "LOSS_SPIKE", "MAD_TO_SIGMA", "NONFINITE_GRADIENT", "NONFINITE_LOSS",
            "REASONS", "SIGNAL_WIDTH", "FaultCounter", "GlobalSignal", "LocalSignal", "LossWindow", "NumericFaultError",

@@ -1,9 +1,9 @@
 """Adapters: how each kind of object is snapshotted to host memory and restored.
 
-The committed state (:mod:`elastic_ext.state`) knows nothing about PyTorch or
+The committed state (:mod:`elastic_ext.state.state`) knows nothing about PyTorch or
 TensorFlow. It asks an adapter, picked by the object's type, to *capture* the
 object (name its arrays and metadata without copying anything) and later to
-*apply* a snapshot (:mod:`elastic_ext.snapshot`) back onto it. This module
+*apply* a snapshot (:mod:`elastic_ext.state.snapshot`) back onto it. This module
 holds the protocol, the framework-free adapters (plain Python values, numpy
 arrays, ``state_dict`` objects, random number generators of ``random`` and
 ``numpy``) and the adapter table.
@@ -27,11 +27,11 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Tupl
 
 import numpy as np
 
-from elastic_ext import tree
+from elastic_ext.state import tree
 from elastic_ext.errors import StateError
 # Capture, Entry and the sources are the adapter's vocabulary; they are also
-# imported from here by modules written before elastic_ext.snapshot existed.
-from elastic_ext.snapshot import (PLAIN_SCALARS, ArraySource, Capture, Entry, NumpySource, check_plain,  # noqa: F401
+# imported from here by modules written before elastic_ext.state.snapshot existed.
+from elastic_ext.state.snapshot import (PLAIN_SCALARS, ArraySource, Capture, Entry, NumpySource, check_plain,  # noqa: F401
                                   decode_plain, encode_plain, join_captures, split_entry)
 
 
@@ -203,7 +203,7 @@ class StatefulAdapter:
 
     Serves elastic_ext's own samplers and users' small stateful helpers.
     Framework packages subclass it with a tensor ``leaf`` and ``make``
-    (see :mod:`elastic_ext.tree`).
+    (see :mod:`elastic_ext.state.tree`).
     """
 
     name = "stateful"

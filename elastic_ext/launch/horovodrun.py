@@ -1,4 +1,4 @@
-"""``python -m elastic_ext.horovodrun ARGS``: ``horovodrun ARGS`` with a driver that tells a worker's death from a host's.
+"""``python -m elastic_ext.launch.horovodrun ARGS``: ``horovodrun ARGS`` with a driver that tells a worker's death from a host's.
 
 The arguments are ``horovodrun``'s. Outside elastic mode this is plain
 ``horovodrun``. In elastic mode, Horovod's driver (Horovod 0.28.1's
@@ -17,7 +17,7 @@ The arguments are ``horovodrun``'s. Outside elastic mode this is plain
    fails at every start (a broken GPU) then costs the job a round each
    time, where Horovod would have set its host aside for the blacklist
    cooldown: ``--reset-limit`` bounds that.
-2. **Workers learn that their round is lost** (:mod:`elastic_ext.round_watch`):
+2. **Workers learn that their round is lost** (:mod:`elastic_ext.launch.round_watch`):
    the rendezvous server's store holds the current round's number and
    slots, and a key per round in which a member failed, so workers waiting
    in ``hvd.init()`` for a dead peer need not wait for the rendezvous
@@ -35,7 +35,7 @@ The arguments are ``horovodrun``'s. Outside elastic mode this is plain
    ("key exists and new state SUCCESS not FAILURE"). The driver now
    ignores the exit of a worker that is no longer its slot's newest.
 
-The workers restart in place (:mod:`elastic_ext.keeper`) unless
+The workers restart in place (:mod:`elastic_ext.launch.keeper`) unless
 ``ELASTIC_EXT_RESTART_IN_PLACE`` says otherwise, when the job has durable
 checkpoints (``ELASTIC_EXT_CHECKPOINT_DIR``): a restarted worker holds no
 commit. Everything else is Horovod's, unchanged: ``--reset-limit``, the blacklist
@@ -50,7 +50,7 @@ import sys
 from typing import Any, List, MutableMapping, Optional
 
 from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_RESTART_IN_PLACE, restart_in_place
-from elastic_ext.round_watch import ASSIGNED, CURRENT, SCOPE, failed_key
+from elastic_ext.launch.round_watch import ASSIGNED, CURRENT, SCOPE, failed_key
 
 _originals: dict = {}  # what install() replaced: (class, name) -> the original
 
