@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -155,7 +156,27 @@ def static_cmd(np_: int, script: str, *script_args: str) -> List[str]:
             "--network-interfaces", "lo", sys.executable, os.path.join(WORKERS, script), *script_args]
 
 
+def third_host() -> str:
+    """A third name for this machine that Horovod runs locally (no ssh), beside ``localhost`` and ``127.0.0.1``.
+
+    The hostname if it resolves to one of this machine's IPv4 addresses,
+    else a non-loopback IPv4 address of this machine.
+
+    Raises:
+        RuntimeError: neither exists; the message lists the addresses seen.
+    """
+    local = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET}
+    try:
+        if socket.gethostbyname(socket.gethostname()) in local:
+            return socket.gethostname()
+    except OSError:
+        pass
+    others = sorted(a for a in local if not a.startswith("127."))
+    if not others:
+        raise RuntimeError(f"no third local host name: {socket.gethostname()!r} does not resolve to one of "
+                           f"this machine's addresses {sorted(local)}, and none of them is outside 127.0.0.0/8")
+    return others[0]
 
 
 __all__ = ["REPO", "VENV_BIN", "WORKERS", "STATIC", "base_env", "kill_tree", "script_process", "kill_worker", "Job",
-           "run", "write_hosts", "elastic_cmd", "under_elastic_ext_driver", "static_cmd"]
+           "run", "write_hosts", "elastic_cmd", "under_elastic_ext_driver", "static_cmd", "third_host"]
