@@ -23,8 +23,8 @@ test-multiprocess: setup
 bench: setup
 	$(PY) -m bench.compare
 
-# Every benchmark (compare, commit, partition, checkpoint, recovery with 10
-# failures per system): about 30 minutes on 2 cores.
+# Every benchmark but the soak (compare, commit, checkpoint, recovery with 10
+# failures per system, soft_failures): about 30 minutes on 2 cores.
 bench-all: setup
 	$(PY) -m bench.run_all
 

@@ -1,6 +1,9 @@
-"""Every benchmark in bench/, one after the other, each with its default arguments (``make bench``).
+"""Every benchmark in bench/ but the soak, one after the other, each with its default arguments (``make bench-all``).
 
     .venv/bin/python -m bench.run_all [--only compare,commit] [--skip recovery]
+
+The soak (``bench.soak``) is left out: it is one long job whose length is
+set by its number of faults, run on its own.
 
 Each module runs in its own process (``python -m bench.<name>``), writes its
 own results under bench/results, and a failing one does not stop the
@@ -18,7 +21,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The side-by-side comparison first: it is what `make bench` is mostly for.
-MODULES = ("compare", "commit", "partition", "checkpoint", "recovery")
+MODULES = ("compare", "commit", "checkpoint", "recovery", "soft_failures")
 
 
 def main() -> int:
@@ -41,7 +44,7 @@ def main() -> int:
         done.append((module, code, time.time() - t0))
     print("\n=== summary ===")
     for module, code, seconds in done:
-        print(f"bench.{module:12s} exit {code}  {seconds:6.0f} s")
+        print(f"bench.{module:14s} exit {code}  {seconds:6.0f} s")
     print(f"total {time.time() - started:.0f} s")
     return 0 if all(code == 0 for _, code, _ in done) else 1
 
