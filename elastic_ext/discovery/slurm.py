@@ -1,8 +1,9 @@
 """Hosts of a Slurm allocation, minus the nodes Slurm reports unhealthy.
 
-The hosts come from ``SLURM_JOB_NODELIST`` (or ``--nodelist``), expanded by
-python-hostlist; slots from ``SLURM_TASKS_PER_NODE``,
-``SLURM_JOB_CPUS_PER_NODE`` or ``SLURM_GPUS_PER_NODE`` (or ``--slots``).
+The hosts come from ``SLURM_JOB_NODELIST`` (or ``--nodelist``); slots from
+``SLURM_TASKS_PER_NODE``, ``SLURM_JOB_CPUS_PER_NODE`` or
+``SLURM_GPUS_PER_NODE`` (or ``--slots``); both are read with
+:mod:`elastic_ext.discovery.slurm_hostlist` (python-hostlist).
 Node health comes from one ``scontrol show node -o`` call per discovery,
 bounded by the caller's :class:`~elastic_ext.discovery.deadline.Deadline`.
 A node is dropped while any of its state words is in
@@ -20,12 +21,13 @@ from __future__ import annotations
 import enum
 import logging
 import re
-import sys
 from dataclasses import dataclass
-from typing import Any, Dict, FrozenSet, List, Mapping, Optional
+from typing import Dict, FrozenSet, List, Mapping, Optional
 
 from elastic_ext.discovery.deadline import Deadline, command_failure, run_command
 from elastic_ext.discovery.hosts import HostSlots, parse_slots
+from elastic_ext.discovery.slurm_hostlist import (collect_nodelist, expand_nodelist, parse_gpus_per_node,
+                                                  parse_per_node)
 from elastic_ext.errors import DiscoveryInputError, DiscoveryUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -131,65 +133,6 @@ class Address(str, enum.Enum):
     HOSTNAME = "hostname"  # NodeHostName
 
 
-def _hostlist() -> Any:
-    """python-hostlist, imported late so that ``--help`` works without it."""
-    try:
-        import hostlist
-    except ImportError as exc:
-        raise DiscoveryInputError(
-            f"python-hostlist is not installed for {sys.executable}: "
-            "pip install 'python-hostlist>=1.23'") from exc
-    return hostlist
-
-
-def expand_nodelist(expr: str) -> List[str]:
-    """Expand a Slurm hostlist expression (``node[01-03,07],gpu1``) into names.
-
-    Raises:
-        DiscoveryInputError: the expression is malformed or empty.
-    """
-    hostlist = _hostlist()
-    try:
-        names = hostlist.expand_hostlist(expr)
-    except hostlist.BadHostlist as exc:
-        raise DiscoveryInputError(
-            f"nodelist {expr!r} is not a valid Slurm hostlist expression: {exc}") from exc
-    if not names:
-        raise DiscoveryInputError(f"nodelist {expr!r} expands to no hosts")
-    return names
-
-
-def parse_per_node(expr: str, n_nodes: int, source: str) -> List[int]:
-    """Parse a per-node count list such as ``2(x3),1`` into one count per node.
-
-    Raises:
-        DiscoveryInputError: malformed, or its length is not ``n_nodes``.
-    """
-    hostlist = _hostlist()
-    try:
-        counts = hostlist.parse_slurm_tasks_per_node(expr.strip())
-    except hostlist.BadHostlist as exc:
-        raise DiscoveryInputError(
-            f"{source} {expr!r} must look like '2(x3),1' (count, optional (xREPEAT), "
-            f"comma-separated): {exc}") from exc
-    if len(counts) != n_nodes:
-        raise DiscoveryInputError(
-            f"{source} {expr!r} gives {len(counts)} counts for {n_nodes} nodes")
-    return counts
-
-
-def parse_gpus_per_node(expr: str) -> int:
-    """Total GPUs per node from ``SLURM_GPUS_PER_NODE`` (``2``, ``a100:2``, ``a100:2,v100:1``).
-
-    Raises:
-        DiscoveryInputError: a part does not end in a GPU count.
-    """
-    total = 0
-    for part in expr.split(","):
-        total += parse_slots(part.strip().rsplit(":", 1)[-1], f"{ENV_GPUS_PER_NODE} {expr!r}")
-    return total
-
-
 def allocation_hosts(environ: Mapping[str, str], nodelist: Optional[str] = None,
                      slots: Optional[int] = None,
                      slots_from: SlotSource = SlotSource.TASKS) -> List[HostSlots]:
@@ -214,7 +157,7 @@ def allocation_hosts(environ: Mapping[str, str], nodelist: Optional[str] = None,
         counts = [parse_slots(slots, "--slots")] * len(names)
     elif slots_from is SlotSource.GPUS:
         raw = _require(environ, ENV_GPUS_PER_NODE, "gpus")
-        counts = [parse_gpus_per_node(raw)] * len(names)
+        counts = [parse_gpus_per_node(raw, ENV_GPUS_PER_NODE)] * len(names)
     else:
         var = ENV_TASKS_PER_NODE if slots_from is SlotSource.TASKS else ENV_CPUS_PER_NODE
         counts = parse_per_node(_require(environ, var, slots_from.value), len(names), var)
@@ -259,7 +202,7 @@ def query_nodes(names: List[str], deadline: Deadline, environ: Mapping[str, str]
         DiscoveryUnavailableError: scontrol is missing, fails, or says nothing parsable.
         DiscoveryTimeoutError: scontrol did not answer in time.
     """
-    expr = _hostlist().collect_hostlist(names)
+    expr = collect_nodelist(names)
     argv = [scontrol, "show", "node", "-o", expr]
     timeout_s = deadline.call_timeout_s(call_timeout_s, "scontrol show node")
     # Names Slurm does not know make scontrol print "Node X not found" and exit 1
@@ -329,6 +272,5 @@ def _address_of(node: NodeStatus, address: Address) -> str:
 
 
 __all__ = ["SlotSource", "Address", "NodeStatus", "UNHEALTHY_STATES", "HEALTHY_BASE_STATES", "STATE_SUFFIXES",
-           "parse_state_words", "expand_nodelist",
-           "parse_per_node", "parse_gpus_per_node", "allocation_hosts", "parse_scontrol_nodes",
+           "parse_state_words", "allocation_hosts", "parse_scontrol_nodes",
            "query_nodes", "discover"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elastic_ext.discovery import DiscoveryInputError, HostSlots
-from elastic_ext.discovery import slurm
+from elastic_ext.discovery import slurm, slurm_hostlist
 
 # One line of real `scontrol show node -o` output (Slurm 22.05.8), shortened.
 SCONTROL_LINE = ("NodeName={name} Arch=x86_64 CoresPerSocket=1  CPUAlloc=0 CPUTot=2 "
@@ -21,13 +21,13 @@ SCONTROL_LINE = ("NodeName={name} Arch=x86_64 CoresPerSocket=1  CPUAlloc=0 CPUTo
     ("single", ["single"]),
 ])
 def test_expand_nodelist(expr, names):
-    assert slurm.expand_nodelist(expr) == names
+    assert slurm_hostlist.expand_nodelist(expr) == names
 
 
 @pytest.mark.parametrize("expr", ["node[1-2", "node[3-1]", "n[a-c]", ""])
 def test_malformed_nodelist_quotes_expression(expr):
     with pytest.raises(DiscoveryInputError, match=repr(expr).replace("[", r"\[")):
-        slurm.expand_nodelist(expr)
+        slurm_hostlist.expand_nodelist(expr)
 
 
 def test_slots_from_tasks_cpus_gpus_and_flag():
