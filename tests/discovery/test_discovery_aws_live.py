@@ -17,7 +17,7 @@ import boto3
 import pytest
 
 from elastic_ext.discovery import Deadline, DiscoveryTimeoutError
-from elastic_ext.discovery import aws
+from elastic_ext.discovery import aws, aws_api
 from elastic_ext.discovery.cli import EXIT_INPUT, EXIT_OK, EXIT_TIMEOUT, EXIT_UNAVAILABLE
 from moto_server import FAKE_AWS_ENV, free_port
 
@@ -189,7 +189,7 @@ def test_each_call_gets_the_time_left_not_the_time_left_when_the_client_was_made
     """Before, the timeout was fixed when the pool made its clients: here 3 s, past the deadline."""
     now = [0.0]
     deadline = Deadline(10, clock=lambda: now[0])
-    pool = aws.Ec2Pool(deadline, region="us-east-1", endpoint_url=hung_endpoint, call_timeout_s=3.0)
+    pool = aws_api.Ec2Pool(deadline, region="us-east-1", endpoint_url=hung_endpoint, call_timeout_s=3.0)
     now[0] = 9.7  # an earlier call (or page) used up most of the deadline
     with pytest.raises(DiscoveryTimeoutError, match=r"DescribeInstances.*\(timeout 0\.30 s\)") as caught:
         pool.running_instances({"pool": ["p"]})
@@ -202,7 +202,7 @@ def test_every_page_is_read(moto, aws_env):
     """DescribeInstances pages (moto honours MaxResults); DescribeSpotInstanceRequests with MaxResults."""
     ec2, _ = clients(moto)
     ids = spot_pool(ec2, 7, "g5.xlarge", {"pool": "big"})
-    pool = aws.Ec2Pool(Deadline(30), region=FAKE_AWS_ENV["AWS_REGION"], endpoint_url=moto.url, page_size=5)
+    pool = aws_api.Ec2Pool(Deadline(30), region=FAKE_AWS_ENV["AWS_REGION"], endpoint_url=moto.url, page_size=5)
     instances = pool.running_instances({"pool": ["big"]})
     assert sorted(i["InstanceId"] for i in instances) == sorted(ids)
     assert [op for op, _ in pool.call_timeouts_s] == ["DescribeInstances"] * 2, "7 instances, 5 a page"

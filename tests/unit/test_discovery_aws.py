@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from elastic_ext.discovery import Deadline, DiscoveryInputError, DiscoveryUnavailableError, HostSlots
-from elastic_ext.discovery import aws
+from elastic_ext.discovery import aws, aws_api
 from elastic_ext.discovery.commands import parse_type_slots
 
 
@@ -88,8 +88,8 @@ def test_spot_request_pages_are_all_read_and_a_reclaim_on_page_two_counts(monkey
     for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                        "AWS_CONFIG_FILE": "/dev/null", "AWS_SHARED_CREDENTIALS_FILE": "/dev/null"}.items():
         monkeypatch.setenv(key, value)
-    pool = aws.Ec2Pool(Deadline(60), region="us-east-1", endpoint_url="http://127.0.0.1:9",
-                       call_timeout_s=3.0, page_size=5)
+    pool = aws_api.Ec2Pool(Deadline(60), region="us-east-1", endpoint_url="http://127.0.0.1:9",
+                           call_timeout_s=3.0, page_size=5)
     client, _ = pool._client("ec2", "setup")  # the client every call within the bound reuses
     ids = [f"i-{n}" for n in range(1, 8)]
     query = {"Filters": [{"Name": "instance-id", "Values": ids}], "MaxResults": 5}
@@ -113,7 +113,7 @@ def test_a_repeated_next_token_ends_the_paging(monkeypatch):
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    pool = aws.Ec2Pool(Deadline(60), region="us-east-1", endpoint_url="http://127.0.0.1:9")
+    pool = aws_api.Ec2Pool(Deadline(60), region="us-east-1", endpoint_url="http://127.0.0.1:9")
     client, _ = pool._client("ec2", "setup")
     with Stubber(client) as stub:
         for _ in range(2):
@@ -125,4 +125,4 @@ def test_a_repeated_next_token_ends_the_paging(monkeypatch):
 
 def test_page_size_outside_what_aws_accepts_is_an_input_error():
     with pytest.raises(DiscoveryInputError, match=r"page_size \(2\) must be an integer from 5 to 1000"):
-        aws.Ec2Pool(Deadline(5), region="us-east-1", page_size=2)
+        aws_api.Ec2Pool(Deadline(5), region="us-east-1", page_size=2)
