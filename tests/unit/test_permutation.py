@@ -81,7 +81,7 @@ def test_tiny_orders_shuffle_at_all():
 # ------------------------------------------------------- direct computation
 
 def reference_order(order: partition.FeistelOrder, position: int) -> int:
-    """The network of FeistelOrder's docstring in plain Python integers, cycle walking included."""
+    """The network of FeistelNetwork's docstring in plain Python integers, cycle walking included."""
     def mix(value):
         value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & M64
         value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & M64
