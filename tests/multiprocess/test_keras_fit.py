@@ -69,14 +69,6 @@ def run_fit(tmp_path, name, keras, *worker_args, timeout_s=300):
     return out, hosts
 
 
-def sizes_by_generation(records):
-    by_gen = {}
-    for r in records:
-        if "gen" in r and r["rank"] == 0:
-            by_gen.setdefault(r["gen"], set()).add(r["size"])
-    return [sorted(by_gen[g]) for g in sorted(by_gen)]
-
-
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("keras", ["2", "3"])
 def test_fit_survives_kill_grow_and_leave_exactly_once_and_bitwise(tmp_path, keras):
@@ -89,7 +81,8 @@ def test_fit_survives_kill_grow_and_leave_exactly_once_and_bitwise(tmp_path, ker
     failed, _ = run_fit(tmp_path, "failed", keras, "--side-callbacks", "--faults", "2:13:kill,2:22:term",
                         "--resize-at", f"8:{failed_hosts}:{BASE},{OTHER};19:{failed_hosts}:{BASE},{THIRD}")
     records = ledger.read(str(failed))
-    assert sizes_by_generation(records) == [[2], [3], [2], [3], [2]], sizes_by_generation(records)
+    sizes = analysis.sizes_by_generation(records)
+    assert sizes == [[2], [3], [2], [3], [2]], sizes
     starts = ledger.starts(records)
     assert [starts[g][2] for g in sorted(starts)] == [0, 8, 12, 19, 23], starts
     events = analysis.read_events(str(failed / "events.jsonl"))
@@ -111,5 +104,5 @@ def test_fit_survives_kill_grow_and_leave_exactly_once_and_bitwise(tmp_path, ker
         "--resize-at", f"8:{reference_hosts}:{BASE},{OTHER};12:{reference_hosts}:{BASE};"
                        f"19:{reference_hosts}:{BASE},{THIRD};23:{reference_hosts}:{BASE}")
     reference_records = ledger.read(str(reference))
-    assert sizes_by_generation(reference_records) == [[2], [3], [2], [3], [2]]
+    assert analysis.sizes_by_generation(reference_records) == [[2], [3], [2], [3], [2]]
     analysis.assert_bitwise_equal(finals[0], analysis.load_finals(reference)[0], "failed run vs reference")

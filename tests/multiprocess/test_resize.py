@@ -30,20 +30,12 @@ def run_schedule(tmp_path, worker, extra, **env):
     return out, ledger.read(str(out))
 
 
-def sizes_by_generation(records):
-    by_gen = {}
-    for r in records:
-        if "gen" in r and r["rank"] == 0:
-            by_gen.setdefault(r["gen"], set()).add(r["size"])
-    return [sorted(by_gen[g]) for g in sorted(by_gen)]
-
-
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("worker, extra", [("train_torch.py", []), ("train_tf.py", ["--keras", "3"])],
                          ids=["torch", "tensorflow"])
 def test_grow_shrink_grow_and_failure_keep_exactly_once(tmp_path, worker, extra):
     out, records = run_schedule(tmp_path, worker, extra)
-    sizes = sizes_by_generation(records)
+    sizes = analysis.sizes_by_generation(records)
     assert sizes == [[2], [4], [2], [4], [2]], sizes
     starts = ledger.starts(records)
     assert [starts[g][2] for g in sorted(starts)] == [0, 8, 16, 24, 28], starts
@@ -66,7 +58,7 @@ def test_with_overlapped_commits_each_resize_acts_one_commit_later_and_nothing_i
     thread and is read at the next commit, so each resize of the schedule above lands
     4 steps (one commit) later, on every rank together, and the job stays exactly-once."""
     out, records = run_schedule(tmp_path, "train_torch.py", [], ELASTIC_EXT_OVERLAP_COMMIT="1")
-    assert sizes_by_generation(records) == [[2], [4], [2], [4], [2]]
+    assert analysis.sizes_by_generation(records) == [[2], [4], [2], [4], [2]]
     starts = ledger.starts(records)
     assert [starts[g][2] for g in sorted(starts)] == [0, 12, 20, 28, 28], starts
     events = analysis.read_events(str(out / "events.jsonl"))
