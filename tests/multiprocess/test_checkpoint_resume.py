@@ -3,10 +3,7 @@ starts again from storage on another number of workers, and ends bitwise where a
 uninterrupted run with the same world-size schedule ends, every sample once."""
 
 import os
-import signal
-import time
 
-import psutil
 import pytest
 
 from elastic_ext.checkpoint import CheckpointStore, checkpoint_name
@@ -20,10 +17,10 @@ SECOND_HOSTS = ["localhost:2"]                  # 2 workers after the restart
 KILL_AFTER_COMMIT = 3                           # kill once this commit's checkpoint is durable
 
 
-def command(out, hosts, np_, *worker_args):
+def command(out, hosts, np_, *worker_args, worker="train_torch_ckpt.py"):
     hosts_file = str(out / f"hosts-{np_}")
     launch.write_hosts(hosts_file, hosts)
-    return launch.elastic_cmd(np_, np_, np_, hosts_file, "train_torch_ckpt.py", "--out", str(out),
+    return launch.elastic_cmd(np_, np_, np_, hosts_file, worker, "--out", str(out),
                               "--epochs", str(EPOCHS), "--commit-every", str(COMMIT_EVERY), *worker_args)
 
 
@@ -33,51 +30,19 @@ def environment(out, name):
                            ELASTIC_EXT_EVENTS_PATH=str(out / f"events-{name}.jsonl"))
 
 
-def run_to_end(out, name, hosts, np_, *worker_args, timeout_s=240):
-    code, output = launch.run(command(out, hosts, np_, *worker_args), environment(out, name),
+def run_to_end(out, name, hosts, np_, *worker_args, worker="train_torch_ckpt.py", timeout_s=240):
+    code, output = launch.run(command(out, hosts, np_, *worker_args, worker=worker), environment(out, name),
                               str(out / f"{name}.log"), timeout_s)
     assert code == 0, output[-5000:]
     return output
 
 
-def durable_commit_ids(out):
-    directory = out / "ckpt"
-    if not directory.is_dir():
-        return []
-    return [i for i in CheckpointStore(str(directory)).commit_ids()
-            if (directory / checkpoint_name(i) / "manifest.json").exists()]
-
-
-def run_and_kill_everything(out, name, hosts, np_, *worker_args, timeout_s=240):
+def run_and_kill_everything(out, name, hosts, np_, *worker_args, worker="train_torch_ckpt.py", timeout_s=240):
     """Starts the job, and once commit KILL_AFTER_COMMIT is durable SIGKILLs horovodrun and every worker."""
-    job = launch.Job(command(out, hosts, np_, *worker_args), environment(out, name), str(out / f"{name}.log"))
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not any(i >= KILL_AFTER_COMMIT for i in durable_commit_ids(out)):
-            job.track()
-            tail = open(job.log_path).read()[-5000:]
-            assert job.proc.poll() is None, f"the job ended before it could be killed:\n{tail}"
-            assert time.monotonic() < deadline, f"no checkpoint after {timeout_s}s:\n{tail}"
-            time.sleep(0.05)
-        job.track()
-        driver = psutil.Process(job.proc.pid)
-        workers = [psutil.Process(pid) for pid in job.descendants if psutil.pid_exists(pid)]
-        for proc in [driver] + workers:  # the driver first: nothing may react to the workers' death
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass  # it ended between the listing and the kill (a shell whose parent just died)
-        gone, alive = psutil.wait_procs([driver] + workers, timeout=30)
-    finally:
-        launch.kill_tree(job.proc.pid)
-        for pid in job.descendants:
-            try:
-                psutil.Process(pid).kill()
-            except psutil.NoSuchProcess:
-                pass
-        job.log.close()
-    assert not alive, f"processes survived SIGKILL: {alive}"
-    assert driver.returncode == -signal.SIGKILL, f"the driver ended with {driver.returncode}, not by SIGKILL"
+    job = launch.Job(command(out, hosts, np_, *worker_args, worker=worker), environment(out, name),
+                     str(out / f"{name}.log"))
+    workers = launch.kill_whole_job(
+        job, lambda: any(i >= KILL_AFTER_COMMIT for i in analysis.durable_commit_ids(out / "ckpt")), timeout_s)
     assert len(workers) >= np_, f"expected at least {np_} worker processes, found {len(workers)}"
     assert not list(out.glob("final-*.npz")), "the killed run must not have finished"
 
@@ -92,7 +57,7 @@ def test_job_killed_entirely_resumes_on_fewer_workers_bitwise_and_exactly_once(t
     failed = tmp_path / "failed"
     failed.mkdir()
     run_and_kill_everything(failed, "killed", FIRST_HOSTS, 4, "--step-sleep-s", "0.1")
-    durable = durable_commit_ids(failed)
+    durable = analysis.durable_commit_ids(failed / "ckpt")
     assert len(durable) >= 2, f"two durable checkpoints expected, found {durable}"
     data = failed / "ckpt" / checkpoint_name(durable[0]) / "arrays.bin"
     with open(data, "r+b") as handle:
@@ -121,7 +86,7 @@ def test_job_killed_entirely_resumes_on_fewer_workers_bitwise_and_exactly_once(t
     reference = tmp_path / "reference"
     reference.mkdir()
     run_to_end(reference, "first", FIRST_HOSTS, 4, "--stop-after-commit", str(resume_from))
-    assert durable_commit_ids(reference)[0] == resume_from
+    assert analysis.durable_commit_ids(reference / "ckpt")[0] == resume_from
     run_to_end(reference, "second", SECOND_HOSTS, 2)
     ref_finals = analysis.load_finals(str(reference))
     assert sorted(ref_finals) == [0, 1]

@@ -20,17 +20,9 @@ COMMIT_EVERY = 4
 HOSTS = ["localhost:2", "127.0.0.1:2"]
 
 
-def run_job(tmp_path, *worker_args, env=None, timeout_s=240, epochs=1):
-    out = tmp_path / "job"
-    out.mkdir()
-    hosts_file = str(out / "hosts")
-    launch.write_hosts(hosts_file, HOSTS)
-    cmd = launch.elastic_cmd(4, 2, 4, hosts_file, "train_torch.py", "--out", str(out), "--epochs", str(epochs),
-                             "--commit-every", str(COMMIT_EVERY), *worker_args)
-    code, output = launch.run(cmd, launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl"), **(env or {})),
-                              str(out / "horovodrun.log"), timeout_s)
-    assert code == 0, output[-5000:]
-    return out, output
+def run_job(tmp_path, *worker_args, env=None):
+    """One job of train_torch.py on HOSTS (4 workers, 2 to 4), one epoch, to its end; returns (out, output)."""
+    return launch.run_job(tmp_path, "train_torch.py", *worker_args, hosts=HOSTS, commit_every=COMMIT_EVERY, env=env)
 
 
 def fired(out):

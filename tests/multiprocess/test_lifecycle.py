@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from elastic_ext.testing import ledger
-from elastic_ext.checkpoint import CheckpointStore, checkpoint_name
+from elastic_ext.checkpoint import CheckpointStore
 from tests.multiprocess import analysis, launch
 
 DIGITS = 1797
@@ -34,13 +34,9 @@ def environment(out, **extra):
     return launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl"), **extra)
 
 
-def run_job(tmp_path, *worker_args, env=None, timeout_s=240, epochs=1):
-    out = tmp_path / "job"
-    out.mkdir()
-    code, output = launch.run(command(out, *worker_args, epochs=epochs), environment(out, **(env or {})),
-                              str(out / "horovodrun.log"), timeout_s)
-    assert code == 0, output[-5000:]
-    return out, output
+def run_job(tmp_path, *worker_args, env=None):
+    """One job of lifecycle.py on HOSTS (4 workers, 2 to 4), one epoch, to its end; returns (out, output)."""
+    return launch.run_job(tmp_path, "lifecycle.py", *worker_args, hosts=HOSTS, commit_every=COMMIT_EVERY, env=env)
 
 
 def kinds(out):
@@ -111,13 +107,6 @@ def test_a_whole_job_suspended_and_resumed_kills_nobody(tmp_path):
 
 # ------------------------------------------------------------- 18.2 leave
 
-def durable_commit_ids(directory):
-    if not directory.is_dir():
-        return []
-    return [i for i in CheckpointStore(str(directory)).commit_ids()
-            if (directory / checkpoint_name(i) / "manifest.json").exists()]
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("leaver", [3, 0])
 def test_a_sigterm_leave_makes_its_commit_durable_even_when_not_due(tmp_path, leaver):
@@ -130,7 +119,7 @@ def test_a_sigterm_leave_makes_its_commit_durable_even_when_not_due(tmp_path, le
     leaves = [e for e in events if e["event"] == "leave"]
     leave_commit = 12 // COMMIT_EVERY
     assert [e["commit_id"] for e in leaves] == [leave_commit], leaves
-    durable = durable_commit_ids(tmp_path / "ckpt")
+    durable = analysis.durable_commit_ids(tmp_path / "ckpt")
     assert leave_commit in durable, f"the leave commit {leave_commit} is not durable; on disk: {durable}"
     assert min(durable) == leave_commit, durable
     if leaver == 0:

@@ -4,14 +4,11 @@ one line what it cannot do under MPI, never cuts MPI's connections, and a job
 killed and started again with another ``-np`` resumes exactly once."""
 
 import os
-import signal
 import sys
-import time
 
-import psutil
 import pytest
 
-from elastic_ext.checkpoint import CheckpointStore, checkpoint_name
+from elastic_ext.checkpoint import CheckpointStore
 from tests.multiprocess import analysis, launch
 
 DIGITS = 1797
@@ -32,35 +29,14 @@ def environment(out, name):
                            ELASTIC_EXT_EVENTS_PATH=str(out / f"events-{name}.jsonl"))
 
 
-def durable_commit_ids(out):
-    directory = out / "ckpt"
-    if not directory.is_dir():
-        return []
-    return [i for i in CheckpointStore(str(directory)).commit_ids()
-            if (directory / checkpoint_name(i) / "manifest.json").exists()]
-
-
 @pytest.mark.timeout(600)
 def test_mpirun_job_killed_and_requeued_on_fewer_ranks_resumes_exactly_once(tmp_path):
     out = tmp_path / "job"
     out.mkdir()
     # 1. Three ranks until the whole job is killed (as a node failure or scancel --signal=KILL would).
     job = launch.Job(mpirun(3, out, "--step-sleep-s", "0.1"), environment(out, "first"), str(out / "first.log"))
-    deadline = time.monotonic() + 240
-    try:
-        while not any(i >= KILL_AFTER_COMMIT for i in durable_commit_ids(out)):
-            job.track()
-            assert job.proc.poll() is None, open(job.log_path).read()[-5000:]
-            assert time.monotonic() < deadline, "no checkpoint: " + open(job.log_path).read()[-5000:]
-            time.sleep(0.05)
-        job.track()
-        procs = [psutil.Process(job.proc.pid)] + [psutil.Process(p) for p in job.descendants if psutil.pid_exists(p)]
-        for proc in procs:
-            proc.send_signal(signal.SIGKILL)
-        psutil.wait_procs(procs, timeout=30)
-    finally:
-        launch.kill_tree(job.proc.pid)
-        job.log.close()
+    launch.kill_whole_job(
+        job, lambda: any(i >= KILL_AFTER_COMMIT for i in analysis.durable_commit_ids(out / "ckpt")), timeout_s=240)
     first_log = open(out / "first.log").read()
     announced = [line for line in first_log.splitlines() if "under an MPI controller" in line]
     assert len(announced) == 3, f"every rank must say once what MPI cannot do; got {announced}"

@@ -7,8 +7,6 @@ import pytest
 
 from elastic_ext.testing import ledger
 from tests.multiprocess import analysis, launch
-from tests.multiprocess.test_resize import sizes_by_generation
-from tests.multiprocess.test_zoo import third_host
 
 DIGITS = 1797
 COMMIT_EVERY = 4
@@ -18,18 +16,12 @@ BASE = ["localhost:1", "127.0.0.1:1"]
 
 def run_job(tmp_path, faults, worker="train_torch.py", extra=()):
     """Grows from 2 to 4 workers (a third pseudo-host with 2 slots) at step 8, with ``faults``."""
-    out = tmp_path / "job"
-    out.mkdir()
-    hosts = str(out / "hosts")
-    launch.write_hosts(hosts, BASE)
-    grown = ",".join(BASE + [f"{third_host()}:2"])
+    hosts = str(tmp_path / "job" / "hosts")  # where launch.run_job writes BASE
+    grown = ",".join(BASE + [f"{launch.third_host()}:2"])  # no third host: RuntimeError, the test fails
     # 0.2 s per step: a newcomer's start (Python, torch, Horovod) spans several commits.
-    cmd = launch.elastic_cmd(2, 2, 4, hosts, worker, "--out", str(out), "--epochs", str(EPOCHS),
-                             "--commit-every", str(COMMIT_EVERY), "--step-sleep-s", "0.2",
-                             "--resize-at", f"8:{hosts}:{grown}", "--faults", faults, *extra)
-    env = launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl"), ELASTIC_EXT_PRESTART_NEWCOMERS="1")
-    code, output = launch.run(cmd, env, str(out / "horovodrun.log"), timeout_s=300)
-    assert code == 0, output[-5000:]
+    out, _ = launch.run_job(tmp_path, worker, "--step-sleep-s", "0.2", "--resize-at", f"8:{hosts}:{grown}",
+                            "--faults", faults, *extra, hosts=BASE, np_=2, epochs=EPOCHS, commit_every=COMMIT_EVERY,
+                            env={"ELASTIC_EXT_PRESTART_NEWCOMERS": "1"}, timeout_s=300)
     return out, ledger.read(str(out)), analysis.read_events(str(out / "events.jsonl"))
 
 
@@ -49,7 +41,7 @@ def test_survivors_train_while_the_newcomers_start(tmp_path, worker, extra):
     assert len(joined) == 1 and joined[0]["why"] == "all_there" and joined[0]["next_size"] == 4, joined
     # The survivors went on committing while the newcomers started; the resize came after.
     assert joined[0]["commit_id"] > started[0]["commit_id"], (started, joined)
-    assert sizes_by_generation(records) == [[2], [4]]
+    assert analysis.sizes_by_generation(records) == [[2], [4]]
     starts = ledger.starts(records)
     assert [starts[g][2] for g in sorted(starts)] == [0, joined[0]["commit_id"] * COMMIT_EVERY], starts
     resizes = of_rank(events, "resize")
@@ -71,7 +63,7 @@ def test_a_survivor_killed_while_the_newcomers_start(tmp_path):
     assert not of_rank(events, "newcomers_joined")  # the failure's reset ended the early start
     rollbacks = of_rank(events, "rollback")
     assert [e["commit_id"] for e in rollbacks] == [3], rollbacks
-    assert sizes_by_generation(records) == [[2], [3]]
+    assert analysis.sizes_by_generation(records) == [[2], [3]]
     starts = ledger.starts(records)
     assert [starts[g][2] for g in sorted(starts)] == [0, 12], starts
     analysis.assert_exactly_once(out, DIGITS, EPOCHS)

@@ -19,17 +19,10 @@ HOSTS = ["localhost:2", "127.0.0.1:2"]
 POLICY = "3:8:4"  # factor : window_steps : warmup_steps
 
 
-def run_job(tmp_path, *worker_args, epochs=2, timeout_s=300):
-    out = tmp_path / "job"
-    out.mkdir()
-    hosts_file = str(out / "hosts")
-    launch.write_hosts(hosts_file, HOSTS)
-    cmd = launch.elastic_cmd(4, 2, 4, hosts_file, "lifecycle.py", "--out", str(out), "--epochs", str(epochs),
-                             "--commit-every", str(COMMIT_EVERY), "--straggler", POLICY, "--compute-s", "0.03",
-                             *worker_args)
-    code, output = launch.run(cmd, launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl")),
-                              str(out / "horovodrun.log"), timeout_s)
-    assert code == 0, output[-5000:]
+def run_job(tmp_path, *worker_args, epochs=2):
+    """One job of lifecycle.py under POLICY on HOSTS (4 workers, 2 to 4), to its end; returns (out, events)."""
+    out, output = launch.run_job(tmp_path, "lifecycle.py", "--straggler", POLICY, "--compute-s", "0.03",
+                                 *worker_args, hosts=HOSTS, epochs=epochs, commit_every=COMMIT_EVERY, timeout_s=300)
     # The ranks that stay re-form at once: a leaver that exits during Horovod's
     # shutdown round would leave them waiting for Gloo's timeout.
     assert "Timed out" not in output and "Wait timeout" not in output, output[-3000:]
