@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ sys.path.insert(0, REPO)
 
 from elastic_ext.events import read_events  # noqa: E402
 from elastic_ext.testing import ledger  # noqa: E402
+from elastic_ext.testing.launch import kill_tree, third_host  # noqa: E402
 
 DATASET_SIZE = 1500  # digits minus the 297 test images held out by the example
 
@@ -50,22 +50,6 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def third_host():
-    """A third name for this machine that Horovod treats as local (no ssh):
-    the hostname if it resolves to a local address, else a non-loopback IPv4."""
-    import psutil
-    local = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET}
-    try:
-        if socket.gethostbyname(socket.gethostname()) in local:
-            return socket.gethostname()
-    except OSError:
-        pass
-    others = sorted(a for a in local if not a.startswith("127."))
-    if not others:
-        raise SystemExit("no third local host name found (hostname does not resolve to a local address)")
-    return others[0]
-
-
 class Job:
     """The horovodrun job, its host file and the scale-up thread."""
 
@@ -75,7 +59,10 @@ class Job:
         self.hosts = os.path.join(work, "hosts")
         self.events_path = os.path.join(work, "events.jsonl")
         self.ledger_dir = os.path.join(work, "ledger")
-        self.new_host = third_host()
+        try:
+            self.new_host = third_host()  # this machine's hostname or a non-loopback address of it
+        except RuntimeError as error:
+            raise SystemExit(str(error))
         self.host_added_at = None  # Unix time the third host went into the host file
         self.accuracy = None
         with open(self.hosts, "w") as handle:
@@ -131,7 +118,7 @@ class Job:
             return proc.wait(timeout=60)
         finally:
             if proc.poll() is None:
-                os.killpg(proc.pid, 9)
+                kill_tree(proc.pid)  # horovodrun and every worker (Horovod gives them process groups of their own)
             log.close()
 
 

@@ -10,28 +10,12 @@ Horovod runs locally (no ssh).
 import glob
 import json
 import os
-import socket
 
-import psutil
 import pytest
 
 from tests.multiprocess import analysis, launch
 
 DIGITS = 1797
-
-
-def third_host():
-    """A third name for this machine that Horovod treats as local: the hostname
-    if it resolves to a local address, else a non-loopback IPv4 address."""
-    local = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET}
-    try:
-        if socket.gethostbyname(socket.gethostname()) in local:
-            return socket.gethostname()
-    except OSError:
-        pass
-    others = sorted(a for a in local if not a.startswith("127."))
-    assert others, f"no third local host name: {socket.gethostname()} does not resolve to one of {sorted(local)}"
-    return others[0]
 
 
 def synced_records(out):
@@ -58,7 +42,7 @@ def test_zoo_survives_a_sigkill_and_a_scale_up_with_identical_parameters(tmp_pat
     launch.write_hosts(hosts, ["localhost:2", "127.0.0.1:2"])
     cmd = launch.elastic_cmd(4, 2, 4, hosts, "zoo.py", "--out", str(out), "--model", model, "--epochs", "1",
                              "--commit-every", "4", "--faults", "3:6:kill",
-                             "--resize-at", f"12:{hosts}:localhost:2,127.0.0.1:2,{third_host()}:1")
+                             "--resize-at", f"12:{hosts}:localhost:2,127.0.0.1:2,{launch.third_host()}:1")
     # The guardian's hang limit well above this loaded CI machine's scheduling
     # stalls: this test is about model state, not hang detection.
     env = launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl"), ELASTIC_EXT_HANG_TIMEOUT_S="60")
@@ -105,7 +89,7 @@ def test_removal_only_resize_with_a_spare_slot_finishes_exactly_once(tmp_path):
     out = tmp_path / "job"
     out.mkdir()
     hosts = str(out / "hosts")
-    launch.write_hosts(hosts, ["localhost:1", "127.0.0.1:1", f"{third_host()}:1"])
+    launch.write_hosts(hosts, ["localhost:1", "127.0.0.1:1", f"{launch.third_host()}:1"])
     cmd = launch.elastic_cmd(2, 1, 2, hosts, "train_torch.py", "--out", str(out), "--epochs", "1",
                              "--commit-every", "4", "--faults", "1:10:term")
     code, output = launch.run(cmd, launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl")),
