@@ -43,14 +43,14 @@ import numpy as np
 import torch
 
 from bench import harness
+from bench.models import mlp
 from elastic_ext import State
 from elastic_ext.checkpoint import write_checkpoint
 from elastic_ext.config import ElasticConfig
 from elastic_ext.testing import SoloBinding
 
 def build(width: int) -> tuple:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width))
+    model = mlp([width, width, width])
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     return model, optimizer
 

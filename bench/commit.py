@@ -39,6 +39,7 @@ import time
 from typing import Any, Callable, Dict, List
 
 from bench import harness
+from bench.models import mlp
 
 NAME = "commit"
 SYSTEMS = ("elastic_ext", "elastic_ext_2buf", "horovod")
@@ -55,11 +56,7 @@ def build(width: int, depth: int, seed: int = 0):
     """An MLP of ``depth`` square Linear layers, and Adam after one real step (state populated)."""
     import torch
 
-    torch.manual_seed(seed)
-    layers: List[torch.nn.Module] = []
-    for _ in range(depth):
-        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
-    model = torch.nn.Sequential(*layers)
+    model = mlp([width] * (depth + 1), activation="GELU", seed=seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     model(torch.randn(16, width)).square().mean().backward()
     optimizer.step()

@@ -72,6 +72,7 @@ from typing import Any, Callable, Dict, List, Optional
 from bench import harness
 from bench.compare_report import DATASET_SIZE, LABELS, WORKERS_PER_JOB, analyze, failure_free, plot_ratios, \
     plot_timeline, print_table, ratios
+from bench.workers import compare_common
 from elastic_ext.testing import launch
 
 SYSTEMS = ("plain", "torchrun", "ext", "ext_prestart")
@@ -207,7 +208,7 @@ def run_attempt(system: str, log_dir: str, hosts: List[str], failures: int, chec
         run.poll()
         # The workers read the stop step at commit steps: a few commits ahead, every rank sees it in time.
         stop = (run.last_step()["done"] // args.commit_every + 3) * args.commit_every
-        harness.write_atomic(os.path.join(log_dir, "stop"), f"{stop}\n")
+        launch.write_hosts(os.path.join(log_dir, "stop"), [str(stop)])  # at once: no worker reads half of it
     for code, name in run.stop(STOP_TIMEOUT_S if not run.problems else 5):
         run.exit_codes.append(code)
         if code is None and not run.problems:
@@ -263,8 +264,6 @@ def main() -> int:
               f"{len(hosts) - 2} failures; a job with no spare left stops there", flush=True)
     work = tempfile.mkdtemp(prefix="bench_compare_")
     args.data = os.path.join(work, "digits.npz")
-    sys.path.insert(0, harness.WORKERS)
-    import compare_common
     compare_common.write_data(args.data)
     started = time.time()
     info: Dict[str, Any] = {

@@ -42,6 +42,8 @@ import time
 import numpy as np
 import torch
 
+from bench.models import mlp
+
 DATASET_SIZE = 1500
 LR = 0.01
 
@@ -79,10 +81,20 @@ def load_data(path):
 
 def build_model():
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    model = mlp([64, 64, 10])
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     return model, optimizer
+
+
+def start(args, init):
+    """What every worker does before its loop: ``init()`` (its framework's), then the data and the model.
+
+    Returns ``(features, labels, model, optimizer)``.
+    """
+    init()
+    x, y = load_data(args.data)
+    model, optimizer = build_model()
+    return x, y, model, optimizer
 
 
 def local_loss(model, x, y, index, real, global_batch):

@@ -5,24 +5,17 @@ steps and at the end of each epoch, constant global batch. Launched by
 bench/compare.py under ``horovodrun`` (see there for the command).
 """
 
-import os
-import sys
-
 import numpy as np
 import torch
 
 import horovod.torch as hvd
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import compare_common as common  # noqa: E402
-
-import elastic_ext  # noqa: E402
-from elastic_ext.torch import ElasticSampler  # noqa: E402
+import elastic_ext
+from bench.workers import compare_common as common
+from elastic_ext.torch import ElasticSampler
 
 args = common.parser(__doc__.splitlines()[0]).parse_args()
-hvd.init()
-x, y = common.load_data(args.data)
-model, optimizer = common.build_model()
+x, y, model, optimizer = common.start(args, hvd.init)
 sampler = ElasticSampler(common.DATASET_SIZE, global_batch_size=args.global_batch, seed=1, policy="pad")
 state = elastic_ext.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0)
 log = common.StepLog(args.out, "ext")

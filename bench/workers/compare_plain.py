@@ -11,21 +11,16 @@ the allreduce (all gradients in flight at once, as hvd.DistributedOptimizer
 does).
 """
 
-import os
-import sys
 import time
 
 import torch
 
 import horovod.torch as hvd
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import compare_common as common  # noqa: E402
+from bench.workers import compare_common as common
 
 args = common.parser(__doc__.splitlines()[0]).parse_args()
-hvd.init()
-x, y = common.load_data(args.data)
-model, optimizer = common.build_model()
+x, y, model, optimizer = common.start(args, hvd.init)
 batch = args.global_batch // hvd.size()
 sampler = hvd.elastic.ElasticSampler(range(common.DATASET_SIZE), shuffle=True, seed=1)
 loader = torch.utils.data.DataLoader(range(common.DATASET_SIZE), batch_size=batch, sampler=sampler)

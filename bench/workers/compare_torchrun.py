@@ -12,22 +12,18 @@ exact while the world size is the one the checkpoint was written with.
 
 import itertools
 import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import compare_common as common  # noqa: E402
+from bench.workers import compare_common as common
 
 p = common.parser(__doc__.splitlines()[0])
 p.add_argument("--checkpoint", required=True, help="the checkpoint file, loaded at start if it exists")
 args = p.parse_args()
-dist.init_process_group("gloo")
+x, y, model, optimizer = common.start(args, lambda: dist.init_process_group("gloo"))
 rank, size = dist.get_rank(), dist.get_world_size()
-x, y = common.load_data(args.data)
-model, optimizer = common.build_model()
 ddp = torch.nn.parallel.DistributedDataParallel(model)
 batch = args.global_batch // size
 sampler = torch.utils.data.distributed.DistributedSampler(range(common.DATASET_SIZE), shuffle=True, seed=1)

@@ -20,6 +20,8 @@ import torch
 
 import horovod.torch as hvd
 
+from bench.models import mlp
+
 p = argparse.ArgumentParser()
 p.add_argument("--system", choices=["plain", "ext"], required=True)
 p.add_argument("--out", required=True)
@@ -33,15 +35,14 @@ args = p.parse_args()
 
 torch.set_num_threads(1)
 hvd.init()
-torch.manual_seed(0)
 if args.model == "mlp":
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    model = mlp([64, 256, 10])
     shape = (32, 64)
 elif args.model == "big":  # 36.1M parameters: 432 MB with Adam's two moments
-    model = torch.nn.Sequential(torch.nn.Linear(64, 6000), torch.nn.ReLU(), torch.nn.Linear(6000, 6000),
-                                torch.nn.ReLU(), torch.nn.Linear(6000, 10))
+    model = mlp([64, 6000, 6000, 10])
     shape = (32, 64)
 else:
+    torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
                                 torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
                                 torch.nn.Flatten(), torch.nn.Linear(16 * 8 * 8, 10))
