@@ -16,16 +16,14 @@ import os
 import statistics
 from typing import Any, Dict, List, Optional
 
-import numpy as np
-
 from bench import harness
 from bench.harness import median
+from bench.workers.compare_common import DATASET_SIZE
 from elastic_ext.testing import ledger
 
 LABELS = {"plain": "plain Horovod", "torchrun": "torchrun", "ext": "elastic_ext",
           "ext_prestart": "elastic_ext, prestart"}
 WORKERS_PER_JOB = 4
-DATASET_SIZE = 1500
 WARMUP_S = 1.0  # throughput stretches start this long after the job is at 4 workers
 GEN_STRIDE = 10 ** 19  # generation ids of attempt a become a * GEN_STRIDE + id (ids are < 2**63)
 # Ratios in elastic_ext's favour: metric -> (result field, lower is better).
@@ -51,32 +49,15 @@ def combined_records(attempts: List[Any]) -> List[dict]:
     return records
 
 
-def committed_history(records: List[dict]) -> List[dict]:
-    """The steps whose effect is in the final state, over generations in order.
+def audit(records: List[dict], epochs: int) -> Dict[str, Any]:
+    """``ledger.audit`` of the first ``epochs`` (complete) epochs, in the fields compare.json keeps.
 
-    Each generation undoes every step at or after the position it resumed
-    from, whichever generation ran it. This is ``elastic_ext.testing.ledger``'s rule
-    made general: the ledger only cuts the generation just before, which is
-    all a rollback inside one job needs, but a job relaunched from scratch
-    (or from a checkpoint older than the last generation) undoes more.
+    Returns ``{"epochs": [{"epoch", "processed", "duplicated", "missing"}],
+    "duplicated", "missing"}``: samples seen twice and never in the committed
+    history, per epoch and in all.
     """
-    begun = ledger.starts(records)
-    history: List[dict] = []
-    for gen in sorted(begun):
-        start = begun[gen][:2]
-        history = [r for r in history if (r["epoch"], r["cursor"]) < start]
-        history.extend(r for r in records if r.get("gen") == gen and (r["epoch"], r["cursor"]) >= start)
-    return history
-
-
-def audit(history: List[dict], epochs: int) -> Dict[str, Any]:
-    """Samples seen twice and never, per complete epoch of the committed history (as ``ledger.audit``)."""
-    rows = []
-    for epoch in range(epochs):
-        seen = [i for r in history if r["epoch"] == epoch for i in r["indices"]]
-        counts = np.bincount(np.asarray(seen, dtype=np.int64), minlength=DATASET_SIZE)
-        rows.append({"epoch": epoch, "processed": len(seen), "duplicated": int((counts > 1).sum()),
-                     "missing": int((counts == 0).sum())})
+    checked = ledger.audit(records, DATASET_SIZE, epochs)
+    rows = [{key: row[key] for key in ("epoch", "processed", "duplicated", "missing")} for row in checked["epochs"]]
     return {"epochs": rows, "duplicated": sum(r["duplicated"] for r in rows),
             "missing": sum(r["missing"] for r in rows)}
 
@@ -158,11 +139,11 @@ def analyze(system: str, attempts: List[Any]) -> Dict[str, Any]:
     between = throughput(steps, stretches)
 
     commits = [r["commit_s"] for r in records if "commit_s" in r and r["rank"] == 0]
-    history = committed_history(records)
+    history = ledger.committed_history(records)
     useful = sum(len(r["indices"]) for r in history)
     processed = sum(r["n"] for r in steps)
     last_epoch = max(r["epoch"] for r in history)
-    checked = audit(history, last_epoch)  # complete epochs only
+    checked = audit(records, last_epoch)  # complete epochs only
     recovered = []
     for run in attempts:
         for path in glob.glob(os.path.join(run.log_dir, "events-*.jsonl")):

@@ -51,22 +51,31 @@ HOROVOD_DEFAULT_FUSION = str(64 * 1024 * 1024)
 
 def horovodrun(script: str, script_args: Sequence[str], hosts_file: str, np_: int = 4, min_np: int = 2,
                max_np: int = 4, options: Sequence[str] = ()) -> List[str]:
-    """``horovodrun`` elastic on loopback, hosts from ``hosts_file`` (static discovery script)."""
-    return [os.path.join(launch.VENV_BIN, "horovodrun"), "-np", str(np_), "--min-np", str(min_np),
-            "--max-np", str(max_np), *options, "--network-interfaces", "lo",
-            "--host-discovery-script", f"{launch.STATIC} {hosts_file}", sys.executable, script, *script_args]
+    """``launch.elastic_cmd`` (elastic on loopback, hosts from ``hosts_file``) of the script at the
+    absolute path ``script``, with ``options`` for horovodrun."""
+    if not os.path.isabs(script):
+        raise ValueError(f"script must be an absolute path, got {script!r}")
+    # os.path.join(launch.WORKERS, script) is script itself when script is absolute.
+    cmd = launch.elastic_cmd(np_, min_np, max_np, hosts_file, script, *script_args)
+    return cmd[:1] + list(options) + cmd[1:]
 
 
 def local_host_names() -> List[str]:
     """Names that resolve to an address of this machine, so horovodrun runs them without ssh.
 
+    ``localhost``, ``127.0.0.1``, ``launch.third_host()``, then the names
+    /etc/hosts gives this machine's addresses and its other IPv4 addresses.
     Each is a separate host to Horovod (blacklisted on its own), which gives
     a job on one machine spare hosts to grow back onto after a failure.
     """
     import psutil
 
     addresses = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET}
-    candidates = ["localhost", "127.0.0.1", socket.gethostname()]
+    candidates = ["localhost", "127.0.0.1"]
+    try:
+        candidates.append(launch.third_host())
+    except RuntimeError:  # no third name: the spares below are none either
+        pass
     try:
         with open("/etc/hosts", encoding="utf-8") as handle:
             for line in handle:
@@ -90,13 +99,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def write_atomic(path: str, text: str) -> None:
-    """Writes ``text`` so that a reader polling ``path`` never sees half of it."""
-    with open(path + ".tmp", "w", encoding="utf-8") as handle:
-        handle.write(text)
-    os.replace(path + ".tmp", path)
 
 
 def kill_delay(number: int, uptime_s: float, jitter_s: float) -> float:
@@ -308,9 +310,9 @@ def result_path(name: str) -> str:
 
 
 def write_json(name: str, data: Dict[str, Any], indent: int = 2) -> str:
-    """bench/results/<name>.json, replaced atomically."""
+    """bench/results/<name>.json, replaced at once (``launch.write_hosts`` writes any lines so)."""
     path = result_path(f"{name}.json")
-    write_atomic(path, json.dumps(data, indent=indent) + "\n")
+    launch.write_hosts(path, [json.dumps(data, indent=indent)])
     return path
 
 

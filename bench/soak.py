@@ -31,7 +31,6 @@ import json
 import os
 import random
 import signal
-import socket
 import sys
 import time
 from typing import Any, Dict, List, Optional
@@ -55,7 +54,7 @@ NATIVE_ABORTS = ("has been removed from elastic job", "EnforceNotMet", "op.pream
 
 
 def hosts_all() -> List[str]:
-    return ["localhost:2", "127.0.0.1:2", f"{socket.gethostname()}:2"]
+    return ["localhost:2", "127.0.0.1:2", f"{launch.third_host()}:2"]
 
 
 def make_schedule(count: int, seed: int) -> List[str]:

@@ -32,6 +32,7 @@ import tempfile
 from typing import Any, Dict, List
 
 from bench import harness
+from elastic_ext.events import read_events
 from elastic_ext.testing import launch, ledger
 
 DIGITS = 1797
@@ -60,7 +61,7 @@ def run_job(workdir: str, name: str, args: List[str], epochs: int, timeout_s: fl
     steps = [r for r in records if "gen" in r]
     audit = ledger.audit(records, DIGITS, epochs)
     span = max(r["t"] for r in steps) - min(r["t"] for r in steps)
-    events = [json.loads(line) for line in open(os.path.join(out, "events.jsonl"))]
+    events = read_events(os.path.join(out, "events.jsonl"))
     by_worker: Dict[tuple, List[float]] = {}  # (generation, rank): one process's consecutive steps
     for record in steps:
         by_worker.setdefault((record["gen"], record["rank"]), []).append(record["t"])
@@ -83,6 +84,7 @@ def main(argv=None) -> int:
     parser.add_argument("--compute-s", type=float, default=0.03)
     parser.add_argument("--guard-epochs", type=int, default=3)
     parser.add_argument("--timeout-s", type=float, default=600)
+    parser.add_argument("--name", default="soft_failures", help="result file stem under bench/results")
     args = parser.parse_args(argv)
     work = tempfile.mkdtemp(prefix="bench_soft_")
     compute = ["--compute-s", str(args.compute_s)]
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
                           else 1000 * r["guard_step_s_median"], r["evictions"], r["rollbacks"], r["exactly_once"]]
                          for r in runs.values()]))
     print(json.dumps(ratios, indent=1))
-    print("wrote", harness.write_json("soft_failures", result))
+    print("wrote", harness.write_json(args.name, result))
     return 0
 
 
