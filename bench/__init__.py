@@ -1,4 +1,4 @@
-"""Side-by-side benchmarks of elastic_ext against plain Horovod, torchrun and its own earlier designs.
+"""Side-by-side benchmarks of elastic_ext against its peers: plain Horovod, torchrun, torch.save.
 
 Each benchmark is a module run from the repository root, e.g.
 ``.venv/bin/python -m bench.commit``; it writes ``bench/results/<name>.json``
