@@ -25,8 +25,8 @@ steps per epoch follow the world size). Keras keeps ``steps_per_epoch``
 fixed within a call, and calls after a reset are new calls, so both are
 right. The data is a ``tf.data`` stream of ``load(indices, pad)`` over this
 rank's share of each global step from the committed cursor on
-(:mod:`elastic_ext.data.partition`), so the samples of rolled-back steps are
-handed out again, once.
+(:mod:`elastic_ext.tensorflow.fit_stream`, over :mod:`elastic_ext.data.partition`'s
+plans), so the samples of rolled-back steps are handed out again, once.
 
 The callback, at the end of every batch, checks that the batch Keras
 trained on is the one at the committed cursor (it raises ``StateError``
@@ -46,64 +46,23 @@ they write to a shared place.
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import logging
 import sys
-from typing import Any, Callable, Deque, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, Optional
 
-import numpy as np
 import tensorflow as tf
 
 from elastic_ext.errors import ConfigError, StateError
 from elastic_ext.data.sampler import ElasticPartitioner
-from elastic_ext.tensorflow.data import plan_at, steps_in_epoch
+from elastic_ext.tensorflow.data import steps_in_epoch
+from elastic_ext.tensorflow.fit_stream import FitStep, StepStream
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ElasticCallback", "FitStep"]
+__all__ = ["ElasticCallback"]
 
 # model.fit arguments that ElasticCallback.fit sets itself.
 _OWN_FIT_ARGUMENTS = ("x", "y", "batch_size", "epochs", "initial_epoch", "steps_per_epoch", "shuffle")
-
-
-@dataclasses.dataclass(frozen=True)
-class FitStep:
-    """One global step as fed to ``model.fit``: where it starts and this rank's share."""
-
-    epoch: int
-    cursor: int
-    indices: np.ndarray
-    pad: np.ndarray
-
-
-class _Stream:
-    """The steps from a start position to the end of ``end_epoch - 1``, as a tf.data source.
-
-    Every iterator Keras makes runs the generator again from the start
-    position (Keras 3 takes one batch from a throw-away iterator to build the
-    model); the steps the newest iterator handed out wait in ``handed_out``
-    until the callback pairs them with the batches Keras trained on.
-    """
-
-    def __init__(self, sampler: ElasticPartitioner, epoch: int, cursor: int, end_epoch: int) -> None:
-        self.sampler = sampler
-        self.start = (epoch, cursor)
-        self.end_epoch = end_epoch
-        self.handed_out: Deque[FitStep] = collections.deque()
-
-    def generate(self):
-        handed_out: Deque[FitStep] = collections.deque()
-        self.handed_out = handed_out
-        epoch, cursor = self.start
-        while epoch < self.end_epoch:
-            plan = plan_at(self.sampler, epoch, cursor)
-            advance = plan.advance
-            for step, (indices, pad) in enumerate(plan.batches()):
-                handed_out.append(FitStep(epoch, cursor, np.array(indices), np.array(pad, dtype=bool)))
-                yield np.asarray(indices, dtype=np.int64), np.asarray(pad, dtype=bool)
-                cursor += int(advance[step])
-            epoch, cursor = epoch + 1, 0
 
 
 class _ElasticCallbackMixin:
@@ -136,17 +95,15 @@ class _ElasticCallbackMixin:
         self.commit_every = commit_every
         self.lr_for_size = lr_for_size
         self.on_step = on_step
-        self._stream: Optional[_Stream] = None
+        self._stream: Optional[StepStream] = None
 
     # ------------------------------------------------------------- fit calls
 
     def dataset(self, end_epoch: int) -> tf.data.Dataset:
         """The batches from the committed position to the end of epoch ``end_epoch - 1``."""
-        stream = _Stream(self.sampler, self.sampler.epoch, self.sampler.cursor, end_epoch)
+        stream = StepStream(self.sampler, self.sampler.epoch, self.sampler.cursor, end_epoch)
         self._stream = stream
-        source = tf.data.Dataset.from_generator(
-            stream.generate, output_signature=(tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.bool)))
-        return source.map(self.load)
+        return stream.dataset(self.load)
 
     def fit_arguments(self, epochs: int) -> Optional[Dict[str, Any]]:
         """Arguments of the next ``model.fit`` call towards ``epochs``, or None when there are none.
