@@ -14,13 +14,14 @@ from elastic_ext.policies.guard import LossWindow, NumericGuard
 from elastic_ext.runtime.run import run
 from elastic_ext.data.sampler import ElasticPartitioner
 from elastic_ext.state.state import State
-from elastic_ext.policies.straggler import StepTimer, StragglerPolicy
-from elastic_ext.runtime.watchdog import phase, progress
+from elastic_ext.policies.step_timer import StepTimer
+from elastic_ext.policies.straggler import StragglerPolicy
+from elastic_ext.state.liveness import phase, progress
 
 from elastic_ext.launch import keeper as _keeper
-from elastic_ext.launch import prestart as _prestart
-from elastic_ext.runtime.run import first_rendezvous_timeout as _first_rendezvous_timeout
-from elastic_ext.runtime.watchdog import install_early_sigterm as _install_early_sigterm
+from elastic_ext.launch import newcomer as _newcomer
+from elastic_ext.launch.gloo_timeout import first_rendezvous_timeout as _first_rendezvous_timeout
+from elastic_ext.runtime.sigterm import install_early_sigterm as _install_early_sigterm
 
 # Under an elastic horovodrun (elsewhere these do nothing): with
 # ELASTIC_EXT_RESTART_IN_PLACE=1 this process becomes a keeper that restarts
@@ -31,7 +32,7 @@ from elastic_ext.runtime.watchdog import install_early_sigterm as _install_early
 # survivors' resets do; and a SIGTERM before @elastic_ext.run means leave at
 # the first commit, not die while the job's next round forms.
 _keeper.install()
-_prestart.install()
+_newcomer.install()
 _first_rendezvous_timeout()
 _install_early_sigterm()
 

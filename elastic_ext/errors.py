@@ -119,3 +119,13 @@ __all__ = [
     "NumericFaultError",
     "NumericRollbackLimitError",
 ]
+
+
+# Event fields quote an exception's message up to this many characters (a Gloo
+# error can carry a whole stack of peers; events are one JSON line each).
+ERROR_DETAIL_CHARS = 500
+
+
+def error_detail(exc: BaseException) -> str:
+    """An exception's message as an event field: ``str(exc)`` cut at :data:`ERROR_DETAIL_CHARS`."""
+    return str(exc)[:ERROR_DETAIL_CHARS]

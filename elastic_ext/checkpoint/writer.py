@@ -27,9 +27,8 @@ from elastic_ext.checkpoint.files import write_checkpoint
 from elastic_ext.checkpoint.format import Loaded
 from elastic_ext.checkpoint.store import CheckpointStore
 from elastic_ext.config import ElasticConfig
-from elastic_ext.errors import CheckpointError
+from elastic_ext.errors import CheckpointError, error_detail
 from elastic_ext.events import CHECKPOINT, CHECKPOINT_FAILED, CHECKPOINT_RESUMED, CHECKPOINT_SKIPPED, EventLog
-from elastic_ext.runtime.run import error_detail
 
 logger = logging.getLogger(__name__)
 

@@ -17,12 +17,12 @@ reset at once:
 2. Horovod starts a newcomer with its rank in the environment; its first
    ``hvd.init()`` would go straight to Gloo's rendezvous, which the
    survivors, still training, would not join, and its script would build
-   its model only after that. So :func:`install` (done at ``import
-   elastic_ext``) wraps ``hvd.init()``: when the survivors' marker is in the
+   its model only after that. So :func:`elastic_ext.launch.newcomer.install`
+   (done at ``import elastic_ext``) wraps ``hvd.init()``: when the survivors' marker is in the
    rendezvous server's key-value store, a newcomer starts Horovod as a world
-   of one (:func:`start_solo`; ``hvd.rank()``, ``hvd.size()`` and
+   of one (:func:`~elastic_ext.launch.newcomer.start_solo`; ``hvd.rank()``, ``hvd.size()`` and
    ``hvd.local_rank()`` still answer what it was launched with) and builds
-   its model. At ``@elastic_ext.run`` (:func:`join`) it writes its rank
+   its model. At ``@elastic_ext.run`` (:func:`~elastic_ext.launch.newcomer.join`) it writes its rank
    under :data:`SCOPE` (it is ready) and re-initialises Horovod: Horovod's
    reset asks for its rank in the round the survivors' reset joins, so
    newcomers and survivors form the world of one driver round, whatever
@@ -42,18 +42,14 @@ a newcomer joins, a collective it runs happens in its world of one.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import sys
 import threading
 import time
-import types
 import urllib.request
-from typing import Any, Callable, Dict, Mapping, MutableMapping, Optional, Tuple
+from typing import Any, Callable, Mapping, Optional, Tuple
 
-from elastic_ext.launch import keeper, round_watch
-from elastic_ext.config import ENV_HOROVOD_RENDEZVOUS_ADDR, ENV_HOROVOD_RENDEZVOUS_PORT
+from elastic_ext.launch import round_watch
 from elastic_ext.launch.round_watch import store_url
 
 logger = logging.getLogger(__name__)
@@ -65,162 +61,15 @@ POLL_S = 0.1
 REQUEST_TIMEOUT_S = 10.0
 
 
-def _put(url: str, value: bytes = b"1") -> None:
+def put(url: str, value: bytes = b"1") -> None:
     request = urllib.request.Request(url, data=value, method="PUT")
     with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S):
         pass
 
 
-def _get(url: str, timeout_s: Optional[float] = REQUEST_TIMEOUT_S) -> Optional[bytes]:
+def get(url: str, timeout_s: Optional[float] = REQUEST_TIMEOUT_S) -> Optional[bytes]:
     """The value, or None when the key is not there (404)."""
     return round_watch.get(url, timeout_s)
-
-
-# ------------------------------------------------------------ newcomer side
-
-_first_init_done = False
-_launch: Optional[Dict[str, str]] = None  # while a newcomer runs solo: the environment it was launched with
-SLOT_VARIABLES = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
-                  "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
-RENDEZVOUS_VARIABLES = (ENV_HOROVOD_RENDEZVOUS_ADDR, ENV_HOROVOD_RENDEZVOUS_PORT)
-QUERIES = dict(zip(("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size"), SLOT_VARIABLES))
-SOLO = dict(zip(SLOT_VARIABLES, ("0", "1", "0", "1", "0", "1")))
-
-
-def early_start_under_way(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """At this process's first ``hvd.init()``: True if the survivors started the newcomers early.
-
-    False at a later ``init()`` (a reset), at the job's first start, for a
-    newcomer of a plain reset and outside an elastic ``horovodrun``.
-    """
-    global _first_init_done
-    env = os.environ if environ is None else environ
-    url = store_url(env)
-    if _first_init_done or url is None or not env.get("HOROVOD_HOSTNAME") or "HOROVOD_RANK" not in env:
-        return False
-    _first_init_done = True
-    try:
-        return _get(f"{url}/{SCOPE}/{MARKER}") is not None
-    except OSError as exc:
-        logger.warning("could not reach the rendezvous server (%s); starting as launched", exc)
-        return False
-
-
-def start_solo(init: Callable[[], Any], environ: Optional[MutableMapping[str, str]] = None) -> None:
-    """Runs Horovod's ``init`` as a world of one, so that the script builds its model before it joins.
-
-    Horovod's rank, size and local rank still answer what the newcomer was
-    launched with (:func:`install` wraps them), and the global process set
-    holds every launched rank, so ``DistributedOptimizer`` registers its
-    hooks. :func:`join` later makes it a member of the real world.
-    """
-    global _launch
-    env = os.environ if environ is None else environ
-    launch = {k: env[k] for k in SLOT_VARIABLES + RENDEZVOUS_VARIABLES if k in env}
-    env.update(SOLO)
-    for name in RENDEZVOUS_VARIABLES:  # no rendezvous server: Gloo's in-memory store
-        env.pop(name, None)
-    try:
-        init()
-    finally:
-        for name in SLOT_VARIABLES + RENDEZVOUS_VARIABLES:
-            env.pop(name, None)
-        env.update(launch)
-    _launch = launch
-    from horovod.common.process_sets import global_process_set
-    global_process_set.ranks = list(range(int(launch["HOROVOD_SIZE"])))
-
-
-def join(binding: Any, environ: Optional[Mapping[str, str]] = None) -> bool:
-    """At ``@elastic_ext.run``, the model built: a newcomer running solo announces itself and joins.
-
-    It writes its rank under :data:`SCOPE` and re-initialises Horovod
-    (``binding.reset()``): Horovod's reset asks for this slot's rank, which
-    waits until the survivors reset too. Returns False if not running solo.
-    """
-    global _launch
-    if _launch is None:
-        return False
-    launch, _launch = _launch, None  # from here on, Horovod's own answers
-    url = store_url(os.environ if environ is None else environ)
-    try:
-        if not keeper.restarts():  # only the newcomers of an early start are waited for
-            _put(f"{url}/{SCOPE}/{int(launch['HOROVOD_RANK'])}")
-    except (OSError, ValueError) as exc:
-        logger.warning("could not announce this newcomer (%s); the survivors reset after their timeout", exc)
-    binding.reset()
-    return True
-
-
-def _wrap_query(name: str, original: Callable[[Any], int]) -> Callable[[Any], int]:
-    @functools.wraps(original)
-    def query(self: Any) -> int:
-        if _launch is not None:
-            return int(_launch[QUERIES[name]])
-        return original(self)
-
-    return query
-
-
-def install(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """Wraps Horovod's ``init`` (see the module docstring) and its rank and size queries (:func:`start_solo`).
-
-    Patches ``HorovodBasics``, which Horovod's own code calls through, and
-    what the already imported ``horovod`` modules bound from it (``hvd.rank``
-    is one). Only in workers of an elastic ``horovodrun``; returns True if
-    installed.
-    """
-    if store_url(environ) is None:
-        return False
-    try:
-        from horovod.common import basics
-    except ImportError:
-        return False
-    cls = basics.HorovodBasics
-    original = cls.init
-    if getattr(original, "elastic_ext_wraps", None) is not None:
-        return True
-
-    @functools.wraps(original)
-    def init(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # A worker its keeper restarted starts solo too, and asks for a rank at @elastic_ext.runtime.run.
-        global _first_init_done
-        reset = _first_init_done
-        restarted = keeper.restarts() > 0 and not reset
-        solo = early_start_under_way() or restarted
-        _first_init_done = True
-        keeper.enter_init()
-        # A restartable worker stops waiting for a peer that died (under python -m elastic_ext.launch.horovodrun).
-        stop_watch = round_watch.watch(reset, keeper.lost_round) if keeper.active() and not solo else None
-        try:
-            result = start_solo(lambda: original(self, *args, **kwargs)) if solo else original(self, *args, **kwargs)
-        except BaseException:
-            keeper.leave_init(joined=False)
-            raise
-        finally:
-            if stop_watch is not None:
-                stop_watch()
-        keeper.leave_init(joined=not solo)
-        return result
-
-    init.elastic_ext_wraps = original  # type: ignore[attr-defined]
-    replaced = {original: init}
-    cls.init = init
-    for name in QUERIES:
-        query = getattr(cls, name)
-        replaced[query] = _wrap_query(name, query)
-        setattr(cls, name, replaced[query])
-    for module_name, module in list(sys.modules.items()):
-        if module_name.split(".")[0] != "horovod":
-            continue
-        for name in ("init", *QUERIES):
-            bound = getattr(module, name, None)
-            if isinstance(bound, types.MethodType) and bound.__func__ in replaced:
-                setattr(module, name, types.MethodType(replaced[bound.__func__], bound.__self__))
-    return True
-
-
-# ------------------------------------------------------------ survivor side
 
 
 def parse_slot(text: bytes) -> Tuple[int, int]:
@@ -292,20 +141,20 @@ class Prestart:
     def _run(self) -> None:
         try:
             # Blocks until every current rank asked (they all start at the same commit).
-            answer = _get(f"{self.url}/{RANK_SCOPE}/{self.host}:{self.local_rank}", timeout_s=None)
+            answer = get(f"{self.url}/{RANK_SCOPE}/{self.host}:{self.local_rank}", timeout_s=None)
             if answer is None:
                 raise ValueError("no rank_and_size answer")
             self.next_rank, self.next_size = parse_slot(answer)
             if self.next_rank < 0:
                 self.finish("removed")
                 return
-            _put(f"{self.url}/{SCOPE}/{MARKER}")  # before any newcomer's init: Python starts in seconds
-            _put(f"{self.url}/{SCOPE}/{self.next_rank}")
+            put(f"{self.url}/{SCOPE}/{MARKER}")  # before any newcomer's init: Python starts in seconds
+            put(f"{self.url}/{SCOPE}/{self.next_rank}")
             if not self.poll:
                 return
             missing = set(range(self.next_size))
             while missing and not self._cancelled.is_set() and not self._ready.is_set():
-                missing = {rank for rank in missing if _get(f"{self.url}/{SCOPE}/{rank}") is None}
+                missing = {rank for rank in missing if get(f"{self.url}/{SCOPE}/{rank}") is None}
                 if missing:
                     time.sleep(POLL_S)
             if not missing:
@@ -313,3 +162,15 @@ class Prestart:
         except (OSError, ValueError) as exc:
             logger.warning("starting the newcomers early failed (%s); the next commit resets the job", exc)
             self.finish(f"error: {exc}")
+
+
+def early_start_factory(binding: Any, timeout_s: float) -> Optional[Callable[[], Optional[Prestart]]]:
+    """What ``run`` hands the State under an elastic ``horovodrun``: a new :class:`Prestart` per host addition.
+
+    None when the binding has no local rank (a test binding). Rank 0 polls
+    the store for the newcomers; ``timeout_s`` bounds the wait for them.
+    """
+    local_rank = getattr(binding, "local_rank", None)
+    if local_rank is None:
+        return None
+    return lambda: Prestart.from_env(local_rank(), poll=binding.rank() == 0, timeout_s=timeout_s)

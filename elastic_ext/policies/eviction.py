@@ -3,7 +3,7 @@
 :mod:`elastic_ext.policies.straggler` holds the rules (pure arithmetic); this module
 connects them to :class:`~elastic_ext.State`:
 
-- ``state.step_timer`` (a :class:`~elastic_ext.policies.straggler.StepTimer`) is what
+- ``state.step_timer`` (a :class:`~elastic_ext.policies.step_timer.StepTimer`) is what
   the training loop wraps around its own compute (forward, backward), not
   around what waits for the others::
 
@@ -40,7 +40,8 @@ import numpy as np
 from elastic_ext.data import partition
 from elastic_ext.discovery.static import read_exclude_file
 from elastic_ext.errors import ConfigError, DiscoveryInputError
-from elastic_ext.policies.straggler import StepTimer, StragglerPolicy, StragglerTracker, pack_slots, unpack_slots
+from elastic_ext.policies.step_timer import StepTimer, pack_slots, unpack_slots
+from elastic_ext.policies.straggler import StragglerPolicy, StragglerTracker
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ barrier, which needs the waiting survivors. Three mechanisms break that:
 
 And a worker told to go (SIGTERM) keeps training to its next commit, where
 every rank learns of it through the commit's host-update allreduce; the job
-then resizes without a rollback and the leaver exits (:func:`install_sigterm`).
+then resizes without a rollback and the leaver exits (:mod:`elastic_ext.runtime.sigterm`).
 That holds from ``import elastic_ext`` on, also while the job re-forms.
 """
 
@@ -53,130 +53,17 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
-from typing import Callable, ContextManager, Iterator, List, Optional
+from typing import Callable, List, Optional
 
-from elastic_ext.config import ElasticConfig, elastic_horovodrun
-from elastic_ext.errors import ConfigError
+from elastic_ext.config import ElasticConfig
+from elastic_ext.state.liveness import LIVENESS, Liveness
 
 logger = logging.getLogger(__name__)
 
-LEAVE_EXIT_CODE = 143  # 128 + SIGTERM: non-zero, so Horovod's driver shrinks instead of ending the job
 # A heartbeat tick this many periods late (and at least JUMP_MIN_S) means the
 # whole process was not running (suspended), not that training stalled.
 JUMP_FACTOR = 3.0
 JUMP_MIN_S = 2.0
-
-class Liveness:
-    """What the stall check and the SIGTERM handler know about one worker's training.
-
-    Progress (commit, ``record_step``, :meth:`progress`), open phases,
-    whether training runs now (inside ``@elastic_ext.run``'s function), and
-    whether the worker was asked to leave. One process-wide instance,
-    :data:`LIVENESS`, serves the public :func:`progress` and :func:`phase`;
-    :class:`~elastic_ext.State`, ``run`` and :class:`Watchdog` are handed it.
-    """
-
-    def __init__(self) -> None:
-        self.last_progress = time.monotonic()
-        self.first_step_pending = False  # no progress yet in this training span (compilation, warm-up)
-        self._phases: List[str] = []
-        self._phases_lock = threading.Lock()
-        self._leaving = threading.Event()
-        self._in_training = threading.Event()
-        self._leave_deadline: Optional[float] = None
-        self.leave_cause = "sigterm"
-
-    def progress(self) -> None:
-        """Marks that training moved forward."""
-        self.last_progress = time.monotonic()
-        self.first_step_pending = False
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Opens a long phase in which the stall check does not fire (see :func:`phase`)."""
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"phase name ({name!r}) must be a non-empty string")
-        with self._phases_lock:
-            self._phases.append(name)
-        self.progress()
-        try:
-            yield
-        finally:
-            with self._phases_lock:
-                # Remove this phase (the newest with that name): phases nest.
-                for i in range(len(self._phases) - 1, -1, -1):
-                    if self._phases[i] == name:
-                        del self._phases[i]
-                        break
-            self.progress()
-
-    def open_phases(self) -> List[str]:
-        """The phases open now, outermost first."""
-        with self._phases_lock:
-            return list(self._phases)
-
-    @property
-    def in_training(self) -> bool:
-        """True inside ``@elastic_ext.run``'s training function."""
-        return self._in_training.is_set()
-
-    @contextmanager
-    def training(self) -> Iterator[None]:
-        """The span in which SIGTERM means "leave" and the stall check applies."""
-        self.progress()
-        self.first_step_pending = True  # the first step may compile: first_step_timeout_s applies
-        self._in_training.set()
-        try:
-            yield
-        finally:
-            self._in_training.clear()
-
-    def leaving(self) -> bool:
-        """True once this worker was asked to leave (SIGTERM) and has not left yet."""
-        return self._leaving.is_set()
-
-    def ask_to_leave(self, grace_s: float, cause: str = "sigterm") -> None:
-        """Records a request to leave at the next commit, within ``grace_s`` (``cause``: for the event)."""
-        self._leave_deadline = time.monotonic() + grace_s
-        self.leave_cause = cause
-        self._leaving.set()
-
-    def leave_time_left(self) -> Optional[float]:
-        """Seconds left of the grace period since the request to leave, or None without one."""
-        if self._leave_deadline is None:
-            return None
-        return max(0.0, self._leave_deadline - time.monotonic())
-
-
-LIVENESS = Liveness()  # this process's, behind the public progress() and phase()
-
-
-def progress() -> None:
-    """Marks that training moved forward (called by commit and ``record_step``).
-
-    Call it from a long loop of your own (e.g. every evaluation batch) so
-    that the stall check sees a healthy worker.
-    """
-    LIVENESS.progress()
-
-
-def phase(name: str) -> ContextManager[None]:
-    """Opens a long phase in which the stall check does not fire.
-
-    ``with elastic_ext.phase("eval"): evaluate()`` (or ``state.phase``): an
-    evaluation pass, a rank-0-only validation or a user checkpoint may take
-    longer than ``stall_timeout_s``. The guardian still kills a worker that
-    stops beating (SIGSTOP, frozen with the GIL held), and peers waiting in
-    a collective are unaffected. Phases nest; leaving one counts as progress.
-    """
-    return LIVENESS.phase(name)
-
-
-def open_phases() -> List[str]:
-    """The phases open now in this process, outermost first."""
-    return LIVENESS.open_phases()
-
 
 def stall_verdict(idle_s: float, stall_timeout_s: float, first_step_timeout_s: float, first_step_pending: bool,
                   phases: List[str], in_training: bool, in_collective: bool) -> Optional[str]:
@@ -318,74 +205,3 @@ class Watchdog:
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
-# ------------------------------------------------------------------ SIGTERM
-
-def install_sigterm(config: ElasticConfig, liveness: Optional[Liveness] = None):
-    """Makes SIGTERM mean "leave at the next commit"; a second SIGTERM ends the process at once.
-
-    Wherever the first one lands: in a step, in the sync, or while Horovod
-    re-initialises. Dying there was worse for the job than staying: a
-    worker that dies while its round of Horovod's rendezvous is forming
-    leaves the round's other members waiting for it until the rendezvous
-    timeout, and then they all fail, which ends the job ("failure count ==
-    N", seen in the soak). A leave at the next commit is a resize without a
-    rollback. While the main thread is inside Horovod's native
-    re-initialisation the handler runs when it returns. ``term_grace_s``
-    bounds the stay: after it the process exits (LEAVE_EXIT_CODE) without
-    a commit. Only possible from the main thread; elsewhere this is a
-    no-op. Returns the previous handler (to restore with
-    :func:`restore_sigterm`), or None.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    live = liveness or LIVENESS
-
-    def handler(signum, frame):
-        if live.leaving():
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-        live.ask_to_leave(config.term_grace_s)
-        logger.warning("SIGTERM: leaving at the next commit (at most %.0fs from now)", config.term_grace_s)
-
-        def give_up():
-            logger.error("no commit within term_grace_s (%.0fs) after SIGTERM: exiting now", config.term_grace_s)
-            os._exit(LEAVE_EXIT_CODE)
-
-        timer = threading.Timer(config.term_grace_s, give_up)
-        timer.daemon = True
-        timer.start()
-
-    handler.elastic_ext_sigterm = True
-    return signal.signal(signal.SIGTERM, handler)
-
-
-def restore_sigterm(previous) -> None:
-    """Puts back the handler :func:`install_sigterm` replaced; the one installed at import becomes SIG_DFL.
-
-    After ``@elastic_ext.run`` returns there is no next commit to leave at.
-    """
-    if previous is None:
-        return
-    signal.signal(signal.SIGTERM, signal.SIG_DFL if getattr(previous, "elastic_ext_sigterm", False) else previous)
-
-
-def install_early_sigterm(environ=None, liveness: Optional[Liveness] = None):
-    """At ``import elastic_ext`` in a worker of an elastic ``horovodrun``: SIGTERM means leave, already.
-
-    A newcomer spends seconds between its import and ``@elastic_ext.run``
-    (building its model, in its first ``hvd.init()`` with the survivors):
-    killed by a SIGTERM there, it failed the round that was forming (see
-    :func:`install_sigterm`). Now the request is kept and honoured at its
-    first commit. Not installed over a handler of the script's own, outside
-    the main thread, or outside ``horovodrun``'s elastic mode. Returns the
-    previous handler, or None when not installed.
-    """
-    env = os.environ if environ is None else environ
-    if not elastic_horovodrun(env) or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return None
-    try:
-        config = ElasticConfig.from_env(env)
-    except ConfigError:
-        return None  # the State's own config raises it, with its message
-    return install_sigterm(config, liveness)

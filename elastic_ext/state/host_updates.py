@@ -20,13 +20,29 @@ from __future__ import annotations
 
 import dataclasses
 import queue
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Protocol, Tuple
 
 import numpy as np
 
 from elastic_ext.binding import Binding, allreduce_max_start
 from elastic_ext.errors import StateDivergenceError
-from elastic_ext.launch.prestart import Prestart
+
+
+class EarlyStart(Protocol):
+    """One rank's part in starting newcomers while training goes on (:class:`elastic_ext.launch.prestart.Prestart`).
+
+    A Protocol: the commit's collective only asks whether the newcomers are
+    there; how they are started is the launcher's business.
+    """
+
+    why: str                       # why it ended: "all_there", "removed", "timeout", ...
+    next_size: Optional[int]       # the next world's size, once the driver answered
+
+    def start(self) -> "EarlyStart": ...
+    def ready(self) -> bool: ...
+    def cancel(self) -> None: ...
+    def finish(self, why: str) -> None: ...
+    def waited_s(self) -> float: ...
 
 # Horovod's HostUpdateResult flags, repeated here so the core needs no Horovod import.
 HOSTS_REMOVED = 1
@@ -94,21 +110,22 @@ class HostUpdates:
     rank reads the same reduced vector at the same commit, so they still act
     together. A reset drops the one in flight (:meth:`clear`).
 
-    With ``prestart`` (a factory of :class:`~elastic_ext.launch.prestart.Prestart`,
-    None where there is no elastic ``horovodrun``) a pure host addition
+    With ``prestart`` (a factory of :class:`EarlyStart`, which ``run`` sets
+    under an elastic ``horovodrun``; its answer is None where it cannot
+    start newcomers early) a pure host addition
     starts the newcomers while training goes on; the resize comes at the
     first commit that agrees they are all waiting. A removal or a leave
     meanwhile resizes at once, with the newcomers.
     """
 
     def __init__(self, overlap: bool = False,
-                 prestart: Optional[Callable[[], Optional[Prestart]]] = None) -> None:
+                 prestart: Optional[Callable[[], Optional[EarlyStart]]] = None) -> None:
         self._messages: "queue.Queue[Tuple[int, int]]" = queue.Queue()
         self.last_timestamp = 0
         self.overlap = overlap
-        self._prestart_factory = prestart
-        self.prestart: Optional[Prestart] = None   # the early start under way
-        self.joined: Optional[Prestart] = None     # the one that ended at the last resize
+        self.prestart_factory = prestart
+        self.prestart: Optional[EarlyStart] = None   # the early start under way
+        self.joined: Optional[EarlyStart] = None     # the one that ended at the last resize
         # (wait for the result, the commit id it agrees, whether it carries extra)
         self._in_flight: Optional[Tuple[Callable[[], np.ndarray], int, bool]] = None
         self._settled: Optional[Tuple[np.ndarray, int, bool]] = None  # its result, once waited for
@@ -193,7 +210,7 @@ class HostUpdates:
         return (agreed.removed or agreed.leaving) and not agreed.added, agreed.extra
 
     def _start_prestart(self) -> bool:
-        prestart = self._prestart_factory() if self._prestart_factory is not None else None
+        prestart = self.prestart_factory() if self.prestart_factory is not None else None
         if prestart is None:
             return False
         self.prestart, self.joined = prestart.start(), None

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, ContextManager, Dict, FrozenSet, Iterable, Optional
+from typing import Any, ContextManager, Dict, FrozenSet, Iterable, Optional
 
 from elastic_ext.state import sync as _sync
 from elastic_ext.state.adapters import Adapter
@@ -35,22 +35,24 @@ from elastic_ext.binding import Binding, get_binding, guess_framework
 from elastic_ext.state.buffers import CommitBuffers
 from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import NotCommittedError, StateError
-from elastic_ext.events import COMMIT, NEWCOMERS_JOINED, PRESTART, STRAGGLER, EventLog
-from elastic_ext.policies.eviction import StragglerWatch, host_name
+from elastic_ext.events import COMMIT, EventLog
+from elastic_ext.policies.eviction import StragglerWatch
+from elastic_ext.state.durable import DurableCommits
 from elastic_ext.state.host_updates import HostUpdates
-from elastic_ext.launch.prestart import Prestart
+from elastic_ext.state.listener import HorovodListener
 from elastic_ext.policies import numeric_rollback as _numeric
 from elastic_ext.policies.guard import NumericGuard, Verdict
-from elastic_ext.runtime.run import RollbackRecord
+from elastic_ext.state.records import CommitRecord, RollbackRecord
 from elastic_ext.data.sampler import ElasticPartitioner
-from elastic_ext.policies.straggler import StepTimer, StragglerPolicy
+from elastic_ext.policies.step_timer import StepTimer
+from elastic_ext.policies.straggler import StragglerPolicy
 from elastic_ext.state.tracked import Tracked
-from elastic_ext.runtime.watchdog import LIVENESS
+from elastic_ext.state.liveness import LIVENESS
 
 logger = logging.getLogger(__name__)
 
 
-class State:
+class State(HorovodListener, DurableCommits):
     """Committed state of a training job, for PyTorch or TensorFlow.
 
     Every keyword argument becomes an attribute (``state.model``,
@@ -107,10 +109,9 @@ class State:
             binding = get_binding(framework or (frameworks[0] if frameworks else guess_framework()))
         s(self, "_binding", binding)
         s(self, "_buffers", CommitBuffers(self._config.commit_buffers))
-        s(self, "_record", _sync.CommitRecord())
+        s(self, "_record", CommitRecord())
         s(self, "_commit_time", None)
-        s(self, "_hosts", HostUpdates(overlap=self._config.overlap_commit,
-                                      prestart=self._new_prestart if self._config.prestart_newcomers else None))
+        s(self, "_hosts", HostUpdates(overlap=self._config.overlap_commit))
         s(self, "_reset_callbacks", [])
         s(self, "_rollbacks", RollbackRecord())
         s(self, "_events", EventLog(self._config.events_path, binding.rank, binding.size))
@@ -176,7 +177,9 @@ class State:
         """Judges a step on every rank together; a bad one raises ``NumericFaultError``, which ``run``
         turns into a rollback that skips the step's samples. Call it after the gradient allreduce, before
         the weights change and before ``commit()`` (see :func:`elastic_ext.policies.numeric_rollback.guard_step`)."""
-        return _numeric.guard_step(self, loss, grads, samples, step)
+        objects = self._tracked.objects
+        samplers = (name for name in self._tracked.synced(objects) if isinstance(objects[name], ElasticPartitioner))
+        return _numeric.guard_step(self._guard, self._binding, objects, samplers, loss, grads, samples, step)
     # What tests inspect: the last commit's entries, and the adapter found per name.
     _entries = property(lambda self: self._buffers.entries)
     _adapter_of = property(lambda self: self._tracked._adapter_of)
@@ -191,7 +194,7 @@ class State:
         self._tracked.register(adapter)
 
     def phase(self, name: str) -> ContextManager[None]:
-        """``with state.phase("eval"):`` a long phase the stall check does not count (see watchdog.phase)."""
+        """``with state.phase("eval"):`` a long phase the stall check does not count (see :func:`elastic_ext.phase`)."""
         return self._liveness.phase(name)
 
     # ------------------------------------------------- commit, restore, sync
@@ -278,122 +281,6 @@ class State:
         party = _sync.Party(self._binding, self._tracked, self._buffers, self._record, self._hosts,
                             self._rollbacks, self._events, self._checkpointer)
         _sync.sync(party, self._config.verify_sync)
-
-    def verify(self) -> None:
-        """The same as :meth:`sync` (kept for callers of the old name)."""
-        self.sync()
-
-    # --------------------------------------------------- durable checkpoints
-
-    def wait_for_checkpoint(self, timeout_s: Optional[float] = None) -> Optional[int]:
-        """Waits (at most ``timeout_s``) for the running checkpoint write; returns the
-        newest commit id this process wrote or resumed from, or None.
-
-        Call it before the script exits to make the last checkpoint durable.
-        A no-op without ``checkpoint_dir`` and on ranks that do not write.
-        """
-        if self._checkpointer is None:
-            return None
-        self._checkpointer.wait(timeout_s)
-        return self._checkpointer.last_written
-
-    def checkpoint_now(self) -> None:
-        """Rank 0 starts writing the agreed commit even if it is not due (a leave, a resize).
-
-        A no-op without ``checkpoint_dir``, on other ranks, and if this commit
-        is written already. Pair with :meth:`wait_for_checkpoint` before exiting.
-        """
-        if self._buffers.entries is not None:
-            self._checkpoint_commit(force=True)
-
-    def _checkpoint_commit(self, force: bool = False) -> None:
-        """Rank 0 hands the agreed commit's synced buffers to the background writer."""
-        writer = self._checkpointer
-        if writer is None or self._safe_rank() != 0 or not (force or writer.due(self.commit_id)):
-            return
-        names = self._tracked.synced(self._buffers.entries)
-        info = {"world_size": self._binding.size(), "written_by_rank": 0, "generation": self.generation,
-                "commit_time": self._commit_time, "data_cursor": self._tracked.cursors(self._buffers.entries),
-                "adapters": {name: self._tracked.adapter(name).name for name in names}}
-        writer.on_commit(self.commit_id, names, info, force=force)
-
-    # --------------------------------------------- Horovod listener interface
-
-    def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
-        """Callbacks run after every reset (worker added or removed), e.g. to rescale the LR."""
-        self._reset_callbacks.extend(callbacks)
-
-    def on_reset(self) -> None:
-        self._hosts.clear()
-        self._straggler.reset()
-        self.reset()
-        for callback in self._reset_callbacks:
-            callback()
-
-    def reset(self) -> None:
-        """Tells objects that track the world size (samplers) that it changed."""
-        for obj in self._tracked.objects.values():
-            hook = getattr(obj, "on_world_change", None)
-            if callable(hook):
-                hook()
-
-    def on_hosts_updated(self, timestamp: int, update_res: int) -> None:
-        """Called by Horovod's notification service (on the coordinator)."""
-        self._hosts.put(timestamp, update_res)
-
-    def host_update_pending(self) -> bool:
-        """True if Horovod has announced a host change this rank has not acted on yet."""
-        return self._hosts.pending()
-
-    def _new_prestart(self) -> Optional[Prestart]:
-        local_rank = getattr(self._binding, "local_rank", None)
-        if local_rank is None:
-            return None
-        timeout_s = self._config.rendezvous_timeout_s or 120.0
-        return Prestart.from_env(local_rank(), poll=self._binding.rank() == 0, timeout_s=timeout_s)
-
-    def _report_prestart(self, before: Optional[Prestart]) -> None:
-        hosts = self._hosts
-        if hosts.prestart is not None and hosts.prestart is not before:
-            self._events.emit(PRESTART, commit_id=self.commit_id)
-        if hosts.joined is not None and hosts.joined is before:
-            joined = hosts.joined
-            self._events.emit(NEWCOMERS_JOINED, commit_id=self.commit_id, why=joined.why,
-                              next_size=joined.next_size, waited_s=joined.waited_s())
-
-    def _removed_at_resize(self) -> bool:
-        """True when the early start that ends at this resize found this slot left out of the next world."""
-        joined = self._hosts.joined
-        return joined is not None and joined.why == "removed"
-
-    def check_host_updates(self) -> None:
-        """Raises ``HostsUpdatedInterrupt`` on every rank together if hosts changed or a rank leaves.
-
-        Raises:
-            StateDivergenceError: ranks hold different commit ids.
-        """
-        rank, size = self._binding.rank(), self._binding.size()
-        local_size = getattr(self._binding, "local_size", None)
-        slots = self._straggler.slots(rank, size, self._tracked.objects.values(),
-                                      local_size() if local_size is not None and self._straggler.enabled else 1)
-        before = self._hosts.prestart
-        skip_sync, reduced = self._hosts.agree(self._binding, self.commit_id, self._liveness.leaving(), slots)
-        self._report_prestart(before)
-        evicted = self._straggler.decide(reduced, size) if reduced is not None else None
-        if evicted is not None:
-            # Every rank decided alike: a removal at this commit, like a SIGTERM leave.
-            fields = evicted.fields()
-            if evicted.rank == rank:
-                host = host_name()
-                self._straggler.exclude(host)
-                fields["host"] = host
-                self._liveness.ask_to_leave(self._config.term_grace_s, cause="straggler")
-            self._events.emit(STRAGGLER, commit_id=self.commit_id, **fields)
-            skip_sync = True if skip_sync is None else skip_sync
-        if skip_sync is not None:
-            from horovod.common.exceptions import HostsUpdatedInterrupt
-            raise HostsUpdatedInterrupt(skip_sync)
-
 
 def reserved_names() -> FrozenSet[str]:
     """Names no tracked object may take: every public member of :class:`State`

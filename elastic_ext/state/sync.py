@@ -26,7 +26,7 @@ import dataclasses
 import json
 import time
 import zlib
-from typing import TYPE_CHECKING, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Protocol, Set, Tuple
 
 import numpy as np
 import xxhash
@@ -36,13 +36,24 @@ from elastic_ext.state.buffers import CommitBuffers
 from elastic_ext.errors import CheckpointError, StateDivergenceError
 from elastic_ext.events import SYNC, EventLog
 from elastic_ext.state.host_updates import HostUpdates
-from elastic_ext.runtime.run import RollbackRecord
+from elastic_ext.state.records import CommitRecord, RollbackRecord
 from elastic_ext.state.snapshot import Entry
 from elastic_ext.state.tracked import Tracked
 from elastic_ext.state.tree import describe_key
 
-if TYPE_CHECKING:
-    from elastic_ext.checkpoint import Checkpointer
+
+class Resumer(Protocol):
+    """What a fresh job's sync asks of the root's checkpoint writer (:class:`elastic_ext.checkpoint.Checkpointer`).
+
+    A Protocol rather than the class: the checkpoint package writes these
+    buffers and so sits on top of this one, which must not import it back.
+    """
+
+    def newest(self, synced: Set[str]) -> Tuple[Optional[Any], Optional[str]]:
+        """The newest valid checkpoint of these objects (entries, commit id, manifest, path), or (None, why)."""
+
+    def resumed(self, loaded: Any) -> None:
+        """Records that the job resumed from ``loaded``."""
 
 # Columns of the id table, one row per rank.
 ID, PARTICIPATED, GENERATION, DIGEST, FULL_DIGEST = range(5)
@@ -168,15 +179,6 @@ def arrays_of(name: str, arrays: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]
 
 
 @dataclasses.dataclass
-class CommitRecord:
-    """Where this rank stands: its last commit id, whether it went through a sync, the generation."""
-
-    commit_id: int = 0
-    participated: bool = False  # True once this process went through a sync
-    generation: int = 0         # +1 per sync, agreed by all ranks
-
-
-@dataclasses.dataclass
 class Party:
     """Everything of one rank that a sync reads and updates."""
 
@@ -187,7 +189,7 @@ class Party:
     hosts: HostUpdates
     rollbacks: RollbackRecord
     events: EventLog
-    checkpointer: Optional["Checkpointer"]
+    checkpointer: Optional[Resumer]
 
 
 def sync(party: Party, verify: bool) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator, List, Optional, Sized
+from typing import Any, Iterator, List, Sized
 
 import torch.utils.data
 

@@ -46,10 +46,10 @@ class Job:
         self.driver.start(num_proc, self._create_worker)
 
     def rank_and_size(self, host, local_rank):
-        return prestart.parse_slot(prestart._get(f"{self.url}/rank_and_size/{host}:{local_rank}", timeout_s=30))
+        return prestart.parse_slot(prestart.get(f"{self.url}/rank_and_size/{host}:{local_rank}", timeout_s=30))
 
     def store(self, key):
-        return prestart._get(f"{self.url}/{round_watch.SCOPE}/{key}")
+        return prestart.get(f"{self.url}/{round_watch.SCOPE}/{key}")
 
     def stop(self):
         self.finish.set()

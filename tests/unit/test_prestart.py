@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from elastic_ext.launch import prestart
+from elastic_ext.launch import newcomer, prestart
 from elastic_ext.state.host_updates import HOSTS_ADDED, HOSTS_REMOVED, HostUpdates, agreement_vector, read_agreement
 from elastic_ext.launch.prestart import Prestart, parse_slot
 
@@ -60,7 +60,7 @@ class Job:
 
     def rank_and_size(self, host, local_rank):
         """What hvd.init() asks: blocks until every worker of the round asked."""
-        return parse_slot(prestart._get(f"{self.url}/rank_and_size/{host}:{local_rank}", timeout_s=30))
+        return parse_slot(prestart.get(f"{self.url}/rank_and_size/{host}:{local_rank}", timeout_s=30))
 
     def stop(self):
         self.finish.set()
@@ -109,13 +109,13 @@ def test_horovods_driver_starts_newcomers_only_after_every_worker_asks_again(job
 def test_newcomers_start_and_announce_while_the_survivors_have_not_reset(job):
     newcomer_ranks = []
 
-    def newcomer(slot_info):  # a newcomer: announce itself (model built), then its reset asks for its rank
+    def new_worker(slot_info):  # a newcomer: announce itself (model built), then its reset asks for its rank
         def body():
-            prestart._put(f"{job.url}/{prestart.SCOPE}/{slot_info.rank}")
+            prestart.put(f"{job.url}/{prestart.SCOPE}/{slot_info.rank}")
             newcomer_ranks.append(job.rank_and_size(slot_info.hostname, slot_info.local_rank))
         threading.Thread(target=body, daemon=True).start()
 
-    job.newcomer = newcomer
+    job.newcomer = new_worker
     job.discovery.hosts["host-b"] = 2
     time.sleep(1.5)
     survivors = [Prestart(job.url, "host-a", lr, poll=(lr == 0), timeout_s=60).start() for lr in (0, 1)]
@@ -136,7 +136,7 @@ def test_newcomers_start_and_announce_while_the_survivors_have_not_reset(job):
 
 
 def test_a_survivor_whose_slot_goes_away_learns_it_at_once(job):
-    job.newcomer = lambda slot_info: prestart._put(f"{job.url}/{prestart.SCOPE}/{slot_info.rank}")
+    job.newcomer = lambda slot_info: prestart.put(f"{job.url}/{prestart.SCOPE}/{slot_info.rank}")
     job.discovery.hosts = {"host-a": 1, "host-b": 2}  # host-a shrinks while host-b comes
     time.sleep(1.5)
     survivors = [Prestart(job.url, "host-a", lr, poll=(lr == 0), timeout_s=60).start() for lr in (0, 1)]
@@ -160,13 +160,13 @@ def solo_state(monkeypatch):
     """Puts back what a newcomer's start changes in this process."""
     from horovod.common.process_sets import global_process_set
     monkeypatch.setattr(global_process_set, "ranks", global_process_set.ranks)
-    monkeypatch.setattr(prestart, "_first_init_done", False)
-    monkeypatch.setattr(prestart, "_launch", None)
+    monkeypatch.setattr(newcomer, "_first_init_done", False)
+    monkeypatch.setattr(newcomer, "_launch", None)
 
 
 def test_without_an_early_start_a_first_init_starts_as_launched(job, solo_state):
     env = newcomer_env(job, 2, "host-b", 0)
-    assert prestart.early_start_under_way(env) is False  # a job's start: no marker in the store
+    assert newcomer.early_start_under_way(env) is False  # a job's start: no marker in the store
 
 
 class ResettingBinding:
@@ -183,18 +183,18 @@ def test_a_newcomer_builds_its_model_solo_then_joins_the_survivors_reset(job, so
     from horovod.common.process_sets import global_process_set
     seen, bindings = {}, {}
 
-    def newcomer(slot_info):
+    def new_worker(slot_info):
         time.sleep(0.5)  # a process starts Python and imports the framework first (seconds, in a real job)
         env = newcomer_env(job, slot_info.rank, slot_info.hostname, slot_info.local_rank)
-        assert prestart.early_start_under_way(env) is True
-        prestart.start_solo(lambda: seen.update(init_env=dict(env)), env)  # Horovod's init, as a world of one
+        assert newcomer.early_start_under_way(env) is True
+        newcomer.start_solo(lambda: seen.update(init_env=dict(env)), env)  # Horovod's init, as a world of one
         seen.update(after=dict(env), ranks=list(global_process_set.ranks))
         time.sleep(1.0)  # builds its model: the survivors go on training and do not see it yet
-        seen["ready_before_join"] = prestart._get(f"{job.url}/{prestart.SCOPE}/{slot_info.rank}")
+        seen["ready_before_join"] = prestart.get(f"{job.url}/{prestart.SCOPE}/{slot_info.rank}")
         bindings[slot_info.rank] = ResettingBinding(job, env)
-        assert prestart.join(bindings[slot_info.rank], env) is True
+        assert newcomer.join(bindings[slot_info.rank], env) is True
 
-    job.newcomer = lambda slot_info: threading.Thread(target=newcomer, args=(slot_info,), daemon=True).start()
+    job.newcomer = lambda slot_info: threading.Thread(target=new_worker, args=(slot_info,), daemon=True).start()
     job.discovery.hosts["host-b"] = 1
     time.sleep(1.5)
     survivors = [Prestart(job.url, "host-a", lr, poll=(lr == 0), timeout_s=60).start() for lr in (0, 1)]
@@ -210,21 +210,21 @@ def test_a_newcomer_builds_its_model_solo_then_joins_the_survivors_reset(job, so
     assert sorted(ranks) == [(0, 3), (1, 3)]
     assert wait_for(lambda: 2 in bindings and bindings[2].answer is not None)
     assert bindings[2].answer == (2, 3)  # the newcomer's reset met the survivors' in one round
-    assert prestart.join(bindings[2]) is False  # joined once
+    assert newcomer.join(bindings[2]) is False  # joined once
 
 
 def test_while_solo_horovods_queries_answer_the_launch_values(monkeypatch, solo_state):
     import horovod.torch as hvd
     from horovod.common import basics
-    for name in ("init", *prestart.QUERIES):  # put Horovod back afterwards
+    for name in ("init", *newcomer.QUERIES):  # put Horovod back afterwards
         monkeypatch.setattr(basics.HorovodBasics, name, getattr(basics.HorovodBasics, name))
         monkeypatch.setattr(hvd, name, getattr(hvd, name))
     env = {"HOROVOD_ELASTIC": "1", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1", "HOROVOD_GLOO_RENDEZVOUS_PORT": "1"}
-    assert prestart.install(env) and prestart.install(env)  # once only
-    monkeypatch.setattr(prestart, "_launch", dict(zip(prestart.SLOT_VARIABLES, ("5", "8", "1", "2", "2", "4"))))
+    assert newcomer.install(env) and newcomer.install(env)  # once only
+    monkeypatch.setattr(newcomer, "_launch", dict(zip(newcomer.SLOT_VARIABLES, ("5", "8", "1", "2", "2", "4"))))
     assert (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()) \
         == (5, 8, 1, 2, 2, 4)
-    monkeypatch.setattr(prestart, "_launch", None)
+    monkeypatch.setattr(newcomer, "_launch", None)
     with pytest.raises(ValueError, match="not been initialized"):
         hvd.rank()  # after joining, Horovod's own answer (here: not initialised)
 
@@ -232,7 +232,7 @@ def test_while_solo_horovods_queries_answer_the_launch_values(monkeypatch, solo_
 def test_install_does_nothing_outside_an_elastic_horovodrun():
     from horovod.common import basics
     before = basics.HorovodBasics.init
-    assert prestart.install({"HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1"}) is False
+    assert newcomer.install({"HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1"}) is False
     assert basics.HorovodBasics.init is before
 
 

@@ -218,7 +218,7 @@ def test_survivors_and_a_newcomer_meet_in_the_same_first_collective():
     survivor.commit()
     survivor._binding = solo
     newcomer = State(binding=world.binding(1), config=ElasticConfig(), model=newcomer_model, step=0)
-    results = world.run(lambda r: survivor.verify() if r == 0 else newcomer.sync())
+    results = world.run(lambda r: survivor.sync() if r == 0 else newcomer.sync())
     assert not any(isinstance(r, BaseException) for r in results), results
     assert newcomer.step == 4 and newcomer.commit_id == survivor.commit_id == 1
     assert newcomer.generation == survivor.generation
@@ -309,7 +309,7 @@ def test_path_key_is_injective_and_parses_back(a, b):
 def test_every_public_member_of_state_is_a_reserved_name():
     public = {name for name in dir(State) if not name.startswith("_")}
     assert public <= reserved_names()
-    assert {"generation", "verify", "rollbacks", "host_update_pending", "seconds_since_commit",
+    assert {"generation", "checkpoint_now", "rollbacks", "host_update_pending", "seconds_since_commit",
             "register_adapter", "per_rank"} <= reserved_names()
     keywords = {"framework", "binding", "adapters", "config", "per_rank", "guard"}  # never reach **objects
     for name in sorted(public - keywords):

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from elastic_ext.errors import ConfigError, PartitionError
-from elastic_ext.policies.straggler import (Eviction, StepTimer, StragglerPolicy, StragglerTracker, pack_slots, ratios,
-                                   shares, unpack_slots)
+from elastic_ext.policies.step_timer import StepTimer, pack_slots, unpack_slots
+from elastic_ext.policies.straggler import Eviction, StragglerPolicy, StragglerTracker, ratios, shares
 
 BASE_S = 0.1  # a normal step's compute time in these tables (numbers only: nothing sleeps)
 

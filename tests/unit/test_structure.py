@@ -1,12 +1,21 @@
-"""The package's import structure: no circle, and a framework-free core.
+"""The package's import structure: no circle, the layer rule, and a framework-free core.
 
 The graph is read from the source, not from a running import, so an import
 inside a function counts as much as one at the top of a module: a circle
 through a function-level import is still two modules that cannot be
 understood (or moved) one without the other. Imports under
-``if TYPE_CHECKING:`` never run and are left out. Importing ``a.b.c`` also
-runs the ``__init__`` of ``a`` and ``a.b``; those implicit edges are left out
-too, since every submodule would otherwise close a circle with its package.
+``if TYPE_CHECKING:`` count too: a type names a dependency as much as a call
+does. Importing ``a.b.c`` also runs the ``__init__`` of ``a`` and ``a.b``;
+those implicit edges are left out, since every submodule would otherwise
+close a circle with its package.
+
+The layer rule (``docs/architecture.md`` draws it): the leaves (``config``,
+``errors``, ``events``, ``binding``) import nothing above them; ``data/`` and
+``discovery/`` only the leaves; ``policies/`` also ``data/`` and
+``discovery/``; ``state/`` and ``checkpoint/`` never ``runtime/`` nor
+``launch/``; ``launch/`` nothing of the worker's training side; no module
+imports the public face (``elastic_ext`` itself) or ``testing/``, except
+``testing/``; and only ``launch/`` touches Horovod's private modules.
 """
 
 import ast
@@ -36,25 +45,9 @@ def module_files() -> Dict[str, str]:
     return found
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def _import_nodes(tree: ast.AST) -> List[ast.stmt]:
-    """Every import statement at any depth, except under ``if TYPE_CHECKING:``."""
-    found: List[ast.stmt] = []
-    pending = [tree]
-    while pending:
-        node = pending.pop()
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            found.append(node)
-        children = list(ast.iter_child_nodes(node))
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            children = list(node.orelse)
-        pending.extend(children)
-    return found
+    """Every import statement at any depth, ``if TYPE_CHECKING:`` blocks included."""
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
 
 
 def _known(name: str, modules: Set[str]) -> Optional[str]:
@@ -159,6 +152,97 @@ def test_no_import_circle():
     assert not cycles, "import circles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
 
 
+LEAVES = {"elastic_ext.config", "elastic_ext.errors", "elastic_ext.events", "elastic_ext.binding"}
+# room -> the rooms it may import (besides itself and the leaves); None: any room but the forbidden ones.
+MAY_IMPORT = {
+    "leaves": set(),
+    "data": set(),
+    "discovery": set(),
+    "policies": {"data", "discovery"},
+    "state": {"data", "discovery", "policies", "checkpoint"},
+    "checkpoint": {"state"},
+    "launch": set(),
+    "runtime": {"data", "discovery", "policies", "state", "checkpoint", "launch"},
+    "torch": {"data", "policies", "state"},
+    "tensorflow": {"data", "policies", "state"},
+    "testing": {"data", "policies", "state", "checkpoint", "launch", "runtime", "public"},
+    "public": {"data", "discovery", "policies", "state", "checkpoint", "launch", "runtime"},
+}
+
+
+def room(module: str) -> str:
+    """The subpackage a module lives in (``leaves`` for the top-level leaves, ``public`` for ``elastic_ext``)."""
+    if module == PACKAGE:
+        return "public"
+    if module in LEAVES:
+        return "leaves"
+    parts = module.split(".")
+    if len(parts) < 2 or parts[1] not in MAY_IMPORT:
+        raise AssertionError(f"{module} is in no room of the layer rule {sorted(MAY_IMPORT)}: give it one")
+    return parts[1]
+
+
+def layer_violations(graph: Dict[str, Set[str]]) -> List[str]:
+    """``a imports b`` for every edge the layer rule forbids."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        own = room(module)
+        for target in sorted(targets):
+            other = room(target)
+            if other not in (own, "leaves") and other not in MAY_IMPORT[own]:
+                found.append(f"{module} ({own}) imports {target} ({other})")
+    return found
+
+
+def test_every_module_of_the_package_is_in_a_room_and_at_most_8_stay_at_the_top():
+    modules = sorted(import_graph())
+    rooms = {module: room(module) for module in modules}
+    top = [m for m in modules if m.count(".") == 1 and not os.path.isdir(os.path.join(REPO, *m.split(".")))]
+    assert len(top) + 1 <= 8, f"{len(top)} modules beside __init__.py at the top of elastic_ext: {top}"
+    assert {"state", "runtime", "launch", "data", "policies"} <= set(rooms.values()), rooms
+
+
+def test_the_layer_rule_holds():
+    violations = layer_violations(import_graph())
+    assert not violations, "edges against the layer rule:\n" + "\n".join(violations)
+
+
+def test_the_layer_rule_catches_an_edge_up():
+    assert layer_violations({"elastic_ext.state.sync": {"elastic_ext.runtime.run"}}) == [
+        "elastic_ext.state.sync (state) imports elastic_ext.runtime.run (runtime)"]
+    assert layer_violations({"elastic_ext.data.sampler": {"elastic_ext.binding"}}) == []
+
+
+# Horovod's documented API; anything else of Horovod (its runner, basics, process sets) is private.
+HOROVOD_PUBLIC = ("horovod.torch", "horovod.tensorflow", "horovod.common.exceptions", "horovod.common.elastic")
+
+
+def horovod_imports() -> Dict[str, Set[str]]:
+    """Module -> the Horovod modules it imports (top level, in functions, or for types)."""
+    found: Dict[str, Set[str]] = {}
+    for module, path in module_files().items():
+        with open(path, encoding="utf-8") as handle:
+            tree = ast.parse(handle.read(), path)
+        names = set()
+        for node in _import_nodes(tree):
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif node.module and not node.level:
+                names.update(f"{node.module}.{alias.name}" if node.module == "horovod.common" else node.module
+                             for alias in node.names)
+        found[module] = {name for name in names if name == "horovod" or name.startswith("horovod.")}
+    return found
+
+
+def test_only_launch_touches_horovods_private_modules():
+    imports = horovod_imports()
+    assert "horovod.runner.launch" in imports["elastic_ext.launch.horovodrun"], imports["elastic_ext.launch.horovodrun"]
+    offenders = [f"{module} imports {name}" for module, names in sorted(imports.items())
+                 if room(module) != "launch" for name in sorted(names)
+                 if not any(name == public or name.startswith(public + ".") for public in HOROVOD_PUBLIC)]
+    assert not offenders, f"Horovod's private modules outside launch/: {offenders}"
+
+
 def test_the_core_never_imports_a_framework_package():
     offenders = [f"{module} imports {target}"
                  for module, targets in sorted(import_graph().items())
@@ -184,7 +268,7 @@ def test_importing_the_core_imports_no_framework():
 def test_a_framework_in_the_process_brings_its_registered_adapters_and_rng():
     # The user imports torch and elastic_ext, never elastic_ext.torch.
     out = _run("import sys, torch, elastic_ext\n"
-               "from elastic_ext import adapters\n"
+               "from elastic_ext.state import adapters\n"
                "names = [a.name for a in adapters.adapter_table()]\n"
                "capture = adapters.GlobalRNGAdapter().capture(elastic_ext.GlobalRNG())\n"
                "print(names[:4], names[4:], sorted(capture.meta), 'elastic_ext.torch' in sys.modules)")
@@ -195,7 +279,8 @@ def test_a_framework_in_the_process_brings_its_registered_adapters_and_rng():
 
 def test_rng_state_of_a_framework_not_in_the_process_is_a_clear_error():
     out = _run("import random, numpy as np\n"
-               "from elastic_ext import GlobalRNG, StateError, adapters\n"
+               "from elastic_ext import GlobalRNG, StateError\n"
+               "from elastic_ext.state import adapters\n"
                "from elastic_ext.state.snapshot import Entry\n"
                "adapter = adapters.GlobalRNGAdapter()\n"
                "capture = adapter.capture(GlobalRNG())\n"

@@ -4,7 +4,8 @@ import threading
 
 import pytest
 
-from elastic_ext.runtime import watchdog
+from elastic_ext.runtime import sigterm, watchdog
+from elastic_ext.state import liveness
 
 
 def verdict(idle_s, *, stall=3.0, first=30.0, first_pending=False, phases=(), training=True, collective=False):
@@ -29,28 +30,28 @@ def test_the_first_step_has_its_own_limit():
 
 
 def test_phases_nest_and_close_on_error():
-    assert watchdog.open_phases() == []
-    with watchdog.phase("eval"):
-        with watchdog.phase("checkpoint"):
-            assert watchdog.open_phases() == ["eval", "checkpoint"]
-        assert watchdog.open_phases() == ["eval"]
+    assert liveness.open_phases() == []
+    with liveness.phase("eval"):
+        with liveness.phase("checkpoint"):
+            assert liveness.open_phases() == ["eval", "checkpoint"]
+        assert liveness.open_phases() == ["eval"]
     with pytest.raises(RuntimeError):
-        with watchdog.phase("eval"):
+        with liveness.phase("eval"):
             raise RuntimeError("boom")
-    assert watchdog.open_phases() == []
+    assert liveness.open_phases() == []
 
 
 def test_a_phase_needs_a_name():
     with pytest.raises(ValueError, match=r"phase name \(''\) must be a non-empty string"):
-        with watchdog.phase(""):
+        with liveness.phase(""):
             pass
 
 
 def test_leaving_a_phase_counts_as_progress():
-    watchdog.LIVENESS.last_progress = 0.0
-    with watchdog.phase("eval"):
+    liveness.LIVENESS.last_progress = 0.0
+    with liveness.phase("eval"):
         pass
-    assert watchdog.LIVENESS.last_progress > 0.0
+    assert liveness.LIVENESS.last_progress > 0.0
     assert threading.current_thread() is threading.main_thread()
 
 
@@ -58,7 +59,7 @@ def test_a_long_wait_in_a_collective_gives_a_fresh_stall_timeout_after_it():
     # A rank waits 9 s in an allreduce for a peer's evaluation, then needs a few
     # ms to reach its next record_step. A tick in those ms must not kill it.
     from elastic_ext.config import ElasticConfig
-    live = watchdog.Liveness()
+    live = liveness.Liveness()
     dog = watchdog.Watchdog(ElasticConfig(stall_timeout_s=3.0, hang_timeout_s=0), liveness=live)
     with live.training():
         live.progress()
@@ -73,7 +74,7 @@ def test_a_long_wait_in_a_collective_gives_a_fresh_stall_timeout_after_it():
 
 def test_run_sets_the_rendezvous_timeout_unless_the_user_did():
     from elastic_ext.config import ConfigError, ElasticConfig
-    from elastic_ext.runtime.run import rendezvous_timeout
+    from elastic_ext.launch.gloo_timeout import rendezvous_timeout
     env = {}
     assert rendezvous_timeout(ElasticConfig(), env) == "120" and env == {"HOROVOD_GLOO_TIMEOUT_SECONDS": "120"}
     env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": "45"}
@@ -90,15 +91,15 @@ def test_a_newcomers_first_init_waits_as_long_as_the_survivors_resets(monkeypatc
     30 s ("Wait timeout after 30 seconds") while the survivors waited 120 s for it."""
     import importlib
     from elastic_ext.config import ElasticConfig
-    run_module = importlib.import_module("elastic_ext.runtime.run")  # the package's name "run" is the decorator
-    monkeypatch.setattr(run_module, "_TIMEOUT_SET_AT_IMPORT", None)
+    timeouts = importlib.import_module("elastic_ext.launch.gloo_timeout")
+    monkeypatch.setattr(timeouts, "_TIMEOUT_SET_AT_IMPORT", None)
     env = {"HOROVOD_ELASTIC": "1", "ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S": "200"}
-    assert run_module.first_rendezvous_timeout(env) == "200" and env["HOROVOD_GLOO_TIMEOUT_SECONDS"] == "200"
+    assert timeouts.first_rendezvous_timeout(env) == "200" and env["HOROVOD_GLOO_TIMEOUT_SECONDS"] == "200"
     # A config given in code replaces what the import set; the user's own variable is never touched.
-    assert run_module.rendezvous_timeout(ElasticConfig(rendezvous_timeout_s=90), env) == "90"
-    assert run_module.first_rendezvous_timeout({"HOROVOD_ELASTIC": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "45"}) is None
-    assert run_module.first_rendezvous_timeout({}) is None  # not an elastic horovodrun worker
-    assert run_module.first_rendezvous_timeout({"HOROVOD_ELASTIC": "1", "ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S": "x"}) is None
+    assert timeouts.rendezvous_timeout(ElasticConfig(rendezvous_timeout_s=90), env) == "90"
+    assert timeouts.first_rendezvous_timeout({"HOROVOD_ELASTIC": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "45"}) is None
+    assert timeouts.first_rendezvous_timeout({}) is None  # not an elastic horovodrun worker
+    assert timeouts.first_rendezvous_timeout({"HOROVOD_ELASTIC": "1", "ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S": "x"}) is None
 
 
 def test_a_collective_failing_before_the_first_sync_is_survived(monkeypatch):
@@ -140,22 +141,23 @@ def test_a_collective_failing_before_the_first_sync_is_survived(monkeypatch):
 _SIGTERM_CHILD = r"""
 import os, signal, sys, time
 import elastic_ext
-from elastic_ext.runtime import watchdog
+from elastic_ext.runtime import sigterm, watchdog
+from elastic_ext.state import liveness
 case = sys.argv[1]
 if case == "in_run_outside_training":  # between two resets: not in training, inside run()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    watchdog.install_sigterm(elastic_ext.ElasticConfig(term_grace_s=float(sys.argv[2])))
+    sigterm.install_sigterm(elastic_ext.ElasticConfig(term_grace_s=float(sys.argv[2])))
 print("handler", getattr(signal.getsignal(signal.SIGTERM), "elastic_ext_sigterm", False), flush=True)
 os.kill(os.getpid(), signal.SIGTERM)
 time.sleep(0.2)
-print("alive", watchdog.LIVENESS.leaving(), watchdog.LIVENESS.in_training, flush=True)
+print("alive", liveness.LIVENESS.leaving(), liveness.LIVENESS.in_training, flush=True)
 if case == "twice":
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(5)
     print("survived a second SIGTERM", flush=True)
 elif case == "after_run":
-    previous = watchdog.install_sigterm(elastic_ext.ElasticConfig())
-    watchdog.restore_sigterm(previous)
+    previous = sigterm.install_sigterm(elastic_ext.ElasticConfig())
+    sigterm.restore_sigterm(previous)
     print("after run", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)
 else:
     time.sleep(30)  # no commit comes: term_grace_s ends it
@@ -211,8 +213,8 @@ def test_the_scripts_own_sigterm_handler_is_kept_at_import():
     import signal
     previous = signal.signal(signal.SIGTERM, lambda *a: None)
     try:
-        assert watchdog.install_early_sigterm({"HOROVOD_ELASTIC": "1"}) is None
+        assert sigterm.install_early_sigterm({"HOROVOD_ELASTIC": "1"}) is None
         assert not getattr(signal.getsignal(signal.SIGTERM), "elastic_ext_sigterm", False)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    assert watchdog.install_early_sigterm({"HOROVOD_ELASTIC": "1", "ELASTIC_EXT_TERM_GRACE_S": "x"}) is None
+    assert sigterm.install_early_sigterm({"HOROVOD_ELASTIC": "1", "ELASTIC_EXT_TERM_GRACE_S": "x"}) is None

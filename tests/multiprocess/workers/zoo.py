@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import elastic_ext  # noqa: E402
-from elastic_ext.runtime import watchdog  # noqa: E402
+from elastic_ext.state import liveness  # noqa: E402
 from elastic_ext.testing.ledger import Ledger  # noqa: E402
 from elastic_ext.testing import CommitFaultProbe, FaultSchedule, HostFileSchedule  # noqa: E402
 
@@ -74,7 +74,7 @@ def busy_wait(rank, step):
     deadline = time.monotonic() + float(seconds)
     while time.monotonic() < deadline:
         time.sleep(0.2)
-        watchdog.progress()
+        liveness.progress()
 
 
 def marking_progress(fn, *fn_args):
@@ -84,7 +84,7 @@ def marking_progress(fn, *fn_args):
 
     def beat():
         while not done.wait(0.2):
-            watchdog.progress()
+            liveness.progress()
 
     thread = threading.Thread(target=beat, daemon=True)
     thread.start()

@@ -1,0 +1,168 @@
+"""The newcomer's side of an early start: a world of one until ``@elastic_ext.run``, then the real one.
+
+:func:`install` wraps Horovod's ``hvd.init()`` and its rank and size
+queries. At this process's first ``init()``, when the survivors' marker is
+in the rendezvous server's store (:mod:`elastic_ext.launch.prestart`), the
+newcomer starts Horovod as a world of one (:func:`start_solo`) and builds
+its model; at ``@elastic_ext.run`` it announces itself and joins the
+survivors' next round (:func:`join`). A worker its keeper restarted starts
+solo the same way (:mod:`elastic_ext.launch.keeper`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+import types
+from typing import Any, Callable, Dict, Mapping, MutableMapping, Optional
+
+from elastic_ext.config import ENV_HOROVOD_RENDEZVOUS_ADDR, ENV_HOROVOD_RENDEZVOUS_PORT
+from elastic_ext.launch import keeper, round_watch
+from elastic_ext.launch import prestart
+from elastic_ext.launch.prestart import MARKER, SCOPE
+from elastic_ext.launch.round_watch import store_url
+
+logger = logging.getLogger(__name__)
+
+_first_init_done = False
+_launch: Optional[Dict[str, str]] = None  # while a newcomer runs solo: the environment it was launched with
+SLOT_VARIABLES = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+                  "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
+RENDEZVOUS_VARIABLES = (ENV_HOROVOD_RENDEZVOUS_ADDR, ENV_HOROVOD_RENDEZVOUS_PORT)
+QUERIES = dict(zip(("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size"), SLOT_VARIABLES))
+SOLO = dict(zip(SLOT_VARIABLES, ("0", "1", "0", "1", "0", "1")))
+
+
+def early_start_under_way(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """At this process's first ``hvd.init()``: True if the survivors started the newcomers early.
+
+    False at a later ``init()`` (a reset), at the job's first start, for a
+    newcomer of a plain reset and outside an elastic ``horovodrun``.
+    """
+    global _first_init_done
+    env = os.environ if environ is None else environ
+    url = store_url(env)
+    if _first_init_done or url is None or not env.get("HOROVOD_HOSTNAME") or "HOROVOD_RANK" not in env:
+        return False
+    _first_init_done = True
+    try:
+        return prestart.get(f"{url}/{SCOPE}/{MARKER}") is not None
+    except OSError as exc:
+        logger.warning("could not reach the rendezvous server (%s); starting as launched", exc)
+        return False
+
+
+def start_solo(init: Callable[[], Any], environ: Optional[MutableMapping[str, str]] = None) -> None:
+    """Runs Horovod's ``init`` as a world of one, so that the script builds its model before it joins.
+
+    Horovod's rank, size and local rank still answer what the newcomer was
+    launched with (:func:`install` wraps them), and the global process set
+    holds every launched rank, so ``DistributedOptimizer`` registers its
+    hooks. :func:`join` later makes it a member of the real world.
+    """
+    global _launch
+    env = os.environ if environ is None else environ
+    launch = {k: env[k] for k in SLOT_VARIABLES + RENDEZVOUS_VARIABLES if k in env}
+    env.update(SOLO)
+    for name in RENDEZVOUS_VARIABLES:  # no rendezvous server: Gloo's in-memory store
+        env.pop(name, None)
+    try:
+        init()
+    finally:
+        for name in SLOT_VARIABLES + RENDEZVOUS_VARIABLES:
+            env.pop(name, None)
+        env.update(launch)
+    _launch = launch
+    from horovod.common.process_sets import global_process_set
+    global_process_set.ranks = list(range(int(launch["HOROVOD_SIZE"])))
+
+
+def join(binding: Any, environ: Optional[Mapping[str, str]] = None) -> bool:
+    """At ``@elastic_ext.run``, the model built: a newcomer running solo announces itself and joins.
+
+    It writes its rank under :data:`SCOPE` and re-initialises Horovod
+    (``binding.reset()``): Horovod's reset asks for this slot's rank, which
+    waits until the survivors reset too. Returns False if not running solo.
+    """
+    global _launch
+    if _launch is None:
+        return False
+    launch, _launch = _launch, None  # from here on, Horovod's own answers
+    url = store_url(os.environ if environ is None else environ)
+    try:
+        if not keeper.restarts():  # only the newcomers of an early start are waited for
+            prestart.put(f"{url}/{SCOPE}/{int(launch['HOROVOD_RANK'])}")
+    except (OSError, ValueError) as exc:
+        logger.warning("could not announce this newcomer (%s); the survivors reset after their timeout", exc)
+    binding.reset()
+    return True
+
+
+def _wrap_query(name: str, original: Callable[[Any], int]) -> Callable[[Any], int]:
+    @functools.wraps(original)
+    def query(self: Any) -> int:
+        if _launch is not None:
+            return int(_launch[QUERIES[name]])
+        return original(self)
+
+    return query
+
+
+def install(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Wraps Horovod's ``init`` (see the module docstring) and its rank and size queries (:func:`start_solo`).
+
+    Patches ``HorovodBasics``, which Horovod's own code calls through, and
+    what the already imported ``horovod`` modules bound from it (``hvd.rank``
+    is one). Only in workers of an elastic ``horovodrun``; returns True if
+    installed.
+    """
+    if store_url(environ) is None:
+        return False
+    try:
+        from horovod.common import basics
+    except ImportError:
+        return False
+    cls = basics.HorovodBasics
+    original = cls.init
+    if getattr(original, "elastic_ext_wraps", None) is not None:
+        return True
+
+    @functools.wraps(original)
+    def init(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # A worker its keeper restarted starts solo too, and asks for a rank at @elastic_ext.run.
+        global _first_init_done
+        reset = _first_init_done
+        restarted = keeper.restarts() > 0 and not reset
+        solo = early_start_under_way() or restarted
+        _first_init_done = True
+        keeper.enter_init()
+        # A restartable worker stops waiting for a peer that died (under python -m elastic_ext.launch.horovodrun).
+        stop_watch = round_watch.watch(reset, keeper.lost_round) if keeper.active() and not solo else None
+        try:
+            result = start_solo(lambda: original(self, *args, **kwargs)) if solo else original(self, *args, **kwargs)
+        except BaseException:
+            keeper.leave_init(joined=False)
+            raise
+        finally:
+            if stop_watch is not None:
+                stop_watch()
+        keeper.leave_init(joined=not solo)
+        return result
+
+    init.elastic_ext_wraps = original  # type: ignore[attr-defined]
+    replaced = {original: init}
+    cls.init = init
+    for name in QUERIES:
+        query = getattr(cls, name)
+        replaced[query] = _wrap_query(name, query)
+        setattr(cls, name, replaced[query])
+    for module_name, module in list(sys.modules.items()):
+        if module_name.split(".")[0] != "horovod":
+            continue
+        for name in ("init", *QUERIES):
+            bound = getattr(module, name, None)
+            if isinstance(bound, types.MethodType) and bound.__func__ in replaced:
+                setattr(module, name, types.MethodType(replaced[bound.__func__], bound.__self__))
+    return True

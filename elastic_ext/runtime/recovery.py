@@ -1,0 +1,194 @@
+"""What ``run`` does on each kind of interruption, one handler each, and the way out for a leaver.
+
+- :meth:`Recoverer.numeric_fault`: every rank judged a step bad together;
+  restore the last commit and skip the step's samples, no Horovod reset.
+- :meth:`Recoverer.collective_failed`: a collective failed; cut the Gloo
+  links so every rank learns it at once, count the rollback against
+  ``rollback_limit``, restore the last commit.
+- :meth:`Recoverer.hosts_updated`: hosts were added or removed, or a rank
+  leaves; no rollback. A leaving rank makes the agreed commit durable and
+  exits (:func:`leave`).
+- :meth:`Recoverer.reset`: re-initialise Horovod with the new world.
+
+After either of the last two the next sync reports a ``recovered`` event
+(:meth:`Recoverer.synced`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
+
+import numpy as np
+
+from elastic_ext.errors import NumericFaultError, RollbackLimitError, error_detail
+from elastic_ext.events import LEAVE, RECOVERED, RESET, RESIZE, ROLLBACK, ROLLBACK_LIMIT
+from elastic_ext.runtime.connections import CollectiveConnections
+from elastic_ext.runtime.numeric_recovery import NumericRecovery
+from elastic_ext.runtime.sigterm import LEAVE_EXIT_CODE
+from elastic_ext.state.liveness import Liveness
+
+if TYPE_CHECKING:
+    from elastic_ext.state.state import State
+
+logger = logging.getLogger(__name__)
+
+_HOROVOD_MODULES = {"torch": "horovod.torch", "tensorflow": "horovod.tensorflow"}
+
+
+def controller(binding: Any) -> str:
+    """"mpi" when Horovod runs on MPI (no in-job recovery possible), else "gloo" (or "solo")."""
+    module = _HOROVOD_MODULES.get(getattr(binding, "framework", ""))
+    if module is None:
+        return "solo"
+    hvd = importlib.import_module(module)
+    return "mpi" if hvd.mpi_enabled() else "gloo"
+
+
+@dataclasses.dataclass
+class Recovery:
+    """A rollback or resize in progress: reported as ``recovered`` once the next sync is done."""
+
+    cause: str                 # "collective_failed" or "hosts_updated"
+    commit_id: int
+    started: float             # time.perf_counter() when the failure or resize was seen
+    fields: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def event(self, size: int, generation: int) -> Dict[str, Any]:
+        """The ``recovered`` event's fields."""
+        return {"cause": self.cause, **self.fields, "commit_id": self.commit_id, "size": size,
+                "generation": generation, "recovery_s": time.perf_counter() - self.started}
+
+
+class Recoverer:
+    """One worker's handlers for the interruptions of its training function (see the module docstring).
+
+    Args:
+        state: the job's State.
+        liveness: this process's liveness record.
+        kind: :func:`controller`'s answer.
+        steps_now: the tracked step counter now, or None (for ``steps_rolled_back``).
+    """
+
+    def __init__(self, state: "State", liveness: Liveness, kind: str,
+                 steps_now: Callable[["State"], Optional[int]]) -> None:
+        self.state, self.liveness, self.kind, self.steps_now = state, liveness, kind, steps_now
+        self.links = CollectiveConnections()
+        self.cut_links = state.config.abort_connections and kind == "gloo"
+        self.numeric = NumericRecovery()
+        self.pending: Optional[Recovery] = None
+
+    def sync(self) -> None:
+        """Brings every rank to the agreed commit; reports the recovery that led here, if any."""
+        state = self.state
+        if self.cut_links:
+            self.links.learn_from_peers(state.binding)
+        state.sync()
+        self.numeric.reapply(state)  # sync loads the commit, which may not hold a numeric skip yet
+        if self.pending is not None:
+            state.events.emit(RECOVERED, **self.pending.event(state.binding.size(), state.generation))
+            self.pending = None
+
+    def numeric_fault(self, exc: NumericFaultError) -> None:
+        """Every rank raised it together and no collective failed: roll back and skip, no Horovod reset."""
+        self.numeric.roll_back(self.state, exc, self.steps_now(self.state), self.steps_now)
+
+    def collective_failed(self, exc: BaseException) -> None:
+        """Restores the last commit after a failed collective.
+
+        Raises:
+            HorovodInternalError: under MPI, where Horovod cannot re-form the job (``exc`` again).
+            RollbackLimitError: too many rollbacks in a row without a new commit.
+        """
+        state, config, t0 = self.state, self.state.config, time.perf_counter()
+        if self.kind == "mpi":
+            logger.error("a collective failed under an MPI controller, where Horovod cannot re-form "
+                         "the job: ending it; a restarted job resumes from the newest checkpoint")
+            raise exc
+        if self.cut_links:
+            self.links.abort(str(exc))
+        count = state.rollbacks.note(state.commit_id)
+        lost_s, step_now = state.seconds_since_commit, self.steps_now(state)
+        if count > config.rollback_limit:
+            state.events.emit(ROLLBACK_LIMIT, commit_id=state.commit_id, rollbacks=count,
+                              limit=config.rollback_limit, cause=error_detail(exc))
+            raise RollbackLimitError(
+                f"{count} rollbacks in a row without a new commit (commit id {state.commit_id}) "
+                f"exceed rollback_limit ({config.rollback_limit}); last cause: {exc}") from exc
+        if state.committed:
+            state.restore()
+        # else: a fresh process failed before its first sync (in the collective that
+        # learns the connections): nothing to roll back; the next sync brings the state.
+        self.numeric.reapply(state)  # skips of numeric rollbacks no commit holds yet
+        step_committed = self.steps_now(state)
+        steps_back = step_now - step_committed if step_now is not None and step_committed is not None else None
+        self.pending = Recovery("collective_failed", state.commit_id, t0, {
+            "detail": error_detail(exc), "rollbacks_in_a_row": count,
+            "steps_rolled_back": steps_back, "lost_work_s": lost_s})
+        state.events.emit(ROLLBACK, cause=self.pending.cause, **self.pending.fields, commit_id=self.pending.commit_id)
+
+    def hosts_updated(self, skip_sync: bool) -> None:
+        """A resize agreed at a commit; a rank that leaves (or was removed, or runs under MPI) exits here."""
+        state, liveness = self.state, self.liveness
+        # The commit is agreed on every rank: rank 0 makes it durable now,
+        # whether or not it was due (a leaver may be rank 0 itself).
+        state.checkpoint_now()
+        removed = state._removed_at_resize()
+        if liveness.leaving() or self.kind == "mpi" or removed:
+            # An early start's answer can say that this slot is not in the next world:
+            # leave now, as Horovod would end it at its next hvd.init().
+            cause = "removed" if removed else liveness.leave_cause if liveness.leaving() else "peer_sigterm"
+            leave(state, liveness, self.kind, cause)
+        self.pending = Recovery("hosts_updated", state.commit_id, time.perf_counter(),
+                                {"skip_sync": skip_sync, "steps_rolled_back": 0})
+        state.events.emit(RESIZE, skip_sync=skip_sync, commit_id=state.commit_id)
+
+    def reset(self) -> None:
+        """Re-initialises Horovod for the next world, then the State's reset callbacks."""
+        started = time.perf_counter()
+        self.links.before_init()
+        self.state.binding.reset()
+        self.links.after_init()
+        self.state.on_reset()
+        self.state.events.emit(RESET, duration_s=time.perf_counter() - started, cause=self.pending.cause)
+
+
+def leave(state: "State", liveness: Liveness, kind: str, cause: str) -> None:
+    """Makes the agreed commit durable (rank 0), then exits this process. Never returns."""
+    remaining = liveness.leave_time_left()
+    if remaining is None:
+        remaining = state.config.term_grace_s
+    durable = state.wait_for_checkpoint(max(0.0, remaining - 0.5))
+    if kind == "mpi":
+        # Every rank waits for rank 0's write: mpirun kills the others as soon as one exits.
+        state.binding.allreduce_max(np.zeros(1, dtype=np.int64), "elastic_ext.leave")
+    state.events.emit(LEAVE, commit_id=state.commit_id, cause=cause, durable_commit_id=durable)
+    if kind == "gloo":
+        _shut_down_with_the_others(state.binding, max(1.0, min(10.0, (liveness.leave_time_left() or 0.0))))
+    logging.shutdown()
+    # 143 (128 + SIGTERM), not 0: Horovod's driver then shrinks the job rather than ending it.
+    os._exit(LEAVE_EXIT_CODE)
+
+
+def _shut_down_with_the_others(binding: Any, timeout_s: float) -> None:
+    """Takes part in Horovod's shutdown, which every other rank runs now too, before exiting.
+
+    Each rank's background loop coordinates with all the others until they
+    agree to shut down. A leaver that exited first broke that last round:
+    the rank coordinating it (rank 0) lost its loop to "connection reset"
+    while its process lived on, and the others waited on it for Gloo's
+    timeout (30 s) before they could re-form. Bounded by ``timeout_s``.
+    """
+    shutdown = getattr(binding, "shutdown", None)
+    if shutdown is None:
+        return
+    worker = threading.Thread(target=shutdown, name="elastic_ext-leave-shutdown", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        logger.warning("Horovod's shutdown did not finish within %.0fs; leaving anyway", timeout_s)

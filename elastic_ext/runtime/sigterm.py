@@ -1,0 +1,94 @@
+"""SIGTERM means "leave at the next commit", from the first moment a worker can honour it.
+
+A worker told to go (preemption, ``scancel``, the driver ending the job)
+keeps training to its next commit, where every rank learns of it through
+the commit's collective; the job then resizes without a rollback and the
+leaver exits with :data:`LEAVE_EXIT_CODE`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Optional
+
+from elastic_ext.config import ElasticConfig, elastic_horovodrun
+from elastic_ext.errors import ConfigError
+from elastic_ext.state.liveness import LIVENESS, Liveness
+
+logger = logging.getLogger(__name__)
+
+LEAVE_EXIT_CODE = 143  # 128 + SIGTERM: non-zero, so Horovod's driver shrinks instead of ending the job
+
+
+def install_sigterm(config: ElasticConfig, liveness: Optional[Liveness] = None):
+    """Makes SIGTERM mean "leave at the next commit"; a second SIGTERM ends the process at once.
+
+    Wherever the first one lands: in a step, in the sync, or while Horovod
+    re-initialises. Dying there was worse for the job than staying: a
+    worker that dies while its round of Horovod's rendezvous is forming
+    leaves the round's other members waiting for it until the rendezvous
+    timeout, and then they all fail, which ends the job ("failure count ==
+    N", seen in the soak). A leave at the next commit is a resize without a
+    rollback. While the main thread is inside Horovod's native
+    re-initialisation the handler runs when it returns. ``term_grace_s``
+    bounds the stay: after it the process exits (LEAVE_EXIT_CODE) without
+    a commit. Only possible from the main thread; elsewhere this is a
+    no-op. Returns the previous handler (to restore with
+    :func:`restore_sigterm`), or None.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    live = liveness or LIVENESS
+
+    def handler(signum, frame):
+        if live.leaving():
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        live.ask_to_leave(config.term_grace_s)
+        logger.warning("SIGTERM: leaving at the next commit (at most %.0fs from now)", config.term_grace_s)
+
+        def give_up():
+            logger.error("no commit within term_grace_s (%.0fs) after SIGTERM: exiting now", config.term_grace_s)
+            os._exit(LEAVE_EXIT_CODE)
+
+        timer = threading.Timer(config.term_grace_s, give_up)
+        timer.daemon = True
+        timer.start()
+
+    handler.elastic_ext_sigterm = True
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def restore_sigterm(previous) -> None:
+    """Puts back the handler :func:`install_sigterm` replaced; the one installed at import becomes SIG_DFL.
+
+    After ``@elastic_ext.run`` returns there is no next commit to leave at.
+    """
+    if previous is None:
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL if getattr(previous, "elastic_ext_sigterm", False) else previous)
+
+
+def install_early_sigterm(environ=None, liveness: Optional[Liveness] = None):
+    """At ``import elastic_ext`` in a worker of an elastic ``horovodrun``: SIGTERM means leave, already.
+
+    A newcomer spends seconds between its import and ``@elastic_ext.run``
+    (building its model, in its first ``hvd.init()`` with the survivors):
+    killed by a SIGTERM there, it failed the round that was forming (see
+    :func:`install_sigterm`). Now the request is kept and honoured at its
+    first commit. Not installed over a handler of the script's own, outside
+    the main thread, or outside ``horovodrun``'s elastic mode. Returns the
+    previous handler, or None when not installed.
+    """
+    env = os.environ if environ is None else environ
+    if not elastic_horovodrun(env) or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+    try:
+        config = ElasticConfig.from_env(env)
+    except ConfigError:
+        return None  # the State's own config raises it, with its message
+    return install_sigterm(config, liveness)

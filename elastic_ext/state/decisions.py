@@ -1,0 +1,63 @@
+"""What every rank decides together at a commit, from its one collective: resize, leave, evict, start newcomers.
+
+:class:`~elastic_ext.state.host_updates.HostUpdates` runs the commit's
+allreduce; :func:`decide_at_commit` acts on what it agreed, the same way on
+every rank: it evicts a straggler the table names (through the leave path),
+reports an early start of newcomers beginning or ending, and raises
+``HostsUpdatedInterrupt`` everywhere when the world changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+from elastic_ext.binding import Binding
+from elastic_ext.events import NEWCOMERS_JOINED, PRESTART, STRAGGLER, EventLog
+from elastic_ext.policies.eviction import StragglerWatch, host_name
+from elastic_ext.state.host_updates import EarlyStart, HostUpdates
+from elastic_ext.state.liveness import Liveness
+
+
+def decide_at_commit(hosts: HostUpdates, straggler: StragglerWatch, binding: Binding, objects: Iterable[Any],
+                     commit_id: int, liveness: Liveness, term_grace_s: float, events: EventLog) -> None:
+    """Runs the commit's collective and acts on it (see the module docstring).
+
+    Raises:
+        HostsUpdatedInterrupt: on every rank together, when hosts changed or a rank leaves.
+        StateDivergenceError: ranks hold different commit ids.
+    """
+    rank, size = binding.rank(), binding.size()
+    local_size = getattr(binding, "local_size", None)
+    slots = straggler.slots(rank, size, objects, local_size() if local_size is not None and straggler.enabled else 1)
+    before = hosts.prestart
+    skip_sync, reduced = hosts.agree(binding, commit_id, liveness.leaving(), slots)
+    _report_prestart(hosts, before, commit_id, events)
+    evicted = straggler.decide(reduced, size) if reduced is not None else None
+    if evicted is not None:
+        # Every rank decided alike: a removal at this commit, like a SIGTERM leave.
+        fields = evicted.fields()
+        if evicted.rank == rank:
+            host = host_name()
+            straggler.exclude(host)
+            fields["host"] = host
+            liveness.ask_to_leave(term_grace_s, cause="straggler")
+        events.emit(STRAGGLER, commit_id=commit_id, **fields)
+        skip_sync = True if skip_sync is None else skip_sync
+    if skip_sync is not None:
+        from horovod.common.exceptions import HostsUpdatedInterrupt
+        raise HostsUpdatedInterrupt(skip_sync)
+
+
+def _report_prestart(hosts: HostUpdates, before: Optional[EarlyStart], commit_id: int, events: EventLog) -> None:
+    if hosts.prestart is not None and hosts.prestart is not before:
+        events.emit(PRESTART, commit_id=commit_id)
+    if hosts.joined is not None and hosts.joined is before:
+        joined = hosts.joined
+        events.emit(NEWCOMERS_JOINED, commit_id=commit_id, why=joined.why,
+                    next_size=joined.next_size, waited_s=joined.waited_s())
+
+
+def removed_at_resize(hosts: HostUpdates) -> bool:
+    """True when the early start that ends at this resize found this slot left out of the next world."""
+    joined = hosts.joined
+    return joined is not None and joined.why == "removed"

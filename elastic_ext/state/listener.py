@@ -1,0 +1,65 @@
+"""The State as Horovod's host-update listener, and what resets and host changes do to it.
+
+A mixin of :class:`elastic_ext.State`, which provides ``_hosts`` (its
+:class:`~elastic_ext.state.host_updates.HostUpdates`), ``_straggler``,
+``_tracked``, ``_binding``, ``_liveness``, ``_config``, ``_events``,
+``_reset_callbacks`` and ``commit_id``. The names are Horovod's own
+(``on_reset``, ``on_hosts_updated``, ``check_host_updates``,
+``register_reset_callbacks``), so the State plugs into Horovod's
+notification manager as Horovod's ``State`` does.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional
+
+from elastic_ext.state.decisions import decide_at_commit, removed_at_resize
+from elastic_ext.state.host_updates import EarlyStart
+
+
+class HorovodListener:
+    """Reset callbacks, host-update notifications and the commit's decision (see the module docstring)."""
+
+    def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
+        """Callbacks run after every reset (worker added or removed), e.g. to rescale the LR."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        self._hosts.clear()
+        self._straggler.reset()
+        self.reset()
+        for callback in self._reset_callbacks:
+            callback()
+
+    def reset(self) -> None:
+        """Tells objects that track the world size (samplers) that it changed."""
+        for obj in self._tracked.objects.values():
+            hook = getattr(obj, "on_world_change", None)
+            if callable(hook):
+                hook()
+
+    def on_hosts_updated(self, timestamp: int, update_res: int) -> None:
+        """Called by Horovod's notification service (on the coordinator)."""
+        self._hosts.put(timestamp, update_res)
+
+    def host_update_pending(self) -> bool:
+        """True if Horovod has announced a host change this rank has not acted on yet."""
+        return self._hosts.pending()
+
+    def _set_early_start(self, factory: Optional[Callable[[], Optional[EarlyStart]]]) -> None:
+        """How this rank starts newcomers early at a host addition (``run`` sets it under an elastic horovodrun)."""
+        self._hosts.prestart_factory = factory
+
+    def _removed_at_resize(self) -> bool:
+        """True when the early start that ends at this resize found this slot left out of the next world."""
+        return removed_at_resize(self._hosts)
+
+    def check_host_updates(self) -> None:
+        """Raises ``HostsUpdatedInterrupt`` on every rank together if hosts changed or a rank leaves
+        (:func:`elastic_ext.state.decisions.decide_at_commit`).
+
+        Raises:
+            StateDivergenceError: ranks hold different commit ids.
+        """
+        decide_at_commit(self._hosts, self._straggler, self._binding, self._tracked.objects.values(),
+                         self.commit_id, self._liveness, self._config.term_grace_s, self._events)
