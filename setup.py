@@ -26,6 +26,7 @@ setup(
     # The same commands as host_discovery/*.py (which run from a checkout).
     entry_points={
         "console_scripts": [
+            "elastic-horovodrun = elastic_ext.launch.horovodrun:main",
             "elastic-ext-discover-slurm = elastic_ext.discovery.commands:slurm_main",
             "elastic-ext-discover-aws-spot = elastic_ext.discovery.commands:aws_main",
             "elastic-ext-discover-static = elastic_ext.discovery.commands:static_main",

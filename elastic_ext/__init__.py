@@ -1,5 +1,9 @@
 """elastic_ext: fault-tolerant Horovod elastic training for PyTorch and TensorFlow.
 
+Importing the package changes nothing in the process: it forks nothing,
+patches nothing of Horovod, writes no environment variable and installs no
+signal handler. What a worker needs before the user's code runs is done by
+the launcher, ``elastic-horovodrun`` (:mod:`elastic_ext.launch.worker`).
 The core imports no framework: ``elastic_ext.torch`` and
 ``elastic_ext.tensorflow`` are loaded only when the objects handed to
 :class:`State` (or the user) need them.
@@ -16,25 +20,7 @@ from elastic_ext.data.sampler import ElasticPartitioner
 from elastic_ext.state.state import State
 from elastic_ext.policies.step_timer import StepTimer
 from elastic_ext.policies.straggler import StragglerPolicy
-from elastic_ext.state.liveness import phase, progress
-
-from elastic_ext.launch import keeper as _keeper
-from elastic_ext.launch import newcomer as _newcomer
-from elastic_ext.launch.gloo_timeout import first_rendezvous_timeout as _first_rendezvous_timeout
-from elastic_ext.runtime.sigterm import install_early_sigterm as _install_early_sigterm
-
-# Under an elastic horovodrun (elsewhere these do nothing): with
-# ELASTIC_EXT_RESTART_IN_PLACE=1 this process becomes a keeper that restarts
-# the script's process when Gloo kills it while its round forms; a newcomer that
-# survivors with prestart_newcomers started early builds its model in a
-# Horovod world of one and joins at @elastic_ext.run (elastic_ext.launch.prestart);
-# a newcomer's first hvd.init() waits for its peers as long as the
-# survivors' resets do; and a SIGTERM before @elastic_ext.run means leave at
-# the first commit, not die while the job's next round forms.
-_keeper.install()
-_newcomer.install()
-_first_rendezvous_timeout()
-_install_early_sigterm()
+from elastic_ext.liveness import phase, progress
 
 __version__ = "0.1.0"
 

@@ -37,6 +37,7 @@ ENV_FIRST_STEP_TIMEOUT_S = "ELASTIC_EXT_FIRST_STEP_TIMEOUT_S"
 # Read at import, before any ElasticConfig: a worker restarted in place by its keeper (elastic_ext.launch.keeper).
 ENV_RESTART_IN_PLACE = "ELASTIC_EXT_RESTART_IN_PLACE"
 ENV_RESTARTED_IN_PLACE = "ELASTIC_EXT_RESTARTED_IN_PLACE"  # set by the keeper: 0 for its first child, k after k restarts
+ENV_LAUNCHER = "ELASTIC_EXT_LAUNCHER"  # set by elastic-horovodrun for its workers: their entry module ran
 # Set by horovodrun for every elastic worker: where its rendezvous server listens.
 ENV_HOROVOD_RENDEZVOUS_ADDR = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
 ENV_HOROVOD_RENDEZVOUS_PORT = "HOROVOD_GLOO_RENDEZVOUS_PORT"
@@ -273,6 +274,13 @@ def elastic_horovodrun(environ: Optional[Mapping[str, str]] = None) -> bool:
     """True in a worker that an elastic ``horovodrun`` (``--min-np``/``--max-np``, a discovery script) started."""
     env = os.environ if environ is None else environ
     return env.get("HOROVOD_ELASTIC") == "1"
+
+
+def launched(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """True in a worker that ``elastic-horovodrun`` started through its entry module
+    (:mod:`elastic_ext.launch.worker`), which installs what must run before the user's code."""
+    env = os.environ if environ is None else environ
+    return env.get(ENV_LAUNCHER) == "1"
 
 
 def restart_in_place(environ: Optional[Mapping[str, str]] = None) -> bool:

@@ -119,7 +119,7 @@ fi
 step "elastic_ext (editable)"
 # (run from / so that a checkout in the working directory does not count as installed)
 if ! (cd / && "$PY" -c 'import elastic_ext, os, sys; sys.exit(0 if os.path.dirname(os.path.dirname(elastic_ext.__file__)) == sys.argv[1] else 1)' "$ROOT" 2>/dev/null) \
-        || [ ! -x "$VENV/bin/elastic-ext-discover-static" ]; then
+        || [ ! -x "$VENV/bin/elastic-ext-discover-static" ] || [ ! -x "$VENV/bin/elastic-horovodrun" ]; then
     # (the console scripts come from setup.py's entry points: a venv installed before they existed lacks them)
     "$PY" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$ROOT" \
         || fail "pip install -e . failed" "read pip's message above"

@@ -1,8 +1,14 @@
-"""``python -m elastic_ext.launch.horovodrun ARGS``: ``horovodrun ARGS`` with a driver that tells a worker's death from a host's.
+"""``elastic-horovodrun ARGS`` (``python -m elastic_ext.launch.horovodrun ARGS``): the way to launch a job.
 
-The arguments are ``horovodrun``'s. Outside elastic mode this is plain
-``horovodrun``. In elastic mode, Horovod's driver (Horovod 0.28.1's
-``ElasticDriver``, run in this process) changes in three ways:
+The arguments are ``horovodrun``'s. Each worker's Python is started through
+:mod:`elastic_ext.launch.worker`, which does in the worker what must happen
+before the user's code (restart in place, the newcomer's side of an early
+start, Gloo's first timeout, SIGTERM as "leave") and then runs the script:
+``python train.py`` becomes ``python -m elastic_ext.launch.worker train.py``
+(a command that is not a Python script or module runs as given, without
+those). Outside elastic mode the driver is plain ``horovodrun``'s. In
+elastic mode, Horovod's driver (Horovod 0.28.1's ``ElasticDriver``, run in
+this process) changes in three ways:
 
 1. **A host is blacklisted only when it lost all its workers of the round.**
    Horovod blacklists the host of every failed worker, which also ends that
@@ -49,7 +55,7 @@ import os
 import sys
 from typing import Any, List, MutableMapping, Optional
 
-from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_RESTART_IN_PLACE, restart_in_place
+from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_LAUNCHER, ENV_RESTART_IN_PLACE, restart_in_place
 from elastic_ext.launch.round_watch import ASSIGNED, CURRENT, SCOPE, failed_key
 
 _originals: dict = {}  # what install() replaced: (class, name) -> the original
@@ -157,9 +163,56 @@ def restart_in_place_by_default(environ: MutableMapping[str, str]) -> bool:
     return restart_in_place(environ)
 
 
+WORKER_MODULE = "elastic_ext.launch.worker"
+# Interpreter options that may stand before the script: alone, or with a value (-W, -X).
+_FLAGS = {"-u", "-O", "-OO", "-B", "-E", "-s", "-S", "-I", "-b", "-bb", "-q", "-d", "-v"}
+_FLAGS_WITH_VALUE = {"-W", "-X"}
+
+
+def worker_command(command: List[str]) -> List[str]:
+    """``command`` with its Python started through :mod:`elastic_ext.launch.worker`.
+
+    ``python [flags] SCRIPT ...`` and ``python [flags] -m MODULE ...`` gain
+    ``-m elastic_ext.launch.worker`` after the flags; anything else (a shell
+    script, ``python -c``, a command already through the worker) is returned as it is.
+    """
+    if not command or not os.path.basename(command[0]).startswith("python"):
+        return list(command)
+    i = 1
+    while i < len(command) and (command[i] in _FLAGS or command[i] in _FLAGS_WITH_VALUE):
+        i += 2 if command[i] in _FLAGS_WITH_VALUE else 1
+    rest = command[i:]
+    if not rest or rest[0] == "-c" or rest[:2] == ["-m", WORKER_MODULE] or (rest[0].startswith("-") and rest[0] != "-m"):
+        return list(command)
+    return [*command[:i], "-m", WORKER_MODULE, *rest]
+
+
+def _through_the_worker_entry() -> None:
+    """Makes Horovod's command line start every worker through :func:`worker_command`."""
+    from horovod.runner import launch
+
+    parse_args = launch.parse_args
+
+    def parse_and_rewrite() -> Any:
+        args = parse_args()
+        command = worker_command(args.command or [])
+        if command != (args.command or []):
+            os.environ[ENV_LAUNCHER] = "1"  # the workers' entry module runs: early start is possible
+        else:
+            logging.warning("elastic_ext: %r is not 'python SCRIPT' or 'python -m MODULE': the workers start as "
+                            "given, without what the launcher does before user code (restart in place, early start "
+                            "of newcomers, SIGTERM as a leave while the job re-forms)", args.command)
+        args.command = command
+        return args
+
+    launch.parse_args = parse_and_rewrite
+
+
 def main(argv: Optional[List[str]] = None) -> None:
+    """The console script ``elastic-horovodrun``: ``horovodrun``'s arguments, the launcher's behaviour."""
     restart_in_place_by_default(os.environ)
     install()
+    _through_the_worker_entry()
     from horovod.runner.launch import run_commandline
     sys.argv = ["horovodrun", *(sys.argv[1:] if argv is None else argv)]
     run_commandline()

@@ -30,8 +30,8 @@ from elastic_ext.errors import NumericFaultError, RollbackLimitError, error_deta
 from elastic_ext.events import LEAVE, RECOVERED, RESET, RESIZE, ROLLBACK, ROLLBACK_LIMIT
 from elastic_ext.runtime.connections import CollectiveConnections
 from elastic_ext.runtime.numeric_recovery import NumericRecovery
-from elastic_ext.runtime.sigterm import LEAVE_EXIT_CODE
-from elastic_ext.state.liveness import Liveness
+from elastic_ext.launch.sigterm import LEAVE_EXIT_CODE
+from elastic_ext.liveness import Liveness
 
 if TYPE_CHECKING:
     from elastic_ext.state.state import State

@@ -50,15 +50,15 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
 
-from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_RESTART_IN_PLACE
+from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_RESTART_IN_PLACE, launched
 from elastic_ext.errors import ConfigError, NumericFaultError
 from elastic_ext.events import FINISH, RESTARTED_IN_PLACE, STALL, SUSPENDED
 from elastic_ext.launch import keeper, newcomer, prestart
 from elastic_ext.launch.gloo_timeout import rendezvous_timeout
 from elastic_ext.runtime.recovery import Recoverer, controller
-from elastic_ext.runtime.sigterm import install_sigterm, restore_sigterm
+from elastic_ext.launch.sigterm import install_sigterm, restore_sigterm
 from elastic_ext.runtime.watchdog import Watchdog
-from elastic_ext.state.liveness import LIVENESS
+from elastic_ext.liveness import LIVENESS
 
 if TYPE_CHECKING:
     from elastic_ext.state.state import State
@@ -99,7 +99,7 @@ def _elastic_session(state: "State", kind: str) -> Iterator[None]:
             "from scratch: set one, or turn restarts in place off")
     if keeper.restarts():
         events.emit(RESTARTED_IN_PLACE, restarts=keeper.restarts())
-    if config.prestart_newcomers:
+    if config.prestart_newcomers and launched():  # the newcomers' side needs the launcher's entry module
         state._set_early_start(prestart.early_start_factory(binding, config.rendezvous_timeout_s or 120.0))
     notification_manager.init()
     notification_manager.register_listener(state)

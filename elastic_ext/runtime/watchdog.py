@@ -40,7 +40,7 @@ barrier, which needs the waiting survivors. Three mechanisms break that:
 
 And a worker told to go (SIGTERM) keeps training to its next commit, where
 every rank learns of it through the commit's host-update allreduce; the job
-then resizes without a rollback and the leaver exits (:mod:`elastic_ext.runtime.sigterm`).
+then resizes without a rollback and the leaver exits (:mod:`elastic_ext.launch.sigterm`).
 That holds from ``import elastic_ext`` on, also while the job re-forms.
 """
 
@@ -56,7 +56,7 @@ import time
 from typing import Callable, List, Optional
 
 from elastic_ext.config import ElasticConfig
-from elastic_ext.state.liveness import LIVENESS, Liveness
+from elastic_ext.liveness import LIVENESS, Liveness
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from elastic_ext.binding import Binding
 from elastic_ext.events import NEWCOMERS_JOINED, PRESTART, STRAGGLER, EventLog
 from elastic_ext.policies.eviction import StragglerWatch, host_name
 from elastic_ext.state.host_updates import EarlyStart, HostUpdates
-from elastic_ext.state.liveness import Liveness
+from elastic_ext.liveness import Liveness
 
 
 def decide_at_commit(hosts: HostUpdates, straggler: StragglerWatch, binding: Binding, objects: Iterable[Any],

@@ -47,7 +47,7 @@ from elastic_ext.data.sampler import ElasticPartitioner
 from elastic_ext.policies.step_timer import StepTimer
 from elastic_ext.policies.straggler import StragglerPolicy
 from elastic_ext.state.tracked import Tracked
-from elastic_ext.state.liveness import LIVENESS
+from elastic_ext.liveness import LIVENESS
 
 logger = logging.getLogger(__name__)
 

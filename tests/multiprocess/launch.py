@@ -7,14 +7,15 @@ import time
 import psutil
 
 from elastic_ext.testing.launch import *  # noqa: F401,F403
-from elastic_ext.testing.launch import base_env, elastic_cmd, kill_tree, run, write_hosts
+from elastic_ext.testing.launch import base_env, elastic_cmd, kill_tree, run, under_elastic_ext_driver, write_hosts
 
 HOSTS = ("localhost:2", "127.0.0.1:2")  # two pseudo-hosts of two slots
 
 
 def run_job(tmp_path, worker, *worker_args, hosts=HOSTS, np_=4, min_np=2, max_np=4, epochs=1, commit_every=4,
-            env=None, timeout_s=240):
-    """Runs ``worker`` (a script of tests/multiprocess/workers) under elastic horovodrun to its end.
+            env=None, timeout_s=240, launcher=False):
+    """Runs ``worker`` (a script of tests/multiprocess/workers) under elastic horovodrun to its end
+    (``launcher``: under ``elastic-horovodrun``, the project's launcher, with the same arguments).
 
     The job's directory is ``tmp_path/job`` (created here): the worker's
     ``--out``, its host file ``hosts`` (``hosts`` written to it), the events
@@ -29,6 +30,8 @@ def run_job(tmp_path, worker, *worker_args, hosts=HOSTS, np_=4, min_np=2, max_np
     write_hosts(hosts_file, list(hosts))
     cmd = elastic_cmd(np_, min_np, max_np, hosts_file, worker, "--out", str(out), "--epochs", str(epochs),
                       "--commit-every", str(commit_every), *worker_args)
+    if launcher:
+        cmd = under_elastic_ext_driver(cmd)
     code, output = run(cmd, base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl"), **(env or {})),
                        str(out / "horovodrun.log"), timeout_s)
     assert code == 0, output[-5000:]

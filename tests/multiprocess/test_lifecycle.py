@@ -219,7 +219,8 @@ def test_survivors_wait_for_a_newcomer_slower_than_horovods_30s_rendezvous_timeo
     # the job dies; run() sets ElasticConfig.rendezvous_timeout_s (120 s).
     out = tmp_path / "job"
     out.mkdir()
-    cmd = grow_at_step_8(out, newcomer_delay_s=40)
+    # The launcher sets the newcomers' first hvd.init() timeout before their script runs.
+    cmd = launch.under_elastic_ext_driver(grow_at_step_8(out, newcomer_delay_s=40))
     env = environment(out)
     env.pop("HOROVOD_GLOO_TIMEOUT_SECONDS", None)
     code, output = launch.run(cmd, env, str(out / "horovodrun.log"), 240)
@@ -235,7 +236,7 @@ def test_survivors_wait_for_a_newcomer_slower_than_horovods_30s_rendezvous_timeo
 @pytest.mark.timeout(300)
 def test_a_newcomer_sigtermed_before_it_trains_leaves_at_its_first_commit(tmp_path):
     # Found by bench.soak (2 of 5 job deaths in one run started so): a newcomer got
-    # SIGTERM after its import, before @elastic_ext.run, and died
+    # SIGTERM after its start, before @elastic_ext.run, and died
     # ("Terminated"). The survivors and the other newcomer then waited for it
     # in Horovod's rendezvous until the timeout and failed too: every worker
     # of the round failed, and the driver ended the job. Now the newcomer
@@ -243,7 +244,9 @@ def test_a_newcomer_sigtermed_before_it_trains_leaves_at_its_first_commit(tmp_pa
     out = tmp_path / "job"
     out.mkdir()
     env = environment(out, ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S=40, ELASTIC_EXT_TERM_GRACE_S=120)
-    job = launch.Job(grow_at_step_8(out, newcomer_delay_s=6), env, str(out / "horovodrun.log"))
+    # The launcher makes SIGTERM a leave before the script runs.
+    job = launch.Job(launch.under_elastic_ext_driver(grow_at_step_8(out, newcomer_delay_s=6)), env,
+                     str(out / "horovodrun.log"))
     leaver = first_newcomer(out, job)
     os.kill(leaver, signal.SIGTERM)
     code, output = job.wait(240)

@@ -36,7 +36,9 @@ def run_script(tmp_path, body, env_extra=None, timeout=60):
     script.write_text(PRELUDE + textwrap.dedent(body))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "ELASTIC_EXT_"))}
     env.update({"HOROVOD_ELASTIC": "1", "ELASTIC_EXT_RESTART_IN_PLACE": "1", "PYTHONPATH": ROOT, **(env_extra or {})})
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True,
+    # the launcher's entry module: it makes this process the keeper before the script runs
+    proc = subprocess.run([sys.executable, "-m", "elastic_ext.launch.worker", str(script), str(tmp_path)], env=env,
+                          capture_output=True, text=True,
                           timeout=timeout)
     children = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("child-"))
     return proc, children
@@ -144,7 +146,7 @@ def test_the_keeper_ignores_sigterm_and_the_child_dies_with_the_keeper(tmp_path)
     script.write_text(PRELUDE + "time.sleep(60)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "ELASTIC_EXT_"))}
     env.update(HOROVOD_ELASTIC="1", ELASTIC_EXT_RESTART_IN_PLACE="1", PYTHONPATH=ROOT)
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "elastic_ext.launch.worker", str(script), str(tmp_path)], env=env)
     try:
         deadline = time.monotonic() + 30
         while not (tmp_path / "child-0").exists() or not (tmp_path / "child-0").read_text():

@@ -10,7 +10,7 @@ those implicit edges are left out, since every submodule would otherwise
 close a circle with its package.
 
 The layer rule (``docs/architecture.md`` draws it): the leaves (``config``,
-``errors``, ``events``, ``binding``) import nothing above them; ``data/`` and
+``errors``, ``events``, ``binding``, ``liveness``) import nothing above them; ``data/`` and
 ``discovery/`` only the leaves; ``policies/`` also ``data/`` and
 ``discovery/``; ``state/`` and ``checkpoint/`` never ``runtime/`` nor
 ``launch/``; ``launch/`` nothing of the worker's training side; no module
@@ -152,7 +152,7 @@ def test_no_import_circle():
     assert not cycles, "import circles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
 
 
-LEAVES = {"elastic_ext.config", "elastic_ext.errors", "elastic_ext.events", "elastic_ext.binding"}
+LEAVES = {"elastic_ext.config", "elastic_ext.errors", "elastic_ext.events", "elastic_ext.binding", "elastic_ext.liveness"}
 # room -> the rooms it may import (besides itself and the leaves); None: any room but the forbidden ones.
 MAY_IMPORT = {
     "leaves": set(),

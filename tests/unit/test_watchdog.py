@@ -4,8 +4,9 @@ import threading
 
 import pytest
 
-from elastic_ext.runtime import sigterm, watchdog
-from elastic_ext.state import liveness
+from elastic_ext.launch import sigterm
+from elastic_ext.runtime import watchdog
+from elastic_ext import liveness
 
 
 def verdict(idle_s, *, stall=3.0, first=30.0, first_pending=False, phases=(), training=True, collective=False):
@@ -141,8 +142,9 @@ def test_a_collective_failing_before_the_first_sync_is_survived(monkeypatch):
 _SIGTERM_CHILD = r"""
 import os, signal, sys, time
 import elastic_ext
-from elastic_ext.runtime import sigterm, watchdog
-from elastic_ext.state import liveness
+from elastic_ext.launch import sigterm
+from elastic_ext.runtime import watchdog
+from elastic_ext import liveness
 case = sys.argv[1]
 if case == "in_run_outside_training":  # between two resets: not in training, inside run()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -166,17 +168,23 @@ print("not ended", flush=True)
 
 
 def _sigterm_child(case, *args, **env):
+    """Runs the child through the launcher's entry module, as elastic-horovodrun starts a worker."""
     import os
     import subprocess
     import sys
+    import tempfile
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "ELASTIC_EXT_"))}
     environ.update(env)
-    return subprocess.run([sys.executable, "-c", _SIGTERM_CHILD, case, *args], env=environ,
-                          capture_output=True, text=True, timeout=120)
+    with tempfile.TemporaryDirectory() as work:
+        script = os.path.join(work, "child.py")
+        with open(script, "w") as handle:
+            handle.write(_SIGTERM_CHILD)
+        return subprocess.run([sys.executable, "-m", "elastic_ext.launch.worker", script, case, *args], env=environ,
+                              capture_output=True, text=True, timeout=120)
 
 
 def test_a_sigterm_before_run_asks_to_leave_instead_of_killing_a_newcomer():
-    """Found by bench.soak (2 of 5 job deaths in one run): a newcomer SIGTERMed between its import and
+    """Found by bench.soak (2 of 5 job deaths in one run): a newcomer SIGTERMed between its start and
     @elastic_ext.run died ("Terminated", exit 143) while its round of the rendezvous formed; the
     round's other members then waited for it and failed, and Horovod's driver ended the job."""
     done = _sigterm_child("grace", HOROVOD_ELASTIC="1", ELASTIC_EXT_TERM_GRACE_S="1")
@@ -203,7 +211,7 @@ def test_a_sigterm_between_resets_inside_run_asks_to_leave():
 
 def test_sigterm_keeps_its_default_meaning_outside_an_elastic_horovodrun_and_after_run():
     import signal
-    done = _sigterm_child("grace")  # no HOROVOD_ELASTIC: nothing installed at import
+    done = _sigterm_child("grace")  # no HOROVOD_ELASTIC: the entry module installs nothing
     assert done.stdout.splitlines() == ["handler False"] and done.returncode == -signal.SIGTERM, done.stdout
     done = _sigterm_child("after_run", HOROVOD_ELASTIC="1")
     assert done.stdout.splitlines()[-2:] == ["after run True", "not ended"], done.stdout + done.stderr

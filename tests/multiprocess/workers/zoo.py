@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import elastic_ext  # noqa: E402
-from elastic_ext.state import liveness  # noqa: E402
+from elastic_ext import liveness  # noqa: E402
 from elastic_ext.testing.ledger import Ledger  # noqa: E402
 from elastic_ext.testing import CommitFaultProbe, FaultSchedule, HostFileSchedule  # noqa: E402
 

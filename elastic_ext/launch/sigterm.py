@@ -16,7 +16,7 @@ from typing import Optional
 
 from elastic_ext.config import ElasticConfig, elastic_horovodrun
 from elastic_ext.errors import ConfigError
-from elastic_ext.state.liveness import LIVENESS, Liveness
+from elastic_ext.liveness import LIVENESS, Liveness
 
 logger = logging.getLogger(__name__)
 

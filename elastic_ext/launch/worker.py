@@ -1,0 +1,65 @@
+"""``python -m elastic_ext.launch.worker SCRIPT ARGS`` (or ``-m MODULE ARGS``): a worker's entry under the launcher.
+
+``elastic-horovodrun`` starts each worker's Python through this module. It
+does, in the worker and before the user's code runs, what an elastic worker
+needs at that moment and what ``import elastic_ext`` therefore never does:
+
+1. restart in place (:mod:`elastic_ext.launch.keeper`): this process becomes
+   the keeper and forks the one that runs the script, when the job restarts
+   workers in place;
+2. the newcomer's side of an early start (:mod:`elastic_ext.launch.newcomer`):
+   Horovod's ``hvd.init()`` and rank queries are wrapped, so a newcomer the
+   survivors started early builds its model in a world of one;
+3. Gloo's timeout for the first ``hvd.init()`` (:mod:`elastic_ext.launch.gloo_timeout`),
+   the same as the survivors' resets wait;
+4. SIGTERM means "leave at the first commit" (:mod:`elastic_ext.launch.sigterm`),
+   also while the script builds its model and the job re-forms.
+
+Then it runs the script as ``__main__`` in this interpreter, with
+``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS`` would set them.
+Each step does nothing outside a worker of an elastic ``horovodrun``.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from typing import List, Optional
+
+USAGE = "usage: python -m elastic_ext.launch.worker (SCRIPT | -m MODULE) [ARGS...]"
+
+
+def prepare() -> None:
+    """Steps 1 to 4 of the module docstring, in that order (the keeper forks before anything else runs)."""
+    from elastic_ext.launch import gloo_timeout, keeper, newcomer, sigterm
+
+    keeper.install()
+    newcomer.install()
+    gloo_timeout.first_rendezvous_timeout()
+    sigterm.install_early_sigterm()
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Prepares this worker, then runs its script or module as ``__main__``.
+
+    Raises:
+        SystemExit: no script or module was named (exit code 2, with :data:`USAGE`).
+    """
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args or (args[0] == "-m" and len(args) < 2):
+        print(USAGE, file=sys.stderr)
+        raise SystemExit(2)
+    prepare()
+    if args[0] == "-m":
+        sys.argv = [args[1], *args[2:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = args
+        sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
+        runpy.run_path(args[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

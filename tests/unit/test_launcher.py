@@ -1,0 +1,53 @@
+"""elastic-horovodrun starts each worker's Python through elastic_ext.launch.worker, which then runs the script."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from elastic_ext.launch.horovodrun import WORKER_MODULE, worker_command
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("command, expected", [
+    (["python", "train.py", "--epochs", "2"], ["python", "-m", WORKER_MODULE, "train.py", "--epochs", "2"]),
+    (["/venv/bin/python3.11", "-u", "-X", "dev", "train.py"],
+     ["/venv/bin/python3.11", "-u", "-X", "dev", "-m", WORKER_MODULE, "train.py"]),
+    (["python", "-m", "pkg.train", "--lr", "1"], ["python", "-m", WORKER_MODULE, "-m", "pkg.train", "--lr", "1"]),
+])
+def test_a_python_worker_starts_through_the_entry_module(command, expected):
+    assert worker_command(command) == expected
+    assert worker_command(expected) == expected  # never twice
+
+
+@pytest.mark.parametrize("command", [["bash", "run.sh"], ["python", "-c", "print(1)"], ["python"], [],
+                                     ["python", "--version"]])
+def test_other_commands_run_as_given(command):
+    assert worker_command(command) == command
+
+
+def test_the_entry_runs_a_script_as_python_would(tmp_path):
+    (tmp_path / "helper.py").write_text("VALUE = 41\n")
+    (tmp_path / "train.py").write_text(
+        "import sys, helper\n"
+        "print(__name__, sys.argv, helper.VALUE + 1, sys.path[0] == sys.argv[0].rsplit('/', 1)[0])\n")
+    env = dict(os.environ, PYTHONPATH=REPO)
+    done = subprocess.run([sys.executable, "-m", WORKER_MODULE, str(tmp_path / "train.py"), "--epochs", "2"],
+                          env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"__main__ {[str(tmp_path / 'train.py'), '--epochs', '2']} 42 True"
+
+
+def test_the_entry_runs_a_module_and_says_how_to_call_it(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text("import sys\nprint(__name__, sys.argv[1:])\nsys.exit(3)\n")
+    env = dict(os.environ, PYTHONPATH=REPO)
+    done = subprocess.run([sys.executable, "-m", WORKER_MODULE, "-m", "pkg.train", "x"], env=env, cwd=str(tmp_path),
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout.strip()) == (3, "__main__ ['x']"), done.stderr
+    bare = subprocess.run([sys.executable, "-m", WORKER_MODULE], env=env, capture_output=True, text=True, timeout=120)
+    assert bare.returncode == 2 and "usage: python -m elastic_ext.launch.worker" in bare.stderr
