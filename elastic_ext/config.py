@@ -13,28 +13,10 @@ from typing import Any, Mapping, Optional
 from elastic_ext.errors import ConfigError
 
 ENV_PREFIX = "ELASTIC_EXT_"
-ENV_ROLLBACK_LIMIT = "ELASTIC_EXT_ROLLBACK_LIMIT"
 ENV_EVENTS_PATH = "ELASTIC_EXT_EVENTS_PATH"
-ENV_VERIFY_SYNC = "ELASTIC_EXT_VERIFY_SYNC"
-ENV_COMMIT_BUFFERS = "ELASTIC_EXT_COMMIT_BUFFERS"
-ENV_LOG_COMMITS = "ELASTIC_EXT_LOG_COMMITS"
 ENV_CHECKPOINT_DIR = "ELASTIC_EXT_CHECKPOINT_DIR"
-ENV_CHECKPOINT_EVERY = "ELASTIC_EXT_CHECKPOINT_EVERY"
-ENV_CHECKPOINT_KEEP_LAST = "ELASTIC_EXT_CHECKPOINT_KEEP_LAST"
-ENV_CHECKPOINT_KEEP_EVERY = "ELASTIC_EXT_CHECKPOINT_KEEP_EVERY"
-ENV_CHECKPOINT_WAIT_S = "ELASTIC_EXT_CHECKPOINT_WAIT_S"
-ENV_CHECKPOINT_NICE = "ELASTIC_EXT_CHECKPOINT_NICE"
-ENV_OVERLAP_COMMIT = "ELASTIC_EXT_OVERLAP_COMMIT"
-ENV_PRESTART_NEWCOMERS = "ELASTIC_EXT_PRESTART_NEWCOMERS"
-ENV_ABORT_CONNECTIONS = "ELASTIC_EXT_ABORT_CONNECTIONS"
-ENV_HEARTBEAT_PERIOD_S = "ELASTIC_EXT_HEARTBEAT_PERIOD_S"
-ENV_RENDEZVOUS_TIMEOUT_S = "ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S"
 ENV_HOROVOD_GLOO_TIMEOUT = "HOROVOD_GLOO_TIMEOUT_SECONDS"
-ENV_HANG_TIMEOUT_S = "ELASTIC_EXT_HANG_TIMEOUT_S"
-ENV_STALL_TIMEOUT_S = "ELASTIC_EXT_STALL_TIMEOUT_S"
-ENV_TERM_GRACE_S = "ELASTIC_EXT_TERM_GRACE_S"
-ENV_FIRST_STEP_TIMEOUT_S = "ELASTIC_EXT_FIRST_STEP_TIMEOUT_S"
-# Read at import, before any ElasticConfig: a worker restarted in place by its keeper (elastic_ext.launch.keeper).
+# Read by the launcher and its workers' entry module, before any ElasticConfig (elastic_ext.launch.keeper).
 ENV_RESTART_IN_PLACE = "ELASTIC_EXT_RESTART_IN_PLACE"
 ENV_RESTARTED_IN_PLACE = "ELASTIC_EXT_RESTARTED_IN_PLACE"  # set by the keeper: 0 for its first child, k after k restarts
 ENV_LAUNCHER = "ELASTIC_EXT_LAUNCHER"  # set by elastic-horovodrun for its workers: their entry module ran
@@ -69,6 +51,19 @@ def _parse_float(name: str, text: str) -> float:
         raise ConfigError(f"{name} ({text!r}) must be a number") from None
 
 
+def _parse_path(name: str, text: str) -> str:
+    return text
+
+
+# How a variable's text becomes a field's value, by the type of the field's default (None: a path).
+_PARSERS = {bool: _parse_bool, int: _parse_int, float: _parse_float, type(None): _parse_path}
+
+
+def env_name(field: str) -> str:
+    """The variable that sets ``ElasticConfig.<field>``: ``ELASTIC_EXT_`` and the field's name in capitals."""
+    return ENV_PREFIX + field.upper()
+
+
 @dataclasses.dataclass(frozen=True)
 class ElasticConfig:
     """Settings of the committed state and the ``run`` decorator.
@@ -100,12 +95,13 @@ class ElasticConfig:
             after every newcomer has built its model and reached
             ``@elastic_ext.run`` (see :mod:`elastic_ext.launch.prestart`):
             survivors no longer stand idle while newcomers import the
-            framework and build the model. Scripts must import
-            ``elastic_ext`` before calling ``hvd.init()``; a newcomer that
-            does not announce itself is waited for at most
-            ``rendezvous_timeout_s`` (120 s if that is 0). Such a scale-up
-            counts twice against ``horovodrun --reset-limit``. Only under
-            an elastic ``horovodrun``.
+            framework and build the model. On by default; it takes effect
+            under ``elastic-horovodrun`` only, whose entry module starts a
+            newcomer in a world of one (under plain ``horovodrun`` the job
+            resets at once, as Horovod does). A newcomer that does not
+            announce itself is waited for at most ``rendezvous_timeout_s``
+            (120 s if that is 0) while the survivors train. Such a scale-up
+            counts twice against ``horovodrun --reset-limit``.
         checkpoint_dir: directory (or fsspec URL) for durable checkpoints of
             the committed state, written in the background by rank 0 (see
             :mod:`elastic_ext.checkpoint`); a fresh job resumes from the
@@ -119,6 +115,13 @@ class ElasticConfig:
             checkpoint write to finish when the next one is due; if it is
             still running then, this commit's checkpoint is skipped (logged)
             and the next commit is checkpointed instead.
+        checkpoint_failure_limit: after this many checkpoint writes failed
+            in a row (a full disk, lost storage credentials, a bad path),
+            every rank stops at the next commit with ``CheckpointError``
+            rather than train on for days with no checkpoint to resume
+            from; a ``checkpoint_failing`` event says so first. Every failed
+            write is retried at the next commit, so a brief storage outage
+            of fewer writes than this costs nothing.
         checkpoint_nice: the niceness (0 to 19) of the background write's
             thread. The write needs about 0.55 s of CPU per GB (checksum,
             copy into the page cache); where every core trains, that time
@@ -180,6 +183,7 @@ class ElasticConfig:
     checkpoint_keep_every: int = 0
     checkpoint_wait_s: float = 0.0
     checkpoint_nice: int = 0
+    checkpoint_failure_limit: int = 5
     abort_connections: bool = True
     heartbeat_period_s: float = 0.5
     hang_timeout_s: float = 10.0
@@ -214,7 +218,8 @@ class ElasticConfig:
         if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str)
                                                 or not self.checkpoint_dir.strip()):
             raise ConfigError(f"checkpoint_dir ({self.checkpoint_dir!r}) must be a non-empty path or None")
-        for name, low in (("checkpoint_every", 1), ("checkpoint_keep_last", 1), ("checkpoint_keep_every", 0)):
+        for name, low in (("checkpoint_every", 1), ("checkpoint_keep_last", 1), ("checkpoint_keep_every", 0),
+                          ("checkpoint_failure_limit", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"{name} ({value!r}) must be an integer >= {low}")
@@ -227,45 +232,19 @@ class ElasticConfig:
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides: Any) -> "ElasticConfig":
-        """Builds a config from arguments, then ``ELASTIC_EXT_*`` variables, then defaults."""
+        """Builds a config from arguments, then ``ELASTIC_EXT_*`` variables (:func:`env_name`), then defaults."""
         env = os.environ if environ is None else environ
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(overrides) - known
         if unknown:
             raise ConfigError(f"unknown ElasticConfig fields {sorted(unknown)}; expected some of {sorted(known)}")
         values: dict = {}
-        if ENV_ROLLBACK_LIMIT in env:
-            values["rollback_limit"] = _parse_int(ENV_ROLLBACK_LIMIT, env[ENV_ROLLBACK_LIMIT])
-        if env.get(ENV_EVENTS_PATH):
-            values["events_path"] = env[ENV_EVENTS_PATH]
-        if ENV_VERIFY_SYNC in env:
-            values["verify_sync"] = _parse_bool(ENV_VERIFY_SYNC, env[ENV_VERIFY_SYNC])
-        if ENV_COMMIT_BUFFERS in env:
-            values["commit_buffers"] = _parse_int(ENV_COMMIT_BUFFERS, env[ENV_COMMIT_BUFFERS])
-        if ENV_LOG_COMMITS in env:
-            values["log_commits"] = _parse_bool(ENV_LOG_COMMITS, env[ENV_LOG_COMMITS])
-        if ENV_OVERLAP_COMMIT in env:
-            values["overlap_commit"] = _parse_bool(ENV_OVERLAP_COMMIT, env[ENV_OVERLAP_COMMIT])
-        if ENV_PRESTART_NEWCOMERS in env:
-            values["prestart_newcomers"] = _parse_bool(ENV_PRESTART_NEWCOMERS, env[ENV_PRESTART_NEWCOMERS])
-        if env.get(ENV_CHECKPOINT_DIR):
-            values["checkpoint_dir"] = env[ENV_CHECKPOINT_DIR]
-        for field, var in (("checkpoint_every", ENV_CHECKPOINT_EVERY),
-                           ("checkpoint_keep_last", ENV_CHECKPOINT_KEEP_LAST),
-                           ("checkpoint_keep_every", ENV_CHECKPOINT_KEEP_EVERY),
-                           ("checkpoint_nice", ENV_CHECKPOINT_NICE)):
-            if var in env:
-                values[field] = _parse_int(var, env[var])
-        if ENV_CHECKPOINT_WAIT_S in env:
-            values["checkpoint_wait_s"] = _parse_float(ENV_CHECKPOINT_WAIT_S, env[ENV_CHECKPOINT_WAIT_S])
-        if ENV_ABORT_CONNECTIONS in env:
-            values["abort_connections"] = _parse_bool(ENV_ABORT_CONNECTIONS, env[ENV_ABORT_CONNECTIONS])
-        for field, var in (("heartbeat_period_s", ENV_HEARTBEAT_PERIOD_S), ("hang_timeout_s", ENV_HANG_TIMEOUT_S),
-                           ("stall_timeout_s", ENV_STALL_TIMEOUT_S), ("term_grace_s", ENV_TERM_GRACE_S),
-                           ("first_step_timeout_s", ENV_FIRST_STEP_TIMEOUT_S),
-                           ("rendezvous_timeout_s", ENV_RENDEZVOUS_TIMEOUT_S)):
-            if var in env:
-                values[field] = _parse_float(var, env[var])
+        for field in dataclasses.fields(cls):
+            name = env_name(field.name)
+            text = env.get(name)
+            if text is None or (field.default is None and not text.strip()):
+                continue  # an empty path means "not set", as if the variable were absent
+            values[field.name] = _PARSERS[type(field.default)](name, text)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 

@@ -77,7 +77,12 @@ Durable checkpoints (the checkpoint writer, and State on resume):
   still ran after ``checkpoint_wait_s``; ``commit_id``, ``running``,
   ``wait_s``.
 - ``checkpoint_failed`` (:data:`CHECKPOINT_FAILED`): a write failed,
-  training goes on; ``commit_id``, ``error``.
+  training goes on (the next commit tries again); ``commit_id``, ``error``,
+  ``failures_in_a_row``.
+- ``checkpoint_failing`` (:data:`CHECKPOINT_FAILING`): writes failed
+  ``checkpoint_failure_limit`` times in a row; at its next commit every rank
+  stops with ``CheckpointError``; ``commit_id``, ``failures_in_a_row``,
+  ``limit``, ``error``.
 - ``checkpoint_resumed`` (:data:`CHECKPOINT_RESUMED`): a new job started
   from a checkpoint; ``commit_id``, ``path``, ``world_size``,
   ``data_cursor``.
@@ -110,6 +115,7 @@ LEAVE = "leave"
 CHECKPOINT = "checkpoint"
 CHECKPOINT_SKIPPED = "checkpoint_skipped"
 CHECKPOINT_FAILED = "checkpoint_failed"
+CHECKPOINT_FAILING = "checkpoint_failing"
 CHECKPOINT_RESUMED = "checkpoint_resumed"
 NUMERIC_ROLLBACK = "numeric_rollback"
 STRAGGLER = "straggler"
@@ -118,8 +124,8 @@ RESTARTED_IN_PLACE = "restarted_in_place"
 
 #: Every event name elastic_ext emits (the module docstring says what each means).
 ALL_EVENTS = (COMMIT, SYNC, ROLLBACK, ROLLBACK_LIMIT, RESIZE, PRESTART, NEWCOMERS_JOINED, RESET, RECOVERED,
-              FINISH, STALL, SUSPENDED, LEAVE, CHECKPOINT, CHECKPOINT_SKIPPED, CHECKPOINT_FAILED, CHECKPOINT_RESUMED, NUMERIC_ROLLBACK,
-              STRAGGLER, JOB_RESTART, RESTARTED_IN_PLACE)
+              FINISH, STALL, SUSPENDED, LEAVE, CHECKPOINT, CHECKPOINT_SKIPPED, CHECKPOINT_FAILED, CHECKPOINT_FAILING,
+              CHECKPOINT_RESUMED, NUMERIC_ROLLBACK, STRAGGLER, JOB_RESTART, RESTARTED_IN_PLACE)
 
 
 class EventLog:

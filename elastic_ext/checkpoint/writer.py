@@ -28,7 +28,8 @@ from elastic_ext.checkpoint.format import Loaded
 from elastic_ext.checkpoint.store import CheckpointStore
 from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import CheckpointError, error_detail
-from elastic_ext.events import CHECKPOINT, CHECKPOINT_FAILED, CHECKPOINT_RESUMED, CHECKPOINT_SKIPPED, EventLog
+from elastic_ext.events import (CHECKPOINT, CHECKPOINT_FAILED, CHECKPOINT_FAILING, CHECKPOINT_RESUMED,
+                                CHECKPOINT_SKIPPED, EventLog)
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,11 @@ class Checkpointer:
     checkpoint is skipped (warning and a ``checkpoint_skipped`` event) and the
     next commit is checkpointed instead. A commit therefore never waits more
     than ``checkpoint_wait_s`` on storage.
+
+    A failed write is retried at the next commit. After
+    ``checkpoint_failure_limit`` failures in a row, :meth:`failing` says
+    what failed (and a ``checkpoint_failing`` event is written once): the
+    State then stops every rank at its next commit.
 
     Args:
         config: the State's :class:`~elastic_ext.ElasticConfig`.
@@ -59,6 +65,8 @@ class Checkpointer:
         self._owed = False                               # a due checkpoint was skipped
         self._result_id = -1                             # commit id of the running (or last) write
         self.last_written: Optional[int] = None
+        self.failures_in_a_row = 0
+        self._last_error: Optional[str] = None
         atexit.register(_wait_at_exit, weakref.ref(self))
 
     def _collect(self) -> None:
@@ -70,8 +78,25 @@ class Checkpointer:
         commit_id, error = self._result
         if error is None:
             self.last_written = max(commit_id, self.last_written or 0)
-        else:
-            self._owed = True  # the next commit tries again rather than waiting a whole interval
+            self.failures_in_a_row = 0
+            return
+        self._owed = True  # the next commit tries again rather than waiting a whole interval
+        self.failures_in_a_row += 1
+        self._last_error = error_detail(error)
+        limit = self._config.checkpoint_failure_limit
+        if self.failures_in_a_row == limit:
+            logger.critical("%d checkpoint writes failed in a row (checkpoint_failure_limit); the job stops at the "
+                            "next commit. Last error: %s", limit, self._last_error)
+            self._events.emit(CHECKPOINT_FAILING, commit_id=commit_id, failures_in_a_row=limit, limit=limit,
+                              error=self._last_error)
+
+    def failing(self) -> Optional[str]:
+        """What failed, once ``checkpoint_failure_limit`` writes failed in a row; else None."""
+        self._collect()
+        if self.failures_in_a_row < self._config.checkpoint_failure_limit:
+            return None
+        return (f"{self.failures_in_a_row} writes in a row to {self.store.directory} failed, the last with: "
+                f"{self._last_error}")
 
     # writing --------------------------------------------------------------
 
@@ -117,7 +142,8 @@ class Checkpointer:
             path = write_checkpoint(self.store.directory, commit_id, lease.entries, info)
         except Exception as exc:  # noqa: BLE001 - reported here and in the event; training goes on
             logger.error("checkpoint of commit %d failed: %s", commit_id, exc)
-            self._events.emit(CHECKPOINT_FAILED, commit_id=commit_id, error=error_detail(exc))
+            self._events.emit(CHECKPOINT_FAILED, commit_id=commit_id, error=error_detail(exc),
+                              failures_in_a_row=self.failures_in_a_row + 1)
             self._result = (commit_id, exc)
             return
         finally:

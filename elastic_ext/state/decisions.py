@@ -1,10 +1,11 @@
-"""What every rank decides together at a commit, from its one collective: resize, leave, evict, start newcomers.
+"""What every rank decides together at a commit, from its one collective: resize, leave, evict, stop.
 
 :class:`~elastic_ext.state.host_updates.HostUpdates` runs the commit's
 allreduce; :func:`decide_at_commit` acts on what it agreed, the same way on
-every rank: it evicts a straggler the table names (through the leave path),
-reports an early start of newcomers beginning or ending, and raises
-``HostsUpdatedInterrupt`` everywhere when the world changes.
+every rank: it stops the job when rank 0's checkpoints keep failing, evicts
+a straggler the table names (through the leave path), reports an early
+start of newcomers beginning or ending, and raises ``HostsUpdatedInterrupt``
+everywhere when the world changes.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Optional
 
 from elastic_ext.binding import Binding
+from elastic_ext.errors import CheckpointError
 from elastic_ext.events import NEWCOMERS_JOINED, PRESTART, STRAGGLER, EventLog
 from elastic_ext.policies.eviction import StragglerWatch, host_name
 from elastic_ext.state.host_updates import EarlyStart, HostUpdates
@@ -19,10 +21,15 @@ from elastic_ext.liveness import Liveness
 
 
 def decide_at_commit(hosts: HostUpdates, straggler: StragglerWatch, binding: Binding, objects: Iterable[Any],
-                     commit_id: int, liveness: Liveness, term_grace_s: float, events: EventLog) -> None:
+                     commit_id: int, liveness: Liveness, term_grace_s: float, events: EventLog,
+                     checkpoints_failing: Optional[str] = None) -> None:
     """Runs the commit's collective and acts on it (see the module docstring).
 
+    ``checkpoints_failing``: on the rank whose checkpoint writer failed
+    ``checkpoint_failure_limit`` times in a row, what failed; every rank then stops.
+
     Raises:
+        CheckpointError: on every rank together, when some rank's checkpoints keep failing.
         HostsUpdatedInterrupt: on every rank together, when hosts changed or a rank leaves.
         StateDivergenceError: ranks hold different commit ids.
     """
@@ -30,7 +37,14 @@ def decide_at_commit(hosts: HostUpdates, straggler: StragglerWatch, binding: Bin
     local_size = getattr(binding, "local_size", None)
     slots = straggler.slots(rank, size, objects, local_size() if local_size is not None and straggler.enabled else 1)
     before = hosts.prestart
-    skip_sync, reduced = hosts.agree(binding, commit_id, liveness.leaving(), slots)
+    skip_sync, reduced = hosts.agree(binding, commit_id, liveness.leaving(), slots,
+                                     stop=checkpoints_failing is not None)
+    if hosts.stopped:
+        raise CheckpointError(
+            f"stopping at commit {commit_id}: durable checkpoints keep failing on rank 0 "
+            f"({checkpoints_failing or 'see its checkpoint_failed events'}); the job would otherwise train on "
+            "with no checkpoint to resume from. Fix the storage and start the job again: it resumes from the "
+            "newest valid checkpoint")
     _report_prestart(hosts, before, commit_id, events)
     evicted = straggler.decide(reduced, size) if reduced is not None else None
     if evicted is not None:

@@ -45,3 +45,10 @@ class DurableCommits:
                 "commit_time": self._commit_time, "data_cursor": self._tracked.cursors(self._buffers.entries),
                 "adapters": {name: self._tracked.adapter(name).name for name in names}}
         writer.on_commit(self.commit_id, names, info, force=force)
+
+    def _checkpoints_failing(self) -> Optional[str]:
+        """On rank 0, what failed once its writes failed ``checkpoint_failure_limit`` times in a row; else None."""
+        writer = self._checkpointer
+        if writer is None or self._safe_rank() != 0:
+            return None
+        return writer.failing()

@@ -13,6 +13,8 @@ commit and acts on it together:
 - the commit id, as its maximum and the maximum of its negation, so ranks
   that disagree on it fail at the commit where it happens, not at the next
   sync;
+- whether rank 0's checkpoint writer failed ``checkpoint_failure_limit``
+  times in a row: every rank then stops together (:class:`~elastic_ext.errors.CheckpointError`);
 - anything else that rides along (the straggler table).
 """
 
@@ -47,7 +49,7 @@ class EarlyStart(Protocol):
 # Horovod's HostUpdateResult flags, repeated here so the core needs no Horovod import.
 HOSTS_REMOVED = 1
 HOSTS_ADDED = 2
-FIELDS = 7  # the vector's fixed part; the extra follows
+FIELDS = 8  # the vector's fixed part; the extra follows
 
 
 @dataclasses.dataclass
@@ -60,13 +62,15 @@ class Agreed:
     added: bool
     newcomers_ready: bool       # an early start's newcomers are all waiting (or it gave up)
     extra: Optional[np.ndarray]  # element-wise maximum of every rank's extra
+    stop: bool = False          # some rank asks every rank to stop (its checkpoints keep failing)
 
 
 def agreement_vector(commit_id: int, newest: int, flags: int, leaving: bool,
-                     extra: Optional[np.ndarray] = None, newcomers_ready: bool = False) -> np.ndarray:
+                     extra: Optional[np.ndarray] = None, newcomers_ready: bool = False,
+                     stop: bool = False) -> np.ndarray:
     """What one rank contributes to a commit's allreduce (see the module docstring)."""
     vector = np.array([newest, flags & HOSTS_REMOVED, (flags & HOSTS_ADDED) >> 1, int(leaving),
-                       int(newcomers_ready), commit_id, -commit_id], dtype=np.int64)
+                       int(newcomers_ready), commit_id, -commit_id, int(stop)], dtype=np.int64)
     if extra is not None:
         vector = np.concatenate([vector, np.asarray(extra, dtype=np.int64)])
     return vector
@@ -78,7 +82,7 @@ def read_agreement(reduced: np.ndarray, commit_id: int, has_extra: bool) -> Agre
     Raises:
         StateDivergenceError: ranks held different commit ids.
     """
-    newest, removed, added, leaving, ready, highest, negated_lowest = (int(x) for x in reduced[:FIELDS])
+    newest, removed, added, leaving, ready, highest, negated_lowest, stop = (int(x) for x in reduced[:FIELDS])
     lowest = -negated_lowest
     if highest != lowest:
         raise StateDivergenceError(
@@ -86,17 +90,18 @@ def read_agreement(reduced: np.ndarray, commit_id: int, has_extra: bool) -> Agre
             f"{commit_id}); every rank must call commit() the same number of times between syncs "
             "(save() is local and does not count for the others)")
     return Agreed(newest, bool(leaving), bool(removed), bool(added), bool(ready),
-                  reduced[FIELDS:] if has_extra else None)
+                  reduced[FIELDS:] if has_extra else None, bool(stop))
 
 
 def agree_at_commit(binding: Binding, commit_id: int, newest: int, flags: int, leaving: bool,
-                    extra: Optional[np.ndarray] = None, newcomers_ready: bool = False) -> Agreed:
+                    extra: Optional[np.ndarray] = None, newcomers_ready: bool = False,
+                    stop: bool = False) -> Agreed:
     """The blocking allreduce of a commit.
 
     Raises:
         StateDivergenceError: ranks hold different commit ids.
     """
-    vector = agreement_vector(commit_id, newest, flags, leaving, extra, newcomers_ready)
+    vector = agreement_vector(commit_id, newest, flags, leaving, extra, newcomers_ready, stop)
     return read_agreement(binding.allreduce_max(vector, "elastic_ext.hosts"), commit_id, extra is not None)
 
 
@@ -126,6 +131,7 @@ class HostUpdates:
         self.prestart_factory = prestart
         self.prestart: Optional[EarlyStart] = None   # the early start under way
         self.joined: Optional[EarlyStart] = None     # the one that ended at the last resize
+        self.stopped = False  # some rank asked every rank to stop (its checkpoints keep failing)
         # (wait for the result, the commit id it agrees, whether it carries extra)
         self._in_flight: Optional[Tuple[Callable[[], np.ndarray], int, bool]] = None
         self._settled: Optional[Tuple[np.ndarray, int, bool]] = None  # its result, once waited for
@@ -166,11 +172,12 @@ class HostUpdates:
         return newest, flags
 
     def agree(self, binding: Binding, commit_id: int, leaving: bool,
-              extra: Optional[np.ndarray] = None) -> Tuple[Optional[bool], Optional[np.ndarray]]:
+              extra: Optional[np.ndarray] = None, stop: bool = False) -> Tuple[Optional[bool], Optional[np.ndarray]]:
         """Runs a commit's allreduce. Returns (None if nothing changed, else
         ``skip_sync`` for the ``HostsUpdatedInterrupt`` every rank then raises together;
         the reduced ``extra``). With ``overlap``, both are those of the previous
-        commit's allreduce, (None, None) if there is none.
+        commit's allreduce, (None, None) if there is none. ``stop``: this rank
+        asks every rank to stop; :attr:`stopped` says whether some rank did.
 
         Raises:
             StateDivergenceError: ranks hold different commit ids.
@@ -178,8 +185,8 @@ class HostUpdates:
         newest, flags = self._drain()
         ready = self.prestart is not None and self.prestart.ready()
         if not self.overlap:
-            return self._act(agree_at_commit(binding, commit_id, newest, flags, leaving, extra, ready))
-        vector = agreement_vector(commit_id, newest, flags, leaving, extra, ready)
+            return self._act(agree_at_commit(binding, commit_id, newest, flags, leaving, extra, ready, stop))
+        vector = agreement_vector(commit_id, newest, flags, leaving, extra, ready, stop)
         self.settle()
         previous, self._settled = self._settled, None
         result: Tuple[Optional[bool], Optional[np.ndarray]] = (None, None)
@@ -192,6 +199,7 @@ class HostUpdates:
         return result
 
     def _act(self, agreed: Agreed) -> Tuple[Optional[bool], Optional[np.ndarray]]:
+        self.stopped = self.stopped or agreed.stop
         changed = agreed.newest > self.last_timestamp
         if changed:
             self.last_timestamp = agreed.newest

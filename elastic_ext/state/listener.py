@@ -60,6 +60,8 @@ class HorovodListener:
 
         Raises:
             StateDivergenceError: ranks hold different commit ids.
+            CheckpointError: rank 0's checkpoints keep failing (every rank stops together).
         """
         decide_at_commit(self._hosts, self._straggler, self._binding, self._tracked.objects.values(),
-                         self.commit_id, self._liveness, self._config.term_grace_s, self._events)
+                         self.commit_id, self._liveness, self._config.term_grace_s, self._events,
+                         self._checkpoints_failing())

@@ -207,6 +207,9 @@ class State(HorovodListener, DurableCommits):
                 is left intact.
             HostsUpdatedInterrupt: hosts were added or removed (after the
                 commit has been made).
+            CheckpointError: rank 0's checkpoint writes failed
+                ``checkpoint_failure_limit`` times in a row; raised on every
+                rank together (after the commit has been made).
         """
         started = time.perf_counter()
         self._liveness.progress()
