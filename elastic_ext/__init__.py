@@ -9,7 +9,8 @@ The core imports no framework: ``elastic_ext.torch`` and
 :class:`State` (or the user) need them.
 """
 
-from elastic_ext.state.adapters import Adapter, Capture, Entry, GlobalRNG
+from elastic_ext.state.adapters import Adapter, GlobalRNG
+from elastic_ext.state.snapshot import Capture, Entry
 from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import (CheckpointError, ConfigError, CorruptCheckpointError, DiscoveryError,
                                 ElasticExtError, NotCommittedError, NumericFaultError, NumericRollbackLimitError,

@@ -37,15 +37,9 @@ from typing import Iterator, Optional, Tuple, Union
 import numpy as np
 
 from elastic_ext.errors import PartitionError
-# The order itself lives in permutation.py; its names stay importable from here,
-# where users (and the sampler) have always found them.
-from elastic_ext.data.permutation import (ROUNDS, SMALL_ROUNDS, SMALL_SIZE, ArrayOrder, EpochOrder,
-                                     FeistelOrder, IdentityOrder, as_order, epoch_order, index_dtype,
-                                     round_keys)
+from elastic_ext.data.permutation import EpochOrder, as_order
 
-__all__ = ["POLICIES", "BLOCK_ELEMENTS", "ROUNDS", "SMALL_ROUNDS", "SMALL_SIZE", "ArrayOrder", "EpochOrder",
-           "FeistelOrder", "IdentityOrder", "Plan", "as_order", "epoch_order", "index_dtype", "local_batch",
-           "plan", "round_keys", "share", "steps_left"]
+__all__ = ["POLICIES", "BLOCK_ELEMENTS", "Plan", "local_batch", "plan", "share", "steps_left"]
 
 POLICIES = ("drop", "pad")
 

@@ -21,6 +21,7 @@ from typing import Callable, Iterator, List, Optional, Tuple
 import numpy as np
 
 from elastic_ext.data import partition
+from elastic_ext.data import permutation
 from elastic_ext.errors import PartitionError, StateDivergenceError
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class ElasticPartitioner:
         self.cursor = 0
         # Skipped position ranges [epoch, start, stop) of the order (committed; see skip()).
         self.skipped: List[List[int]] = []
-        self._order: Optional[partition.EpochOrder] = None
+        self._order: Optional[permutation.EpochOrder] = None
         self._order_key: Optional[tuple] = None
         # Called at every record_step(): a State tracking this sampler sets it to
         # its liveness' progress, so the stall check sees steps (None: no report).
@@ -197,12 +198,12 @@ class ElasticPartitioner:
 
     # ------------------------------------------------------------- batches
 
-    def order(self) -> partition.EpochOrder:
+    def order(self) -> permutation.EpochOrder:
         """This epoch's order: a virtual permutation (entries computed when
         indexed, nothing of the dataset's size held), cached per epoch."""
         key = (self.size, self.seed, self.epoch, self.shuffle)
         if self._order_key != key:
-            self._order = partition.epoch_order(self.size, self.seed, self.epoch, self.shuffle)
+            self._order = permutation.epoch_order(self.size, self.seed, self.epoch, self.shuffle)
             self._order_key = key
         return self._order
 

@@ -37,19 +37,11 @@ from typing import Any, Deque, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-# The errors live in errors.py; guard.NumericFaultError and guard.NumericRollbackLimitError keep working.
 from elastic_ext.errors import ConfigError, NumericFaultError, NumericRollbackLimitError
-from elastic_ext.events import NUMERIC_ROLLBACK
-# The signal and its agreement live in numeric_signal.py; guard.X keeps working for them.
-from elastic_ext.policies.numeric_signal import SIGNAL_WIDTH, GlobalSignal, LocalSignal, agree, reduce_rows
+from elastic_ext.policies.numeric_signal import GlobalSignal
 
-__all__ = ["EVENT_NUMERIC_ROLLBACK", "LOSS_SPIKE", "MAD_TO_SIGMA", "NONFINITE_GRADIENT", "NONFINITE_LOSS",
-           "REASONS", "SIGNAL_WIDTH", "FaultCounter", "GlobalSignal", "LocalSignal", "LossWindow", "NumericFaultError",
-           "NumericGuard", "NumericRollbackLimitError", "Verdict", "agree", "reduce_rows"]
-
-#: Event written by every rank when a numeric fault rolls the job back (fields: Verdict.fields(), commit_id,
-#: rollbacks_in_a_row, steps_rolled_back, skipped positions); the constant is events.NUMERIC_ROLLBACK.
-EVENT_NUMERIC_ROLLBACK = NUMERIC_ROLLBACK
+__all__ = ["LOSS_SPIKE", "MAD_TO_SIGMA", "NONFINITE_GRADIENT", "NONFINITE_LOSS", "REASONS", "FaultCounter",
+           "LossWindow", "NumericGuard", "Verdict"]
 
 NONFINITE_LOSS = "nonfinite_loss"
 NONFINITE_GRADIENT = "nonfinite_gradient"

@@ -21,7 +21,8 @@ from typing import Any, Iterable, Mapping, Optional, Tuple
 import numpy as np
 
 from elastic_ext.errors import ConfigError, NumericFaultError, StateError
-from elastic_ext.policies.guard import LocalSignal, NumericGuard, Verdict, agree
+from elastic_ext.policies.guard import NumericGuard, Verdict
+from elastic_ext.policies.numeric_signal import LocalSignal, agree
 
 #: Name under which a State with a guard tracks the guard's LossWindow (reserved: no user object may take it).
 WINDOW_NAME = "numeric_guard_window"

@@ -29,10 +29,8 @@ import numpy as np
 
 from elastic_ext.state import tree
 from elastic_ext.errors import StateError
-# Capture, Entry and the sources are the adapter's vocabulary; they are also
-# imported from here by modules written before elastic_ext.state.snapshot existed.
-from elastic_ext.state.snapshot import (PLAIN_SCALARS, ArraySource, Capture, Entry, NumpySource, check_plain,  # noqa: F401
-                                  decode_plain, encode_plain, join_captures, split_entry)
+from elastic_ext.state.snapshot import (PLAIN_SCALARS, Capture, Entry, NumpySource, check_plain, decode_plain,
+                                        encode_plain, join_captures, split_entry)
 
 
 @runtime_checkable

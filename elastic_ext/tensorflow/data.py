@@ -7,6 +7,7 @@ from typing import Any
 import tensorflow as tf
 
 from elastic_ext.data import partition
+from elastic_ext.data import permutation
 from elastic_ext.data.sampler import ElasticPartitioner
 
 
@@ -47,7 +48,7 @@ def plan_at(sampler: ElasticPartitioner, epoch: int, cursor: int) -> partition.P
     rank, size = sampler.world()
     # Not sampler.order(): its cache follows the sampler's epoch, which the
     # training thread moves while a tf.data thread plans ahead.
-    order = partition.epoch_order(sampler.size, sampler.seed, epoch, sampler.shuffle)
+    order = permutation.epoch_order(sampler.size, sampler.seed, epoch, sampler.shuffle)
     return partition.plan(order, cursor, sampler.global_batch, size, rank, sampler.policy)
 
 

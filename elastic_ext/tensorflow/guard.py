@@ -1,7 +1,7 @@
 """The numeric guard's local signal for TensorFlow: loss, finiteness and gradient norm.
 
 :func:`local_row` builds the 5 numbers of
-:class:`elastic_ext.policies.guard.LocalSignal` as one ``(1, 5)`` float64 tensor; it
+:class:`elastic_ext.policies.numeric_signal.LocalSignal` as one ``(1, 5)`` float64 tensor; it
 works inside ``tf.function`` (return the row from the compiled step) and
 eagerly. :func:`agree_step` then runs the guard's one collective, a Horovod
 allgather of that row, through
@@ -21,7 +21,7 @@ from typing import Any, Iterable, Optional, Union
 import numpy as np
 import tensorflow as tf
 
-from elastic_ext.policies.guard import GlobalSignal, agree
+from elastic_ext.policies.numeric_signal import GlobalSignal, agree
 
 
 def _squared_norm(grads: Iterable[Any]) -> tf.Tensor:
@@ -55,7 +55,7 @@ def local_row(loss: Union[tf.Tensor, float], grads: Iterable[Any] = (),
 
 def agree_step(loss: Union[tf.Tensor, float], grads: Iterable[Any] = (), samples: Union[int, tf.Tensor] = 1,
                binding: Optional[Any] = None) -> GlobalSignal:
-    """The step's :class:`~elastic_ext.policies.guard.GlobalSignal`, identical on every rank (one allgather). Eager.
+    """The step's :class:`~elastic_ext.policies.numeric_signal.GlobalSignal`, identical on every rank (one allgather). Eager.
 
     Raises:
         HorovodInternalError: the allgather failed (a peer is gone).

@@ -141,7 +141,7 @@ class CommitFaultProbe:
         return obj is self
 
     def capture(self, obj):
-        from elastic_ext.state.adapters import Capture
+        from elastic_ext.state.snapshot import Capture
         probe = self
 
         class Source:

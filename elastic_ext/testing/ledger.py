@@ -26,7 +26,7 @@ from elastic_ext.events import NUMERIC_ROLLBACK
 from elastic_ext.launch.supervise import ENV_RESTART
 
 RESTART_STRIDE = 1_000_000  # generations of restart k are read as k * RESTART_STRIDE + generation
-from elastic_ext.data.partition import epoch_order
+from elastic_ext.data.permutation import epoch_order
 
 
 class Ledger:

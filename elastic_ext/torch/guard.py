@@ -1,7 +1,7 @@
 """The numeric guard's local signal for PyTorch: loss, finiteness and gradient norm.
 
 :func:`local_row` reduces a step's loss and gradients to the 5 numbers of
-:class:`elastic_ext.policies.guard.LocalSignal` on the gradients' device (one fused
+:class:`elastic_ext.policies.numeric_signal.LocalSignal` on the gradients' device (one fused
 norm per tensor, no per-element host work) and copies them to the host once;
 :func:`agree_step` then runs the guard's one collective, a Horovod allgather
 of that ``(1, 5)`` row, through :class:`elastic_ext.torch.binding.TorchBinding`.
@@ -21,7 +21,7 @@ from typing import Any, Iterable, Optional, Union
 import numpy as np
 import torch
 
-from elastic_ext.policies.guard import GlobalSignal, LocalSignal, agree
+from elastic_ext.policies.numeric_signal import GlobalSignal, LocalSignal, agree
 
 # Half-precision norms are taken in float32 (a float16 sum of squares overflows at 256);
 # float32 and float64 gradients keep their own precision (vector_norm refuses to narrow).
@@ -72,7 +72,7 @@ def local_row(loss: Union[torch.Tensor, float], grads: Gradients = (), samples: 
 
 def agree_step(loss: Union[torch.Tensor, float], grads: Gradients = (), samples: int = 1,
                binding: Optional[Any] = None) -> GlobalSignal:
-    """The step's :class:`~elastic_ext.policies.guard.GlobalSignal`, identical on every rank (one allgather).
+    """The step's :class:`~elastic_ext.policies.numeric_signal.GlobalSignal`, identical on every rank (one allgather).
 
     Raises:
         HorovodInternalError: the allgather failed (a peer is gone).

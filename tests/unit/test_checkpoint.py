@@ -13,7 +13,7 @@ import torch
 
 from elastic_ext import GlobalRNG, State, checkpoint
 from elastic_ext.state import tree
-from elastic_ext.state.adapters import Entry
+from elastic_ext.state.snapshot import Entry
 from elastic_ext.checkpoint import CheckpointStore, read_checkpoint, write_checkpoint
 from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import CheckpointError, ConfigError, CorruptCheckpointError

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from elastic_ext import checkpoint
-from elastic_ext.state.adapters import Entry
+from elastic_ext.state.snapshot import Entry
 from elastic_ext.state.buffers import PAGE_BYTES, CommitBuffers, aligned_empty
 from elastic_ext.checkpoint import direct, read_checkpoint, write_checkpoint
 from elastic_ext.errors import CheckpointError, CorruptCheckpointError

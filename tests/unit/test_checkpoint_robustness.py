@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 import faulty_fs
 from elastic_ext import checkpoint
-from elastic_ext.state.adapters import Entry
+from elastic_ext.state.snapshot import Entry
 from elastic_ext.checkpoint import CheckpointStore, read_checkpoint, write_checkpoint
 from elastic_ext.errors import CheckpointError, CheckpointReadError, CorruptCheckpointError
 from faulty_fs import Fault

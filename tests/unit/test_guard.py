@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from elastic_ext.errors import ConfigError, ElasticExtError, RollbackLimitError
-from elastic_ext.policies.guard import (LOSS_SPIKE, NONFINITE_GRADIENT, NONFINITE_LOSS, FaultCounter, GlobalSignal,
-                               LocalSignal, LossWindow, NumericFaultError, NumericGuard,
-                               NumericRollbackLimitError, Verdict, agree, reduce_rows)
+from elastic_ext.errors import NumericFaultError, NumericRollbackLimitError
+from elastic_ext.policies.guard import (LOSS_SPIKE, NONFINITE_GRADIENT, NONFINITE_LOSS, FaultCounter, LossWindow,
+                                        NumericGuard, Verdict)
+from elastic_ext.policies.numeric_signal import GlobalSignal, LocalSignal, agree, reduce_rows
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -6,18 +6,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elastic_ext.data import partition
+from elastic_ext.data import permutation
 from elastic_ext.errors import PartitionError, StateDivergenceError
 from elastic_ext.data.sampler import ElasticPartitioner
 
 
 def test_order_is_a_seeded_permutation():
-    a = partition.epoch_order(1000, seed=3, epoch=1)[:]
+    a = permutation.epoch_order(1000, seed=3, epoch=1)[:]
     assert sorted(a.tolist()) == list(range(1000))
-    assert np.array_equal(a, partition.epoch_order(1000, seed=3, epoch=1)[:])
-    assert not np.array_equal(a, partition.epoch_order(1000, seed=3, epoch=2)[:])
-    assert np.array_equal(partition.epoch_order(10, 0, 0, shuffle=False)[:], np.arange(10))
-    assert partition.epoch_order(10, 0, 0)[:].dtype == np.int32
-    assert partition.epoch_order(2 ** 31, 0, 0)[:2].dtype == np.int64
+    assert np.array_equal(a, permutation.epoch_order(1000, seed=3, epoch=1)[:])
+    assert not np.array_equal(a, permutation.epoch_order(1000, seed=3, epoch=2)[:])
+    assert np.array_equal(permutation.epoch_order(10, 0, 0, shuffle=False)[:], np.arange(10))
+    assert permutation.epoch_order(10, 0, 0)[:].dtype == np.int32
+    assert permutation.epoch_order(2 ** 31, 0, 0)[:2].dtype == np.int64
 
 
 @pytest.mark.parametrize("size, cursor, global_batch, world, policy", [
@@ -25,7 +26,7 @@ def test_order_is_a_seeded_permutation():
     (0, 0, 4, 2, "pad"), (97, 97, 8, 8, "pad"), (10 ** 6 + 3, 5 * 10 ** 5, 960, 6, "pad"),
 ])
 def test_plan_steps_read_the_order_at_consecutive_positions(size, cursor, global_batch, world, policy):
-    order = partition.epoch_order(size, 4, 1)
+    order = permutation.epoch_order(size, 4, 1)
     explicit = order[:]
     for rank in range(world):
         plan = partition.plan(order, cursor, global_batch, world, rank, policy)
@@ -49,7 +50,7 @@ def test_plan_steps_read_the_order_at_consecutive_positions(size, cursor, global
 
 
 def test_a_plan_holds_no_indices():
-    plan = partition.plan(partition.epoch_order(10 ** 12, 0, 0), 12345, 4096, 16, 5, "pad")
+    plan = partition.plan(permutation.epoch_order(10 ** 12, 0, 0), 12345, 4096, 16, 5, "pad")
     assert not any(isinstance(value, np.ndarray) for value in vars(plan).values())
     assert plan.steps == (10 ** 12 - 12345) // 4096 + 1
     indices, pad = plan.batch(plan.steps - 1)
@@ -57,7 +58,7 @@ def test_a_plan_holds_no_indices():
 
 
 def test_the_padded_step_wraps_to_the_start_of_a_virtual_order():
-    order = partition.epoch_order(5, 2, 0)
+    order = permutation.epoch_order(5, 2, 0)
     plans = [partition.plan(order, 0, 12, 3, r, policy="pad") for r in range(3)]
     last = np.concatenate([p.indices[-1] for p in plans])
     pads = np.concatenate([p.pad[-1] for p in plans])
@@ -81,7 +82,7 @@ def test_share_rejects_bad_input(kwargs, message):
 
 
 def test_plan_rejects_bad_cursor_and_policy():
-    order = partition.epoch_order(10, 0, 0)
+    order = permutation.epoch_order(10, 0, 0)
     with pytest.raises(PartitionError, match=r"cursor \(11\) must be in \[0, 10\]"):
         partition.plan(order, 11, 2, 1, 0)
     with pytest.raises(PartitionError, match=r"policy \('wrap'\) must be one of"):
@@ -228,7 +229,7 @@ def test_committed_history_covers_every_index_exactly_once(size, batch, policy, 
         else:
             # Only the tail of the order, shorter than one global batch, is dropped.
             cursor, last_batch = job.ends[epoch]
-            order = partition.epoch_order(size, 11, epoch)
+            order = permutation.epoch_order(size, 11, epoch)
             assert missing == set(order[cursor:].tolist()) and len(missing) < last_batch
         pads = [p for e, _, p in job.history if e == epoch and p.size]
         assert policy == "pad" or not pads

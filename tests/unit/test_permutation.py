@@ -18,7 +18,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from elastic_ext.data import partition
+from elastic_ext.data import permutation
 from elastic_ext.errors import PartitionError
 from elastic_ext.data.sampler import ElasticPartitioner
 
@@ -51,14 +51,14 @@ SIZES = sorted(set(
     + primes_below(600)[::7] + [4093, 65521, 1_000_003]
     + [2 ** k + d for k in range(1, 18) for d in (-1, 0, 1)]
     + [k * k + d for k in (45, 63, 64, 255) for d in (-1, 0, 1)]          # rectangle exactly full, or one short
-    + [partition.SMALL_SIZE - 1, partition.SMALL_SIZE, partition.SMALL_SIZE + 1]  # where the rounds change
+    + [permutation.SMALL_SIZE - 1, permutation.SMALL_SIZE, permutation.SMALL_SIZE + 1]  # where the rounds change
 ))
 
 
 @pytest.mark.parametrize("size", SIZES)
 def test_order_is_a_permutation_for_many_sizes(size):
     for seed, epoch in ((0, 0), (5, 1), (2 ** 64 - 1, 12345)):
-        order = partition.epoch_order(size, seed, epoch)
+        order = permutation.epoch_order(size, seed, epoch)
         values = order[:]
         assert len(order) == size and values.shape == (size,)
         assert np.array_equal(np.sort(values), np.arange(size)), f"size {size}: not a permutation"
@@ -67,20 +67,20 @@ def test_order_is_a_permutation_for_many_sizes(size):
 
 def test_shuffle_false_is_the_identity():
     for size in (0, 1, 10, 4097):
-        order = partition.epoch_order(size, seed=3, epoch=2, shuffle=False)
+        order = permutation.epoch_order(size, seed=3, epoch=2, shuffle=False)
         assert np.array_equal(order[:], np.arange(size))
-    assert partition.epoch_order(2 ** 40, 3, 2, shuffle=False)[2 ** 39:2 ** 39 + 3].tolist() == [2 ** 39 + d for d in range(3)]
+    assert permutation.epoch_order(2 ** 40, 3, 2, shuffle=False)[2 ** 39:2 ** 39 + 3].tolist() == [2 ** 39 + d for d in range(3)]
 
 
 def test_tiny_orders_shuffle_at_all():
     # Size 2 has two orders; both must come out over seeds (not a fixed identity).
-    firsts = {partition.epoch_order(2, seed, 0)[0] for seed in range(64)}
+    firsts = {permutation.epoch_order(2, seed, 0)[0] for seed in range(64)}
     assert firsts == {0, 1}
 
 
 # ------------------------------------------------------- direct computation
 
-def reference_order(order: partition.FeistelOrder, position: int) -> int:
+def reference_order(order: permutation.FeistelOrder, position: int) -> int:
     """The network of FeistelNetwork's docstring in plain Python integers, cycle walking included."""
     def mix(value):
         value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & M64
@@ -107,12 +107,12 @@ def reference_order(order: partition.FeistelOrder, position: int) -> int:
 @pytest.mark.parametrize("size, seed, epoch", [(2, 0, 0), (7, 1, 2), (1000, 3, 4), (4097, 9, 0),
                                                (10 ** 9, 7, 3), (2 ** 63 - 1, 2 ** 64 - 1, 2 ** 64 - 1)])
 def test_vectorised_slice_equals_elementwise_and_a_python_reference(size, seed, epoch):
-    order = partition.epoch_order(size, seed, epoch)
+    order = permutation.epoch_order(size, seed, epoch)
     rng = np.random.default_rng(size % 1000)
     positions = np.unique(np.concatenate([np.arange(min(size, 300)), np.arange(max(0, size - 50), size),
                                           rng.integers(0, size, 200, dtype=np.int64)]))
     vectorised = order.take(positions)
-    assert vectorised.dtype == partition.index_dtype(size)
+    assert vectorised.dtype == permutation.index_dtype(size)
     assert [order[int(p)] for p in positions] == vectorised.tolist()
     assert [reference_order(order, int(p)) for p in positions] == vectorised.tolist()
     # Any shape, any order of positions: the same entries.
@@ -128,29 +128,29 @@ def test_orders_are_pinned_across_versions():
     # A checkpoint stores only (seed, epoch, cursor): a resumed job must see the
     # same order as the one that wrote it, so the construction may not change
     # silently from one release to the next.
-    assert partition.epoch_order(10, 0, 0)[:].tolist() == [0, 6, 1, 4, 9, 8, 2, 7, 5, 3]
-    assert partition.epoch_order(10, 0, 1)[:].tolist() == [3, 1, 5, 8, 9, 7, 4, 2, 6, 0]
-    big = partition.epoch_order(10 ** 9, 7, 3)
+    assert permutation.epoch_order(10, 0, 0)[:].tolist() == [0, 6, 1, 4, 9, 8, 2, 7, 5, 3]
+    assert permutation.epoch_order(10, 0, 1)[:].tolist() == [3, 1, 5, 8, 9, 7, 4, 2, 6, 0]
+    big = permutation.epoch_order(10 ** 9, 7, 3)
     assert big[:8].tolist() == [712975557, 948271962, 937692831, 474963855, 489669682, 11963897, 263183568,
                                 584062240]
     assert big[10 ** 9 - 4:].tolist() == [481075284, 812208885, 907337270, 480706773]
-    assert partition.epoch_order(2 ** 63 - 1, 1, 0)[:4].tolist() == [
+    assert permutation.epoch_order(2 ** 63 - 1, 1, 0)[:4].tolist() == [
         1027565819422974968, 7220734258407608418, 289796750791535172, 1706450315503511412]
 
 
 CHILD = """
 import json, sys
-from elastic_ext.data import partition
+from elastic_ext.data import permutation
 out = {}
 for size, seed, epoch in json.loads(sys.argv[1]):
-    out[f"{size},{seed},{epoch}"] = partition.epoch_order(size, seed, epoch)[max(0, size - 64):size].tolist()
+    out[f"{size},{seed},{epoch}"] = permutation.epoch_order(size, seed, epoch)[max(0, size - 64):size].tolist()
 print(json.dumps(out))
 """
 
 
 def test_every_process_computes_the_same_order():
     cases = [[10, 0, 0], [4097, 3, 1], [10_000_019, 1, 7], [10 ** 9, 11, 2], [2 ** 62 + 5, 2 ** 63, 9]]
-    mine = {f"{s},{seed},{e}": partition.epoch_order(s, seed, e)[max(0, s - 64):s].tolist()
+    mine = {f"{s},{seed},{e}": permutation.epoch_order(s, seed, e)[max(0, s - 64):s].tolist()
             for s, seed, e in cases}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for hash_seed in ("0", "12345"):
@@ -164,7 +164,7 @@ def test_every_process_computes_the_same_order():
 
 @pytest.mark.parametrize("size", [10 ** 9, 2 ** 40 + 3, 2 ** 63 - 1])
 def test_a_slice_of_a_huge_epoch_needs_no_memory_of_its_size(size):
-    order = partition.epoch_order(size, seed=1, epoch=4)
+    order = permutation.epoch_order(size, seed=1, epoch=4)
     tracemalloc.start()
     try:
         head, tail = order[:1000], order[size - 1000:]
@@ -173,7 +173,7 @@ def test_a_slice_of_a_huge_epoch_needs_no_memory_of_its_size(size):
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20, f"computing 2000 entries of a {size}-sample order peaked at {peak} bytes"
-    assert head.dtype == partition.index_dtype(size)
+    assert head.dtype == permutation.index_dtype(size)
     both = np.concatenate([head, tail]).astype(np.int64)
     assert ((both >= 0) & (both < size)).all() and np.unique(both).size == 2000
     assert np.array_equal(back, np.arange(size - 1000, size))
@@ -196,7 +196,7 @@ def test_a_newcomer_gets_its_first_batch_of_a_billion_sample_epoch_without_build
         tracemalloc.stop()
     assert peak < 1 << 20, f"a newcomer's first batch peaked at {peak} bytes"
     positions = committed["cursor"] + 3 * 256 + np.arange(256)
-    assert np.array_equal(indices, partition.epoch_order(10 ** 9, 5, 2).take(positions)) and not pad.any()
+    assert np.array_equal(indices, permutation.epoch_order(10 ** 9, 5, 2).take(positions)) and not pad.any()
     assert np.array_equal(indices, next(survivor.batches())[0])
 
 
@@ -204,7 +204,7 @@ def test_a_newcomer_gets_its_first_batch_of_a_billion_sample_epoch_without_build
 
 def orders(size, positions, seeds=40, epochs=60):
     """Entries at ``positions`` of every (seed, epoch) order: one row per order."""
-    return np.array([partition.epoch_order(size, seed, epoch).take(positions)
+    return np.array([permutation.epoch_order(size, seed, epoch).take(positions)
                      for seed in range(seeds) for epoch in range(epochs)], dtype=np.int64)
 
 
@@ -227,7 +227,7 @@ def test_every_position_is_uniform_over_seeds_and_epochs_small(size):
 
 @pytest.mark.parametrize("size", [10_000_019, 10 ** 9 + 7])
 def test_positions_and_neighbours_are_uniform_at_scale(size):
-    order = partition.epoch_order(size, 0, 0)
+    order = permutation.epoch_order(size, 0, 0)
     stride = order.low_radix          # the next position with the same low part: one row down the rectangle
     starts = [0, 1, size // 2, size - 2 * stride - 2, 1_234_567]
     positions = np.array(sorted({s + d for s in starts for d in (0, 1, stride)}), dtype=np.int64)
@@ -263,9 +263,9 @@ def test_consecutive_epochs_and_seeds_are_unrelated():
     matches = 0
     difference_chi2 = 0.0
     for k in range(pairs):
-        this = partition.epoch_order(size, 3, k)[:]
-        following = partition.epoch_order(size, 3, k + 1)[:]
-        other_seed = partition.epoch_order(size, 4, k)[:]
+        this = permutation.epoch_order(size, 3, k)[:]
+        following = permutation.epoch_order(size, 3, k + 1)[:]
+        other_seed = permutation.epoch_order(size, 4, k)[:]
         z2["epochs"] += correlation_z(this, following) ** 2
         z2["seeds"] += correlation_z(this, other_seed) ** 2
         z2["position"] += correlation_z(this, positions) ** 2   # no drift of early positions to early samples
@@ -285,7 +285,7 @@ def test_the_mixing_catches_a_weak_shuffle():
     # The statistics above must be able to fail: an order that only rotates
     # from one epoch to the next (a fixed pattern) is rejected by the shift test.
     size, bins = 100_003, 32
-    base = partition.epoch_order(size, 3, 0)[:].astype(np.int64)
+    base = permutation.epoch_order(size, 3, 0)[:].astype(np.int64)
     rotated = (base + 17) % size
     shift = (rotated - base) % size
     assert chi2(np.bincount(shift * bins // size, minlength=bins), size / bins) > chi2_limit(bins - 1)
@@ -295,7 +295,7 @@ def test_the_mixing_catches_a_weak_shuffle():
 # --------------------------------------------------------------------- errors
 
 def test_errors_quote_the_value_and_the_rule():
-    order = partition.epoch_order(10, 0, 0)
+    order = permutation.epoch_order(10, 0, 0)
     with pytest.raises(PartitionError, match=r"position \(10\) must be in \[0, 10\)"):
         order.take(np.array([3, 10]))
     with pytest.raises(PartitionError, match=r"position \(-1\) must be in \[0, 10\)"):
@@ -307,9 +307,9 @@ def test_errors_quote_the_value_and_the_rule():
     with pytest.raises(IndexError, match=r"position \(10\) out of range"):
         order[10]
     with pytest.raises(PartitionError, match=r"seed \(18446744073709551616\) must be in \[0, 2\*\*64\)"):
-        partition.epoch_order(10, 2 ** 64, 0)
+        permutation.epoch_order(10, 2 ** 64, 0)
     with pytest.raises(PartitionError, match=r"size \(9223372036854775808\) must be an integer in \[0, 2\*\*63\)"):
-        partition.epoch_order(2 ** 63, 0, 0)
+        permutation.epoch_order(2 ** 63, 0, 0)
     with pytest.raises(PartitionError, match=r"rounds \(3\) must be an even number >= 2"):
-        partition.FeistelOrder(10, 0, 0, rounds=3)
+        permutation.FeistelOrder(10, 0, 0, rounds=3)
     assert order[-1] == order[:][-1]

@@ -225,7 +225,7 @@ class ExplodingAdapter:
         return isinstance(obj, dict) and "explode" in obj
 
     def capture(self, obj):
-        from elastic_ext.state.adapters import Capture, NumpySource
+        from elastic_ext.state.snapshot import Capture, NumpySource
         source = ExplodingSource((2,)) if self.armed else NumpySource(np.array(obj["explode"], np.float32))
         return Capture(arrays={"a": source}, meta=None)
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from elastic_ext import State
 from elastic_ext.state import tree
-from elastic_ext.state.adapters import Entry
+from elastic_ext.state.snapshot import Entry
 from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import StateDivergenceError, StateError
 from elastic_ext.state.state import reserved_names
