@@ -82,7 +82,6 @@ class ElasticConfig:
             the commit torn: it is never restored from); 2 copies into a spare
             buffer and swaps, so even an interrupted copy leaves the previous
             commit intact, at the price of a second host copy.
-        log_commits: also write an event for every commit (chatty).
         overlap_commit: run a commit's one collective (host updates, leaves,
             straggler table, commit-id check) in Horovod's background thread
             while training goes on, and read it at the next commit: no commit
@@ -131,10 +130,6 @@ class ElasticConfig:
             keep up) instead of a few steps slowed by half: steadier step
             times. A write started for a leave (``force``) runs at the
             training's own priority. 0 (the default) keeps that priority.
-        abort_connections: when a collective fails on this rank, shut down
-            this process's collective TCP connections at once, so that every
-            peer's pending collective fails within milliseconds instead of
-            waiting for Gloo's timeout (see :mod:`elastic_ext.runtime.watchdog`).
         heartbeat_period_s: how often the worker tells its guardian process
             that it is alive.
         hang_timeout_s: a worker whose heartbeat stops this long (SIGSTOP, a
@@ -174,9 +169,8 @@ class ElasticConfig:
     events_path: Optional[str] = None
     verify_sync: bool = True
     commit_buffers: int = 1
-    log_commits: bool = False
     overlap_commit: bool = False
-    prestart_newcomers: bool = False
+    prestart_newcomers: bool = True
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 1
     checkpoint_keep_last: int = 3
@@ -184,7 +178,6 @@ class ElasticConfig:
     checkpoint_wait_s: float = 0.0
     checkpoint_nice: int = 0
     checkpoint_failure_limit: int = 5
-    abort_connections: bool = True
     heartbeat_period_s: float = 0.5
     hang_timeout_s: float = 10.0
     stall_timeout_s: float = 600.0

@@ -8,8 +8,6 @@ it adds:
 
 State (``state.py``):
 
-- ``commit`` (:data:`COMMIT`, only with ``log_commits``): ``commit_id``,
-  ``duration_s``.
 - ``sync`` (:data:`SYNC`): state brought in line across ranks; ``commit_id``,
   ``generation``, ``root``, ``loaded`` (this rank received bytes),
   ``broadcast``, ``bytes`` (the state payload sent to the ranks that lacked
@@ -99,7 +97,6 @@ from typing import Any, Callable, Optional
 
 logger = logging.getLogger(__name__)
 
-COMMIT = "commit"
 SYNC = "sync"
 ROLLBACK = "rollback"
 ROLLBACK_LIMIT = "rollback_limit"
@@ -123,7 +120,7 @@ JOB_RESTART = "job_restart"
 RESTARTED_IN_PLACE = "restarted_in_place"
 
 #: Every event name elastic_ext emits (the module docstring says what each means).
-ALL_EVENTS = (COMMIT, SYNC, ROLLBACK, ROLLBACK_LIMIT, RESIZE, PRESTART, NEWCOMERS_JOINED, RESET, RECOVERED,
+ALL_EVENTS = (SYNC, ROLLBACK, ROLLBACK_LIMIT, RESIZE, PRESTART, NEWCOMERS_JOINED, RESET, RECOVERED,
               FINISH, STALL, SUSPENDED, LEAVE, CHECKPOINT, CHECKPOINT_SKIPPED, CHECKPOINT_FAILED, CHECKPOINT_FAILING,
               CHECKPOINT_RESUMED, NUMERIC_ROLLBACK, STRAGGLER, JOB_RESTART, RESTARTED_IN_PLACE)
 

@@ -4,7 +4,7 @@ Launch (two pseudo-hosts on one machine; host_discovery/static.py re-reads
 the host file every second, so editing it grows or shrinks the job)::
 
     printf 'localhost:2\\n127.0.0.1:2\\n' > /tmp/hosts
-    horovodrun -np 4 --min-np 2 --max-np 6 --network-interfaces lo \\
+    elastic-horovodrun -np 4 --min-np 2 --max-np 6 --network-interfaces lo \\
         --host-discovery-script "host_discovery/static.py /tmp/hosts" \\
         python examples/keras_fit_elastic.py --keras 3 --epochs 6
 

@@ -4,7 +4,7 @@ Launch (two pseudo-hosts on one machine; host_discovery/static.py re-reads
 the host file every second, so editing it grows or shrinks the job)::
 
     printf 'localhost:2\\n127.0.0.1:2\\n' > /tmp/hosts
-    horovodrun -np 4 --min-np 2 --max-np 6 --network-interfaces lo \\
+    elastic-horovodrun -np 4 --min-np 2 --max-np 6 --network-interfaces lo \\
         --host-discovery-script "host_discovery/static.py /tmp/hosts" \\
         python examples/pytorch_elastic.py --epochs 6
 
@@ -24,7 +24,7 @@ added, the job grows at the next commit, without a rollback.
 import argparse
 import logging
 
-import elastic_ext  # first: its SIGTERM handler then covers the framework imports below
+import elastic_ext
 
 import numpy as np
 import torch

@@ -1,6 +1,7 @@
 """The main job: elastic PyTorch training on localhost that survives a failure.
 
-Runs examples/pytorch_elastic.py under real ``horovodrun`` with two
+Runs examples/pytorch_elastic.py under ``elastic-horovodrun`` (the
+project's launcher: real ``horovodrun`` with elastic_ext's driver) with two
 pseudo-hosts (localhost and 127.0.0.1, two workers each), SIGKILLs one worker
 mid-training, adds a third pseudo-host (this machine's hostname) once the job
 has recovered, and ends with a summary: accuracy, samples processed (exactly
@@ -70,7 +71,7 @@ class Job:
 
     def command(self):
         venv_bin = os.path.dirname(sys.executable)
-        return [os.path.join(venv_bin, "horovodrun"), "-np", "4", "--min-np", "2", "--max-np", "6",
+        return [os.path.join(venv_bin, "elastic-horovodrun"), "-np", "4", "--min-np", "2", "--max-np", "6",
                 "--network-interfaces", "lo",
                 "--host-discovery-script", f"{os.path.join(REPO, 'host_discovery', 'static.py')} {self.hosts}",
                 sys.executable, os.path.join(HERE, "pytorch_elastic.py"), "--epochs", str(self.args.epochs),
@@ -156,6 +157,8 @@ def incidents(events, faults, host_added_at):
             incident["fault"] = killed[-1] if killed else None
         elif host_added_at is not None and trigger["time"] >= host_added_at:
             incident["host_added_at"] = host_added_at
+            early = [e for e in events if e["event"] == "prestart" and host_added_at <= e["time"] <= trigger["time"]]
+            incident["early_start"] = early[0] if early else None
     return found
 
 
@@ -178,11 +181,17 @@ def describe(incident, started):
         return (f"t={t:5.1f}s  resize: hosts changed; no rollback; training resumed on {size} workers "
                 f"{incident['resumed_at'] - incident['trigger']['time']:.1f}s later.")
     kept = incident["trigger"]["time"] - added
-    waited = incident["resumed_at"] - incident["trigger"]["time"]
+    idle = incident["resumed_at"] - incident["trigger"]["time"]
+    if incident.get("early_start") is not None:
+        how = ("while the newcomers started and built their model (started early at commit "
+               f"{incident['early_start']['commit_id']}),\n           then resized at commit "
+               f"{incident['trigger']['commit_id']}: survivors idle {idle:.1f}s while the newcomers received the "
+               f"state; no rollback.")
+    else:
+        how = (f"until their next commit, then stopped\n           and waited {idle:.1f}s while the newcomers "
+               f"started and received the state (survivors idle {idle:.1f}s); no rollback.")
     return (f"t={added - started:5.1f}s  scale-up: a host was added; the survivors kept training for {kept:.1f}s "
-            f"until their next commit, then stopped\n"
-            f"           and waited {waited:.1f}s while the newcomers started and received the state; "
-            f"no rollback.\n"
+            f"{how}\n"
             f"           back to training on {size} workers {incident['resumed_at'] - added:.1f}s after the host "
             f"was added.")
 
@@ -222,6 +231,9 @@ def plot_timeline(path, records, found, started, host_added_at, soft=()):
         else:
             if incident.get("host_added_at") is not None:
                 marks.append((incident["host_added_at"] - started, "tab:purple", "-", "host added"))
+            if incident.get("early_start") is not None:
+                marks.append((incident["early_start"]["time"] - started, "tab:cyan", "-.",
+                              "newcomers started early (survivors train on)"))
             marks.append((trigger, "tab:purple", "--", "resize (at a commit)"))
         marks.append((resumed, "black", ":", "training resumed"))
     for event in soft:
@@ -283,7 +295,7 @@ def summarize(job, code, started):
     print(f"logs: {job.work}")
     problems = []
     if code != 0:
-        problems.append(f"horovodrun exited with {code}")
+        problems.append(f"elastic-horovodrun exited with {code}")
     if job.accuracy is None:
         problems.append("rank 0 printed no final accuracy")
     if not report["exactly_once"]:

@@ -38,7 +38,7 @@ def rendezvous_timeout(config: Any, environ: Any = None) -> Optional[str]:
 
 
 def first_rendezvous_timeout(environ: Any = None) -> Optional[str]:
-    """At ``import elastic_ext`` in a worker of an elastic ``horovodrun``: the same Gloo timeout for its first
+    """Before the script of a worker of an elastic ``horovodrun`` runs: the same Gloo timeout for its first
     ``hvd.init()``, from the ``ELASTIC_EXT_*`` configuration, unless the user set one.
 
     A newcomer's first ``hvd.init()`` runs before any elastic_ext code: with

@@ -1,4 +1,4 @@
-"""Restart in place: a worker killed by Gloo inside a forming round keeps its slot (opt-in).
+"""Restart in place: a worker killed by Gloo inside a forming round keeps its slot.
 
 Horovod hands out a round's ranks before Gloo connects its members. When a
 member dies in that window (a newcomer killed while it starts, a survivor
@@ -9,8 +9,10 @@ to Horovod's driver, and when every member of a round has failed the driver
 ends the job ("failure count == N"). That was most of ``bench.soak``'s job
 deaths.
 
-With ``ELASTIC_EXT_RESTART_IN_PLACE=1``, ``import elastic_ext`` in a worker
-of an elastic ``horovodrun`` (Linux) forks. The parent, the process
+With ``ELASTIC_EXT_RESTART_IN_PLACE=1`` (on by default under
+``elastic-horovodrun`` when the job has a checkpoint directory), the
+launcher's entry module (:mod:`elastic_ext.launch.worker`) forks before the
+script runs (Linux). The parent, the process
 Horovod's driver started and watches, only waits (the *keeper*); the child
 runs the script. When the child dies of SIGABRT while inside ``hvd.init()``,
 the keeper forks a new child at the same point of the script. It starts

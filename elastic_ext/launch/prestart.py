@@ -2,12 +2,12 @@
 
 Horovod's driver starts a new host's workers only once every current worker
 has asked its rendezvous server for a rank, which ``hvd.init()`` does after
-a reset. So by default the survivors stop at a host addition, re-initialise,
+a reset. So without an early start the survivors stop at a host addition, re-initialise,
 and then wait while the newcomers start Python, import the framework,
 initialise Horovod and build their model (6 to 7 s on the test machine).
 
-With ``ElasticConfig.prestart_newcomers`` a pure host addition does not
-reset at once:
+With ``ElasticConfig.prestart_newcomers`` (on by default, under
+``elastic-horovodrun``) a pure host addition does not reset at once:
 
 1. At the commit that agrees the addition, every rank sends the rank request
    of the next world from a background thread (:class:`Prestart`), the same
@@ -18,7 +18,7 @@ reset at once:
    ``hvd.init()`` would go straight to Gloo's rendezvous, which the
    survivors, still training, would not join, and its script would build
    its model only after that. So :func:`elastic_ext.launch.newcomer.install`
-   (done at ``import elastic_ext``) wraps ``hvd.init()``: when the survivors' marker is in the
+   (done by the launcher's entry module before the script runs) wraps ``hvd.init()``: when the survivors' marker is in the
    rendezvous server's key-value store, a newcomer starts Horovod as a world
    of one (:func:`~elastic_ext.launch.newcomer.start_solo`; ``hvd.rank()``, ``hvd.size()`` and
    ``hvd.local_rank()`` still answer what it was launched with) and builds

@@ -74,7 +74,7 @@ def restore_sigterm(previous) -> None:
 
 
 def install_early_sigterm(environ=None, liveness: Optional[Liveness] = None):
-    """At ``import elastic_ext`` in a worker of an elastic ``horovodrun``: SIGTERM means leave, already.
+    """Before the script of a worker of an elastic ``horovodrun`` runs (the launcher's entry): SIGTERM means leave.
 
     A newcomer spends seconds between its import and ``@elastic_ext.run``
     (building its model, in its first ``hvd.init()`` with the survivors):

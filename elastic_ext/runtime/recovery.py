@@ -79,7 +79,7 @@ class Recoverer:
                  steps_now: Callable[["State"], Optional[int]]) -> None:
         self.state, self.liveness, self.kind, self.steps_now = state, liveness, kind, steps_now
         self.links = CollectiveConnections()
-        self.cut_links = state.config.abort_connections and kind == "gloo"
+        self.cut_links = kind == "gloo"  # never under MPI, which cannot re-form a job anyway
         self.numeric = NumericRecovery()
         self.pending: Optional[Recovery] = None
 
@@ -147,6 +147,25 @@ class Recoverer:
         self.pending = Recovery("hosts_updated", state.commit_id, time.perf_counter(),
                                 {"skip_sync": skip_sync, "steps_rolled_back": 0})
         state.events.emit(RESIZE, skip_sync=skip_sync, commit_id=state.commit_id)
+
+    def finish_with_newcomers(self) -> None:
+        """When training ends while newcomers started early are on their way, takes them into the job first.
+
+        Horovod's driver started them for the next round; left behind, they
+        would be killed when the job ends, and the job reported as failed.
+        Every rank returned from the training function together and knows of
+        the early start, so every rank commits here and resizes with them:
+        the function is then called again in the larger world (from the
+        commit, which already holds the end of training).
+
+        Raises:
+            HostsUpdatedInterrupt: on every rank together, when an early start is under way.
+        """
+        if not self.state._early_start_under_way():
+            return
+        from horovod.common.exceptions import HostsUpdatedInterrupt
+        self.state.commit()  # may agree the resize itself (the newcomers are there)
+        raise HostsUpdatedInterrupt(False)
 
     def reset(self) -> None:
         """Re-initialises Horovod for the next world, then the State's reset callbacks."""

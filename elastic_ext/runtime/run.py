@@ -151,6 +151,7 @@ def run(func: Optional[F] = None, *, counter: Optional[str] = "step") -> Any:
                 try:
                     recover.sync()
                     result = _train(state, func, args, kwargs)
+                    recover.finish_with_newcomers()  # the newcomers of an early start under way end with the job
                     state.events.emit(FINISH, commit_id=state.commit_id, duration_s=time.perf_counter() - started)
                     return result
                 except NumericFaultError as exc:

@@ -14,7 +14,8 @@ barrier, which needs the waiting survivors. Three mechanisms break that:
    with "connection closed", they abort theirs, and the failure reaches every
    rank in milliseconds. Gloo still owns and closes the descriptors. Other
    connections of the process (an upload, a metrics logger) are untouched.
-   Never under an MPI controller. Off with ``abort_connections=False``.
+   Never under an MPI controller; always under Gloo (no case was found where
+   waiting for Gloo's timeout instead was better).
 2. **Guardian** (:class:`Watchdog` + ``python -m elastic_ext.runtime.guardian``): a
    small sidecar process per worker reads a heartbeat byte from a pipe every
    ``heartbeat_period_s``. If none arrives for ``hang_timeout_s`` (the worker
@@ -41,7 +42,7 @@ barrier, which needs the waiting survivors. Three mechanisms break that:
 And a worker told to go (SIGTERM) keeps training to its next commit, where
 every rank learns of it through the commit's host-update allreduce; the job
 then resizes without a rollback and the leaver exits (:mod:`elastic_ext.launch.sigterm`).
-That holds from ``import elastic_ext`` on, also while the job re-forms.
+Under ``elastic-horovodrun`` that holds from the worker's start, also while the job re-forms.
 """
 
 from __future__ import annotations

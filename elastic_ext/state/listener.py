@@ -50,6 +50,10 @@ class HorovodListener:
         """How this rank starts newcomers early at a host addition (``run`` sets it under an elastic horovodrun)."""
         self._hosts.prestart_factory = factory
 
+    def _early_start_under_way(self) -> bool:
+        """True while newcomers started early are on their way (the same on every rank: agreed at a commit)."""
+        return self._hosts.prestart is not None
+
     def _removed_at_resize(self) -> bool:
         """True when the early start that ends at this resize found this slot left out of the next world."""
         return removed_at_resize(self._hosts)

@@ -35,7 +35,7 @@ from elastic_ext.binding import Binding, get_binding, guess_framework
 from elastic_ext.state.buffers import CommitBuffers
 from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import NotCommittedError, StateError
-from elastic_ext.events import COMMIT, EventLog
+from elastic_ext.events import EventLog
 from elastic_ext.policies.eviction import StragglerWatch
 from elastic_ext.state.durable import DurableCommits
 from elastic_ext.state.host_updates import HostUpdates
@@ -211,12 +211,9 @@ class State(HorovodListener, DurableCommits):
                 ``checkpoint_failure_limit`` times in a row; raised on every
                 rank together (after the commit has been made).
         """
-        started = time.perf_counter()
         self._liveness.progress()
         self._hosts.settle()  # overlap_commit: the previous commit's collective, before this snapshot
         self.save()
-        if self._config.log_commits:
-            self._events.emit(COMMIT, commit_id=self.commit_id, duration_s=time.perf_counter() - started)
         try:
             self.check_host_updates()
         except Exception as exc:

@@ -1,8 +1,9 @@
 """The README's main job, run exactly as the README says: ``.venv/bin/python examples/run_demo.py``.
 
 It must exit 0 and its summary must show what the demo is for: a worker
-killed and the job recovered, a host added and the job grown, every sample
-exactly once, and a timeline picture. The test re-reads the demo's own
+killed and the job recovered, a host added and the job grown while the
+survivors kept training (the newcomers started early, the default under the
+launcher), every sample exactly once, and a timeline picture. The test re-reads the demo's own
 ledger and event files instead of trusting its printed verdict alone.
 """
 
@@ -13,6 +14,7 @@ import sys
 
 import pytest
 
+from elastic_ext.events import read_events
 from elastic_ext.testing import ledger
 from tests.multiprocess import launch
 
@@ -50,5 +52,16 @@ def test_readme_main_job(tmp_path):
         assert [e["processed"] for e in report["epochs"]] == [1500] * 6
         sizes = [r["size"] for r in sorted((r for r in records if "gen" in r), key=lambda r: r["t"])]
         assert sizes[0] == 4 and 2 in sizes and sizes[-1] > 2, f"world sizes seen: {sorted(set(sizes))}"
+
+        # The scale-up with the defaults: the survivors trained while the newcomers started.
+        assert re.search(r"survivors idle [0-9.]+s", scale_up.group(0)), scale_up.group(0)
+        events = sorted(read_events(os.path.join(work, "events.jsonl")), key=lambda e: e["time"])
+        early = [e for e in events if e["event"] == "prestart" and e["rank"] == 0]
+        joined = [e for e in events if e["event"] == "newcomers_joined" and e["rank"] == 0]
+        assert len(early) == 1 and len(joined) == 1 and joined[0]["why"] == "all_there", (early, joined)
+        assert joined[0]["commit_id"] > early[0]["commit_id"], (early, joined)
+        trained = [r for r in records
+                   if "gen" in r and r["rank"] == 0 and early[0]["time"] < r["t"] < joined[0]["time"]]
+        assert trained, "no step was trained between the early start of the newcomers and their joining"
     finally:
         shutil.rmtree(work, ignore_errors=True)

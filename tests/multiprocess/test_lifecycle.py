@@ -217,11 +217,14 @@ def test_survivors_wait_for_a_newcomer_slower_than_horovods_30s_rendezvous_timeo
     # wait for them in Horovod's re-initialisation. With Horovod's own 30 s
     # Gloo timeout the survivors abort ("Wait timeout after 30 seconds") and
     # the job dies; run() sets ElasticConfig.rendezvous_timeout_s (120 s).
+    # That is the reset path (early start off, or a reset after a failure):
+    # with the early start of newcomers the survivors train meanwhile instead
+    # (the next test). The launcher sets the newcomers' first hvd.init()
+    # timeout before their script runs.
     out = tmp_path / "job"
     out.mkdir()
-    # The launcher sets the newcomers' first hvd.init() timeout before their script runs.
     cmd = launch.under_elastic_ext_driver(grow_at_step_8(out, newcomer_delay_s=40))
-    env = environment(out)
+    env = environment(out, ELASTIC_EXT_PRESTART_NEWCOMERS=0)
     env.pop("HOROVOD_GLOO_TIMEOUT_SECONDS", None)
     code, output = launch.run(cmd, env, str(out / "horovodrun.log"), 240)
     assert code == 0, output[-5000:]
@@ -234,16 +237,40 @@ def test_survivors_wait_for_a_newcomer_slower_than_horovods_30s_rendezvous_timeo
 
 
 @pytest.mark.timeout(300)
+def test_a_job_that_ends_while_its_newcomers_start_early_takes_them_in_and_succeeds(tmp_path):
+    # The same slow newcomers with the defaults: the survivors start them early
+    # and train on, and the epoch ends before the newcomers are ready. Left
+    # behind, they were killed when the job ended (exit 137) and Horovod
+    # reported the job as failed. Now every rank commits at the end and
+    # resizes with them, and the job ends with four workers.
+    out = tmp_path / "job"
+    out.mkdir()
+    cmd = launch.under_elastic_ext_driver(grow_at_step_8(out, newcomer_delay_s=40))
+    code, output = launch.run(cmd, environment(out), str(out / "horovodrun.log"), 240)
+    assert code == 0, output[-5000:]
+    events = analysis.read_events(str(out / "events.jsonl"))
+    of_rank_0 = [e for e in events if e["rank"] == 0 and e["event"] in ("prestart", "resize", "finish")]
+    assert [e["event"] for e in of_rank_0] == ["prestart", "resize", "finish"], of_rank_0
+    finishes = [e for e in events if e["event"] == "finish"]
+    assert sorted(e["rank"] for e in finishes) == [0, 1, 2, 3] and {e["size"] for e in finishes} == {4}, finishes
+    assert {r["size"] for r in ledger.read(str(out)) if "gen" in r} == {2}, "the survivors trained the whole epoch"
+    analysis.assert_exactly_once(out, DIGITS, 1)
+    analysis.assert_ranks_identical(analysis.load_finals(out))
+
+
+@pytest.mark.timeout(300)
 def test_a_newcomer_sigtermed_before_it_trains_leaves_at_its_first_commit(tmp_path):
     # Found by bench.soak (2 of 5 job deaths in one run started so): a newcomer got
     # SIGTERM after its start, before @elastic_ext.run, and died
     # ("Terminated"). The survivors and the other newcomer then waited for it
     # in Horovod's rendezvous until the timeout and failed too: every worker
     # of the round failed, and the driver ended the job. Now the newcomer
-    # joins, and leaves at its first commit without a rollback.
+    # joins, and leaves at its first commit without a rollback. The reset path:
+    # early start off, so the newcomer joins a round with the survivors.
     out = tmp_path / "job"
     out.mkdir()
-    env = environment(out, ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S=40, ELASTIC_EXT_TERM_GRACE_S=120)
+    env = environment(out, ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S=40, ELASTIC_EXT_TERM_GRACE_S=120,
+                      ELASTIC_EXT_PRESTART_NEWCOMERS=0)
     # The launcher makes SIGTERM a leave before the script runs.
     job = launch.Job(launch.under_elastic_ext_driver(grow_at_step_8(out, newcomer_delay_s=6)), env,
                      str(out / "horovodrun.log"))
@@ -293,27 +320,6 @@ def test_a_newcomer_killed_while_the_round_forms_ends_the_job_without_restart_in
     assert "failure count == 4" in output or "Aborted" in output, output[-5000:]
 
 
-@pytest.mark.timeout(300)
-def test_with_restart_in_place_a_newcomer_killed_while_the_round_forms_costs_only_its_host(tmp_path):
-    # The same, with ELASTIC_EXT_RESTART_IN_PLACE=1: each worker that Gloo
-    # aborts in hvd.init() is restarted by its keeper and asks for a rank in
-    # the driver's next round; the killed newcomer is that round's only
-    # failure, its host is blacklisted (its other newcomer is removed), and
-    # the two survivors resume from the newest checkpoint and finish the epoch.
-    out, job = newcomer_killed_before_it_starts_horovod(tmp_path, ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S=15,
-                                                        ELASTIC_EXT_RESTART_IN_PLACE=1)
-    code, output = job.wait(240)
-    assert code == 0, output[-5000:]
-    assert "restarting it in place" in output
-    assert "failure count" not in output
-    restarted = [e for e in analysis.read_events(str(out / "events.jsonl")) if e["event"] == "restarted_in_place"]
-    assert len(restarted) >= 2 and all(e["restarts"] >= 1 for e in restarted), restarted  # the two survivors
-    sizes = sizes_in_time_order(out)
-    assert sizes[0] == 2 and sizes[-1] == 2, "the job goes on with the two survivors' host"
-    analysis.assert_exactly_once(out, DIGITS, 1)
-    analysis.assert_ranks_identical(analysis.load_finals(out))
-
-
 # ------------------------------------------- python -m elastic_ext.launch.horovodrun
 
 def test_under_elastic_ext_horovodrun_a_killed_worker_costs_no_healthy_neighbour(tmp_path):
@@ -343,8 +349,10 @@ def test_under_elastic_ext_horovodrun_workers_stop_waiting_for_a_newcomer_that_d
     # elastic_ext's driver and the default 120 s rendezvous timeout: the
     # others learn from the driver that their round lost a member and are
     # restarted at once, and the killed newcomer's slot gets a new worker
-    # (its host's other newcomer was ready), so the job grows back to 4.
-    out, job = newcomer_killed_before_it_starts_horovod(tmp_path, elastic_ext_driver=True, ELASTIC_EXT_RESTART_IN_PLACE=1)
+    # (its host's other newcomer was ready), so the job grows back to 4. The
+    # reset path: early start off, so the newcomers join a forming round.
+    out, job = newcomer_killed_before_it_starts_horovod(tmp_path, elastic_ext_driver=True, ELASTIC_EXT_RESTART_IN_PLACE=1,
+                                                        ELASTIC_EXT_PRESTART_NEWCOMERS=0)
     code, output = job.wait(240)
     assert code == 0, output[-5000:]
     assert "died before the round formed" in output

@@ -1,5 +1,5 @@
-"""The discovery commands of setup.py: each names a function that exists, and the
-scripts in host_discovery/ call the same functions."""
+"""The commands of setup.py: the launcher, and one discovery command per script in
+host_discovery/ that calls the same function."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 PREFIX = "elastic-ext-discover-"
 # command suffix -> the executable in host_discovery/
 SCRIPTS = {"slurm": "slurm.py", "aws-spot": "aws_spot.py", "static": "static.py"}
+LAUNCHER = {"elastic-horovodrun": "elastic_ext.launch.horovodrun:main"}
 
 
 def declared_console_scripts() -> dict:
@@ -34,8 +35,10 @@ def resolve(target: str):
     return getattr(importlib.import_module(module), attr)
 
 
-def test_one_command_per_discovery_script():
-    assert sorted(declared_console_scripts()) == sorted(PREFIX + name for name in SCRIPTS)
+def test_the_launcher_and_one_command_per_discovery_script():
+    assert sorted(declared_console_scripts()) == sorted([*LAUNCHER, *(PREFIX + name for name in SCRIPTS)])
+    assert {name: declared_console_scripts()[name] for name in LAUNCHER} == LAUNCHER
+    assert callable(resolve(LAUNCHER["elastic-horovodrun"]))
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
@@ -54,6 +57,7 @@ def test_an_installed_distribution_declares_the_same_commands():
     # tools/setup.sh installs the checkout with `pip install -e`; an install
     # made before the commands existed has none of them, and one made after
     # must carry exactly setup.py's.
+    ours = declared_console_scripts()
     installed = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="console_scripts")
-                 if ep.name.startswith(PREFIX)}
-    assert installed in ({}, declared_console_scripts())
+                 if ep.name in ours or ep.name.startswith(PREFIX)}
+    assert installed in ({}, ours)

@@ -26,7 +26,7 @@ import os
 import socket
 import time
 
-import elastic_ext  # first: its SIGTERM handler then covers the framework imports below
+import elastic_ext
 
 import numpy as np
 import torch
