@@ -7,22 +7,26 @@ One run, the same model, data, global batch and failure schedule for every syste
 - ``torchrun``: ``torchrun`` elastic restarts from a checkpoint (DDP over Gloo,
   c10d rendezvous, rank 0 saves every N steps): bench/workers/compare_torchrun.py;
 - ``ext``: elastic_ext (``elastic_ext.State``, ``@elastic_ext.run``, its
-  ``ElasticSampler``): bench/workers/compare_ext.py;
-- ``ext_prestart`` (only when asked for): the same with
-  ``prestart_newcomers``, so the survivors train while the spare host's
-  workers start.
+  ``ElasticSampler``) launched as the README says, by ``elastic-horovodrun``
+  with the defaults: bench/workers/compare_ext.py;
+- ``ext_horovodrun`` (only when asked for): the same worker under plain
+  ``horovodrun``, which gives up what the launcher does (a failed worker's
+  host mate leaves with it; no early start of newcomers).
 
 Each worker trains the digits MLP of examples/pytorch_elastic.py on 4
 workers (global batch 64, commit or checkpoint every ``--commit-every`` steps
 and at each epoch's end, ``--compute-ms-per-sample`` of emulated compute: a
 sleep before the allreduce, since the MLP itself takes a millisecond).
 
-- Horovod (plain, ext): ``horovodrun -np 4 --min-np 2 --max-np 4`` with a
-  host file of two pseudo-hosts with 2 slots each (localhost, 127.0.0.1). A
-  SIGKILL blacklists the failed worker's host; the job goes on with the 2
-  survivors. Once it has, the driver adds a spare pseudo-host (another name
-  of this machine: the hostname, other local names from /etc/hosts, the
-  non-loopback IPv4 addresses) and the job grows back to 4.
+- Horovod (plain, ext, ext_horovodrun): ``horovodrun -np 4 --min-np 2
+  --max-np 4`` (``elastic-horovodrun`` for ext) with a host file of two
+  pseudo-hosts with 2 slots each (localhost, 127.0.0.1). Under plain
+  ``horovodrun`` a SIGKILL blacklists the failed worker's host; the job goes
+  on with the 2 survivors. Once it has, the driver adds a spare pseudo-host
+  (another name of this machine: the hostname, other local names from
+  /etc/hosts, the non-loopback IPv4 addresses) and the job grows back to 4.
+  Under ``elastic-horovodrun`` the host stays and a new worker starts in the
+  failed slot.
 - torchrun: two agents on this machine, ``--nnodes 1:2 --nproc-per-node 2
   --rdzv-backend c10d --rdzv-endpoint localhost:PORT --max-restarts 10``;
   a failure restarts all 4 workers, which load the last checkpoint.
@@ -75,7 +79,7 @@ from bench.compare_report import DATASET_SIZE, LABELS, WORKERS_PER_JOB, analyze,
 from bench.workers import compare_common
 from elastic_ext.testing import launch
 
-SYSTEMS = ("plain", "torchrun", "ext", "ext_prestart")
+SYSTEMS = ("plain", "torchrun", "ext", "ext_horovodrun")
 SLOTS_PER_HOST = 2
 TORCHRUN_MAX_RESTARTS = 10
 ATTEMPTS = 2  # a job that dies is relaunched once for the failures left
@@ -100,10 +104,11 @@ def launch_jobs(system: str, log_dir: str, hosts_file: str, checkpoint: str,
         script = "compare_ext.py" if system.startswith("ext") else f"compare_{system}.py"
         cmd = harness.horovodrun(os.path.join(harness.WORKERS, script), worker_args(log_dir, args),
                                  hosts_file, WORKERS_PER_JOB, 2, WORKERS_PER_JOB)
+        if system == "ext":
+            cmd = launch.under_elastic_ext_driver(cmd)  # elastic-horovodrun, the same arguments
         env = launch.base_env(HOROVOD_FUSION_THRESHOLD=harness.HOROVOD_DEFAULT_FUSION,
                               ELASTIC_EXT_EVENTS_PATH=os.path.join(log_dir, "events-{rank}.jsonl"),
-                              ELASTIC_EXT_OVERLAP_COMMIT="1" if args.overlap_commit else "0",
-                              ELASTIC_EXT_PRESTART_NEWCOMERS="1" if system == "ext_prestart" else "0")
+                              **({"ELASTIC_EXT_OVERLAP_COMMIT": "1"} if args.overlap_commit else {}))
         return [launch.Job(cmd, env, os.path.join(log_dir, "horovodrun.log"))]
     port = harness.free_port()
     # With the rendezvous TCP store shared with the workers (the default), the workers of the
@@ -254,7 +259,7 @@ def main() -> int:
                         help="elastic_ext with ElasticConfig.overlap_commit (its commit's allreduce in the background)")
     parser.add_argument("--name", default="compare", help="result file stem under bench/results")
     args = parser.parse_args()
-    systems = [s for s in args.systems.split(",") if s]  # default: every system but ext_prestart
+    systems = [s for s in args.systems.split(",") if s]  # default: every system but ext_horovodrun
     for system in systems:
         if system not in SYSTEMS:
             parser.error(f"unknown system {system!r}; choose from {SYSTEMS}")
@@ -306,8 +311,8 @@ def main() -> int:
         results[system]["step_time_s"] = measured["step_time_s"]
     info["results"] = results
     info["ratios_in_favour_of_ext"] = ratios(results)
-    if "ext_prestart" in results:
-        info["ratios_in_favour_of_ext_prestart"] = ratios(results, "ext_prestart")
+    if "ext_horovodrun" in results:
+        info["ratios_in_favour_of_ext_horovodrun"] = ratios(results, "ext_horovodrun")
     info["runtime_s"] = time.time() - started
     harness.write_json(args.name, info, indent=1)
     plot_timeline(results, f"{args.name}_timeline")

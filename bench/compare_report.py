@@ -22,7 +22,7 @@ from bench.workers.compare_common import DATASET_SIZE
 from elastic_ext.testing import ledger
 
 LABELS = {"plain": "plain Horovod", "torchrun": "torchrun", "ext": "elastic_ext",
-          "ext_prestart": "elastic_ext, prestart"}
+          "ext_horovodrun": "elastic_ext, plain horovodrun"}
 WORKERS_PER_JOB = 4
 WARMUP_S = 1.0  # throughput stretches start this long after the job is at 4 workers
 GEN_STRIDE = 10 ** 19  # generation ids of attempt a become a * GEN_STRIDE + id (ids are < 2**63)
