@@ -106,6 +106,16 @@ class Job:
         except psutil.NoSuchProcess:
             pass
 
+    def kill(self) -> None:
+        """SIGKILLs the whole tree and every worker orphaned from it, and closes the log."""
+        kill_tree(self.proc.pid)
+        for pid in self.descendants:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.log.close()
+
     def wait(self, timeout_s: float) -> Tuple[int, str]:
         """Waits for the end (killing the tree at ``timeout_s``); returns (exit code, output)."""
         deadline = time.monotonic() + timeout_s
@@ -113,13 +123,7 @@ class Job:
             self.track()
             time.sleep(0.2)
         timed_out = self.proc.poll() is None
-        kill_tree(self.proc.pid)
-        for pid in self.descendants:  # workers orphaned from the tree
-            try:
-                psutil.Process(pid).kill()
-            except psutil.NoSuchProcess:
-                pass
-        self.log.close()
+        self.kill()
         output = open(self.log_path).read()
         if timed_out:
             raise AssertionError(f"job timed out after {timeout_s}s and was killed; output tail:\n{output[-6000:]}")

@@ -7,7 +7,7 @@ import time
 import psutil
 
 from elastic_ext.testing.launch import *  # noqa: F401,F403
-from elastic_ext.testing.launch import base_env, elastic_cmd, kill_tree, run, under_elastic_ext_driver, write_hosts
+from elastic_ext.testing.launch import base_env, elastic_cmd, run, under_elastic_ext_driver, write_hosts
 
 HOSTS = ("localhost:2", "127.0.0.1:2")  # two pseudo-hosts of two slots
 
@@ -66,13 +66,7 @@ def kill_whole_job(job, when, timeout_s):
                 pass  # it ended between the listing and the kill (a shell whose parent just died)
         _, alive = psutil.wait_procs([driver] + workers, timeout=30)
     finally:
-        kill_tree(job.proc.pid)
-        for pid in job.descendants:  # workers orphaned from the tree
-            try:
-                psutil.Process(pid).kill()
-            except psutil.NoSuchProcess:
-                pass
-        job.log.close()
+        job.kill()
     assert not alive, f"processes survived SIGKILL: {alive}"
     assert driver.returncode == -signal.SIGKILL, f"the driver ended with {driver.returncode}, not by SIGKILL"
     return workers
