@@ -8,7 +8,7 @@ has recovered, and ends with a summary: accuracy, samples processed (exactly
 once, from the sample ledger), what happened at the failure and at the
 scale-up, and a timeline picture (world size and steps over time).
 
-    .venv/bin/python examples/run_demo.py [--kill-step 33] [--epochs 6]
+    .venv/bin/python examples/run_demo.py [--kill-step 33] [--epochs 10]
 
 Full logs, event files and the picture are kept in the directory printed at
 the end. The exit status is 0 only if the job finished, learned, saw every
@@ -44,7 +44,7 @@ DATASET_SIZE = 1500  # digits minus the 297 test images held out by the example
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--kill-step", type=int, default=33, help="step at which rank 3 is SIGKILLed")
     parser.add_argument("--timeout-s", type=int, default=420)
     parser.add_argument("--out", default="", help="directory for logs and the picture (default: a new temp dir)")
