@@ -85,10 +85,10 @@ class Job:
                     ELASTIC_EXT_EVENTS_PATH=self.events_path, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
 
     def _grow_after_recovery(self, proc):
-        """Adds the third pseudo-host to the host file a few seconds after the first recovery."""
+        """Adds the third pseudo-host to the host file a second after the first recovery."""
         while proc.poll() is None:
             if os.path.exists(self.events_path) and '"recovered"' in open(self.events_path).read():
-                time.sleep(3)
+                time.sleep(1)
                 with open(self.hosts, "a") as handle:
                     handle.write(f"{self.new_host}:2\n")
                 self.host_added_at = time.time()

@@ -53,7 +53,7 @@ def test_readme_main_job(tmp_path):
         assert report["exactly_once"], report["epochs"]
         assert [e["processed"] for e in report["epochs"]] == [1500] * 10
         sizes = [r["size"] for r in sorted((r for r in records if "gen" in r), key=lambda r: r["t"])]
-        assert sizes[0] == 4 and sizes[-1] == 6, f"world sizes seen: {sorted(set(sizes))}"
+        assert sizes[0] == 4, f"world sizes seen: {sorted(set(sizes))}"
 
         # The scale-up with the defaults: the survivors trained while the newcomers started.
         assert re.search(r"survivors idle [0-9.]+s", scale_up.group(0)), scale_up.group(0)
@@ -62,6 +62,8 @@ def test_readme_main_job(tmp_path):
         joined = [e for e in events if e["event"] == "newcomers_joined" and e["rank"] == 0]
         assert len(early) == 1 and len(joined) == 1 and joined[0]["why"] == "all_there", (early, joined)
         assert joined[0]["commit_id"] > early[0]["commit_id"], (early, joined)
+        # The job grew to 6 (the newcomers may join as late as the last commit, when their start is slow).
+        assert [e for e in events if e["event"] == "recovered" and e["size"] == 6], "the job never ran on 6 workers"
         trained = [r for r in records
                    if "gen" in r and r["rank"] == 0 and early[0]["time"] < r["t"] < joined[0]["time"]]
         assert trained, "no step was trained between the early start of the newcomers and their joining"
