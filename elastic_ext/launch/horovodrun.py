@@ -198,7 +198,7 @@ def _through_the_worker_entry() -> None:
         command = worker_command(args.command or [])
         if command != (args.command or []):
             os.environ[ENV_LAUNCHER] = "1"  # the workers' entry module runs: early start is possible
-        else:
+        elif command:  # (no command at all: --check-build, --version)
             logging.warning("elastic_ext: %r is not 'python SCRIPT' or 'python -m MODULE': the workers start as "
                             "given, without what the launcher does before user code (restart in place, early start "
                             "of newcomers, SIGTERM as a leave while the job re-forms)", args.command)
