@@ -152,7 +152,7 @@ class ElasticConfig:
             failure or resize wait for the others (newcomers start Python,
             import the framework and build the model first). ``run`` sets
             Horovod's ``HOROVOD_GLOO_TIMEOUT_SECONDS`` to it before each
-            reset, and ``import elastic_ext`` (from ``ELASTIC_EXT_*``
+            reset, and the launcher's entry module (from ``ELASTIC_EXT_*``
             variables) before a newcomer's first ``hvd.init()``, unless
             that variable was set already; Horovod's own 30 s
             killed every waiting rank (and the job) when a newcomer took
