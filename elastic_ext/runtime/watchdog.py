@@ -27,8 +27,9 @@ barrier, which needs the waiting survivors. Three mechanisms break that:
 3. **Stall check** (in the heartbeat thread): if the training loop reports no
    progress (commit, ``record_step`` or :func:`progress`) for
    ``stall_timeout_s`` while its main thread is *not* inside a Horovod call
-   and no :func:`phase` is open, this worker is the one everybody waits for
-   (a step that never ends), and it kills itself. Ranks waiting in a
+   (nor handling the exception of a failed one) and no :func:`phase` is
+   open, this worker is the one everybody waits for (a step that never
+   ends), and it kills itself. Ranks waiting in a
    collective never fire, so a slow but healthy worker is never declared dead
    unless one of its steps exceeds ``stall_timeout_s``. Three things a
    healthy worker does are not stalls: a long phase the user opened
@@ -98,12 +99,25 @@ _TF_EXECUTOR_FRAMES = {("execute.py", "quick_execute"), ("context.py", "call_fun
 _TF_EAGER_DIR = f"{os.sep}tensorflow{os.sep}python{os.sep}eager{os.sep}"
 
 
-def _main_thread_in_horovod() -> bool:
-    """True if the main thread may be waiting in a collective: in a Python frame
-    of Horovod, or inside TensorFlow's executor (graph code can hold a Horovod
-    op; the stall check then leaves the decision to the guardian and to the
-    other ranks, rather than kill a rank that only waits for a slow peer)."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
+def _main_thread_waits_or_fails() -> bool:
+    """True if the main thread may be waiting on its peers or is on its way out
+    of a failed step, so that it is not the worker everybody waits for.
+
+    Waiting: in a Python frame of Horovod, or inside TensorFlow's executor
+    (graph code can hold a Horovod op; the stall check then leaves the decision
+    to the guardian and to the other ranks, rather than kill a rank that only
+    waits for a slow peer). Failing: handling an exception (a collective failed
+    and Keras or TensorFlow builds its traceback, seconds on a loaded machine);
+    the exception reaches ``@elastic_ext.run``, which recovers, so killing the
+    worker then only loses a healthy one.
+    """
+    main = threading.main_thread().ident
+    handled = sys._current_exceptions().get(main)
+    # Python 3.11 gives an exc_info tuple ((None, None, None) when there is no
+    # exception), later versions the exception or None.
+    if (handled[1] if isinstance(handled, tuple) else handled) is not None:
+        return True
+    frame = sys._current_frames().get(main)
     while frame is not None:
         filename = frame.f_code.co_filename
         if f"{os.sep}horovod{os.sep}" in filename:
@@ -196,7 +210,7 @@ class Watchdog:
                 except (BrokenPipeError, ValueError, OSError):
                     logger.error("guardian process is gone; hang detection is off for this worker")
                     self._guardian = None
-            in_collective = live.in_training and _main_thread_in_horovod()
+            in_collective = live.in_training and _main_thread_waits_or_fails()
             verdict = self.stall_check(time.monotonic(), in_collective)
             if verdict is not None:
                 idle = time.monotonic() - live.last_progress

@@ -73,6 +73,47 @@ def test_a_long_wait_in_a_collective_gives_a_fresh_stall_timeout_after_it():
         assert verdict_after is not None and "stall_timeout_s=3.0" in verdict_after
 
 
+
+def sample_while(main_work):
+    """Runs ``main_work`` on the main thread while another thread samples
+    whether the stall check would see it waiting or failing."""
+    seen = []
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            seen.append(watchdog._main_thread_waits_or_fails())
+            stop.wait(0.02)
+
+    thread = threading.Thread(target=sample)
+    thread.start()
+    try:
+        main_work()
+    finally:
+        stop.set()
+        thread.join()
+    return seen
+
+
+def test_a_main_thread_in_plain_python_is_neither_waiting_nor_failing():
+    seen = sample_while(lambda: threading.Event().wait(0.4))
+    assert seen and not any(seen), seen
+
+
+def test_a_main_thread_handling_a_failed_steps_exception_is_not_a_stall():
+    # A collective failed; Keras builds its filtered traceback in an except
+    # block for seconds on a loaded machine. A keras3 zoo rank was killed as
+    # stuck there, and the kill took the last healthy slot of the job.
+    def failing_step():
+        try:
+            raise RuntimeError("Horovod has been shut down")
+        except RuntimeError:
+            threading.Event().wait(0.4)  # the traceback's slow processing
+
+    seen = sample_while(failing_step)
+    assert seen and sum(seen) >= len(seen) // 2, seen
+
+
 def test_run_sets_the_rendezvous_timeout_unless_the_user_did():
     from elastic_ext.config import ConfigError, ElasticConfig
     from elastic_ext.launch.gloo_timeout import rendezvous_timeout
