@@ -1,7 +1,7 @@
 """Soak: one long elastic job under a seeded schedule of faults, then an audit.
 
 One real ``horovodrun`` job (4 workers, three 2-slot pseudo-hosts, durable
-checkpoints every commit, tensor fusion on) trains on scikit-learn's digits
+checkpoints every commit, tensor fusion on) trains on the UCI digits
 while this script injects faults drawn from a seeded schedule:
 
 - ``kill``: SIGKILL a random worker at a random moment;

@@ -1,7 +1,7 @@
 """Soft failures: goodput with one 3x straggler (with and without eviction), and the numeric guard's cost.
 
 Both measured on real ``horovodrun`` jobs of ``tests/multiprocess/workers/lifecycle.py``
-(PyTorch, scikit-learn's digits, global batch 64, a commit every 4 steps),
+(PyTorch, the UCI digits, global batch 64, a commit every 4 steps),
 side by side in one run:
 
 1. **Straggler.** Every rank spends ``--compute-s`` of simulated compute

@@ -1,4 +1,4 @@
-"""Elastic PyTorch training on scikit-learn's digits with elastic_ext.
+"""Elastic PyTorch training on handwritten digits with elastic_ext.
 
 Launch (two pseudo-hosts on one machine; host_discovery/static.py re-reads
 the host file every second, so editing it grows or shrinks the job)::
@@ -28,7 +28,7 @@ import elastic_ext
 
 import numpy as np
 import torch
-from sklearn.datasets import load_digits
+from digits import load_digits
 
 import horovod.torch as hvd
 
@@ -53,7 +53,7 @@ def say(message):
         print(message, flush=True)
 
 
-# The data: 1797 8x8 digit images shipped inside scikit-learn (no download).
+# The data: 1797 8x8 digit images, in digits.npz beside this script (no download).
 digits = load_digits()
 features = torch.tensor(digits.data / 16.0, dtype=torch.float32)
 labels = torch.tensor(digits.target, dtype=torch.int64)

@@ -1,4 +1,4 @@
-"""Elastic TensorFlow training on scikit-learn's digits with elastic_ext (Keras 2 or Keras 3).
+"""Elastic TensorFlow training on handwritten digits with elastic_ext (Keras 2 or Keras 3).
 
 Launch (two pseudo-hosts on one machine; host_discovery/static.py re-reads
 the host file every second, so editing it grows or shrinks the job)::
@@ -51,7 +51,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+from digits import load_digits  # noqa: E402
 
 if args.keras == "2":
     import tf_keras as keras  # noqa: E402
@@ -74,7 +74,7 @@ def say(message):
         print(message, flush=True)
 
 
-# The data: 1797 8x8 digit images shipped inside scikit-learn (no download).
+# The data: 1797 8x8 digit images, in digits.npz beside this script (no download).
 # The same split as the PyTorch example: 297 held out, 1500 to train on.
 digits = load_digits()
 rng = np.random.default_rng(0)

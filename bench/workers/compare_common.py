@@ -1,7 +1,7 @@
 """What the three bench.compare workers share: data, model, one training step, the step log.
 
 The same for plain Horovod, elastic_ext and torchrun, so that only the
-elastic machinery differs: scikit-learn's digits (1500 training images after
+elastic machinery differs: the UCI digits (1500 training images after
 the same hold-out split as examples/pytorch_elastic.py), a 64-64-10 MLP with
 Adam (lr 0.01), a global batch of 64 and an emulated compute time per sample
 (``--compute-ms-per-sample``, slept before the allreduce: the MLP itself takes
@@ -63,10 +63,10 @@ def parser(description):
 def write_data(path):
     """Saves the 1500 training images (the split of examples/pytorch_elastic.py) for the workers.
 
-    Done once by the driver, so that no worker pays for importing scikit-learn
+    Done once by the driver, so that no worker reads and splits the digits
     when it (re)starts: start-up time is part of what is measured.
     """
-    from sklearn.datasets import load_digits
+    from examples.digits import load_digits
     digits = load_digits()
     train_idx = np.random.default_rng(0).permutation(len(digits.target))[297:]
     assert len(train_idx) == DATASET_SIZE

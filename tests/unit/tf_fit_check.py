@@ -1,9 +1,9 @@
 """Checks of ElasticCallback and the gradient API in one process (a world of one).
 
-Run as ``python tf_fit_check.py 2|3`` (Keras 2 via tf_keras, or Keras 3); the
-Keras version is chosen before TensorFlow is imported, hence a process per
-version. Prints "ok" when every check passed; an assertion names the check
-that failed.
+Run as ``python tf_fit_check.py 2|3`` (Keras 2 via tf_keras, or Keras 3) with
+the checkout on PYTHONPATH (the data comes from examples/digits.py); the Keras
+version is chosen before TensorFlow is imported, hence a process per version.
+Prints "ok" when every check passed; an assertion names the check that failed.
 """
 
 import os
@@ -16,7 +16,7 @@ if KERAS == "2":
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+from examples.digits import load_digits  # noqa: E402
 
 if KERAS == "2":
     import tf_keras as keras  # noqa: E402

@@ -1,4 +1,4 @@
-"""Test worker: elastic ``model.fit`` on scikit-learn's digits, Keras 2 (--keras 2) or Keras 3.
+"""Test worker: elastic ``model.fit`` on the UCI digits, Keras 2 (--keras 2) or Keras 3.
 
 Same outputs and fault flags as train_tf.py: a sample ledger (written from the
 steps Keras actually trained on), final-<rank>.npz with weights and optimizer
@@ -26,7 +26,7 @@ if args.keras == "2":
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+from examples.digits import load_digits  # noqa: E402
 
 if args.keras == "2":
     import tf_keras as keras  # noqa: E402

@@ -24,7 +24,7 @@ if args.keras == "2":
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+from examples.digits import load_digits  # noqa: E402
 
 if args.keras == "2":
     import tf_keras as keras  # noqa: E402

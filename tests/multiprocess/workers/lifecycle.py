@@ -1,4 +1,4 @@
-"""Test worker for lifecycle cases: elastic PyTorch training on scikit-learn's digits.
+"""Test worker for lifecycle cases: elastic PyTorch training on the UCI digits.
 
 Like train_torch.py (ledger steps-<pid>.jsonl, final-<rank>.npz, events via
 ELASTIC_EXT_EVENTS_PATH, checkpoints via ELASTIC_EXT_CHECKPOINT_*), plus:
@@ -30,7 +30,7 @@ import elastic_ext
 
 import numpy as np
 import torch
-from sklearn.datasets import load_digits
+from examples.digits import load_digits
 
 import horovod.torch as hvd
 

@@ -57,7 +57,7 @@ if args.keras == "2":
     os.environ["TF_USE_LEGACY_KERAS"] = "1"
 
 import numpy as np  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+from examples.digits import load_digits  # noqa: E402
 
 GLOBAL_BATCH = 32
 digits = load_digits()

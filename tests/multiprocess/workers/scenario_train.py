@@ -35,7 +35,7 @@ p.add_argument("--epoch-wait-s", type=float, default=0.0, help="pause after each
 args = p.parse_args()
 
 import numpy as np  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+from examples.digits import load_digits  # noqa: E402
 
 import elastic_ext  # noqa: E402
 from elastic_ext.testing.ledger import Ledger  # noqa: E402

@@ -1,4 +1,4 @@
-"""Test worker: elastic TensorFlow training on scikit-learn's digits, with
+"""Test worker: elastic TensorFlow training on the UCI digits, with
 Keras 2 (tf_keras, --keras 2) or Keras 3 (--keras 3).
 
 Same outputs and fault flags as train_torch.py: a sample ledger, final-<rank>.npz
@@ -25,7 +25,7 @@ if args.keras == "2":
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+from examples.digits import load_digits  # noqa: E402
 
 if args.keras == "2":
     import tf_keras as keras  # noqa: E402

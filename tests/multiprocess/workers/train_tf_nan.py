@@ -1,7 +1,7 @@
 """Test worker: elastic TensorFlow (Keras 3) training with the numeric guard; one rank's loss turns NaN once.
 
 The TensorFlow twin of train_torch_nan.py: BatchNorm and dropout on
-scikit-learn's digits, a custom loop with ``tf.GradientTape``, gradients
+the UCI digits, a custom loop with ``tf.GradientTape``, gradients
 averaged by ``hvd.allreduce``, then ``state.guard_step`` before
 ``apply_gradients``. At global step --nan-step, rank --nan-rank poisons one
 input sample with a NaN the first time only. Writes the same outputs:
@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 import tensorflow as tf
-from sklearn.datasets import load_digits
+from examples.digits import load_digits
 
 import keras
 

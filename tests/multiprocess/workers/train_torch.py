@@ -1,4 +1,4 @@
-"""Test worker: elastic (or plain) PyTorch training on scikit-learn's digits.
+"""Test worker: elastic (or plain) PyTorch training on the UCI digits.
 
 Writes, under --out: steps-<pid>.jsonl (every step: generation, epoch,
 cursor, rank, size, sample indices), final-<rank>.npz (weights and optimizer
@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import torch
-from sklearn.datasets import load_digits
+from examples.digits import load_digits
 
 import horovod.torch as hvd
 

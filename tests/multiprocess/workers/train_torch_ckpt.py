@@ -1,4 +1,4 @@
-"""Test worker: elastic PyTorch training on scikit-learn's digits with durable checkpoints.
+"""Test worker: elastic PyTorch training on the UCI digits with durable checkpoints.
 
 The checkpoint settings come from ELASTIC_EXT_CHECKPOINT_* variables; a fresh
 job resumes from the newest valid checkpoint there. Writes, under --out:
@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import torch
-from sklearn.datasets import load_digits
+from examples.digits import load_digits
 
 import horovod.torch as hvd
 

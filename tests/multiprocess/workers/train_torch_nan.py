@@ -1,6 +1,6 @@
 """Test worker: elastic PyTorch training with the numeric guard; one rank's loss turns NaN once.
 
-A small network with BatchNorm and dropout on scikit-learn's digits, Horovod's
+A small network with BatchNorm and dropout on the UCI digits, Horovod's
 DistributedOptimizer, ``state.guard_step`` between ``optimizer.synchronize()``
 and ``optimizer.step()``. At global step --nan-step, rank --nan-rank poisons
 its input batch with a NaN (the loss, its BatchNorm statistics and, through
@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 import torch
-from sklearn.datasets import load_digits
+from examples.digits import load_digits
 
 import horovod.torch as hvd
 

@@ -1,5 +1,5 @@
 """Test worker: the model zoo, elastic training of models users actually train,
-on scikit-learn's digits (8x8 images).
+on the UCI digits (8x8 images).
 
 --model picks one:
   cnn_bn       torch: Conv2d + BatchNorm2d + dropout, SGD with momentum, OneCycleLR
@@ -42,7 +42,7 @@ if args.model == "keras2":
     os.environ["TF_USE_LEGACY_KERAS"] = "1"
 
 import numpy as np  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+from examples.digits import load_digits  # noqa: E402
 
 import elastic_ext  # noqa: E402
 from elastic_ext import liveness  # noqa: E402
