@@ -156,13 +156,11 @@ def test_unreachable_controller_is_killed_by_the_timeout(slurm_cluster, run_scri
     dead.write_text("ClusterName=dead\nSlurmctldHost=localhost(127.0.0.1)\nSlurmctldPort=9\n"
                     "NodeName=node01 NodeAddr=127.0.0.1\n")
     env = dict(job_env(slurm_cluster), SLURM_CONF=str(dead))
-    start = time.monotonic()
     proc = run_script("slurm", "--timeout-s", "1.5", env=env)
-    elapsed = time.monotonic() - start
     assert proc.returncode == EXIT_TIMEOUT, proc.stderr
     assert proc.stdout == ""
+    # Bounded by --timeout-s (exit 4), not by scontrol's own retries (which end in exit 3).
     assert "did not answer within" in proc.stderr
-    assert elapsed < 8, elapsed  # bounded by --timeout-s, not by scontrol's own retries
     with pytest.raises(DiscoveryTimeoutError):
         slurm.discover(env, Deadline(0.5))
 

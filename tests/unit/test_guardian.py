@@ -14,7 +14,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # A stand-in for a worker: starts its guardian like elastic_ext.runtime.watchdog does,
-# prints the guardian's pid, then beats every 0.2 s (or never, with "silent").
+# prints the guardian's pid, then beats every 0.2 s, printing "beat" after each
+# (or never, with "silent").
 WORKER = textwrap.dedent("""
     import subprocess, sys, time
     guardian = subprocess.Popen([sys.executable, "-m", "elastic_ext.runtime.guardian", "--pid", str(__import__("os").getpid()),
@@ -30,6 +31,7 @@ WORKER = textwrap.dedent("""
         time.sleep(0.2)
         if sys.argv[2] == "beat":
             guardian.stdin.write(b"."); guardian.stdin.flush()
+            print("beat", flush=True)
 """)
 
 
@@ -43,6 +45,13 @@ def start_worker(timeout_s, mode):
     proc = subprocess.Popen([sys.executable, "-c", WORKER, str(timeout_s), mode], stdout=subprocess.PIPE, env=env())
     guardian = psutil.Process(int(proc.stdout.readline()))
     return proc, guardian
+
+
+def beats(worker, count):
+    """Reads the next ``count`` heartbeats the worker sent its guardian (fails if the worker dies first)."""
+    for _ in range(count):
+        line = worker.stdout.readline()
+        assert line == b"beat\n", f"the worker stopped beating (exit status {worker.poll()})"
 
 
 def stop(procs):
@@ -64,7 +73,6 @@ def test_a_guardian_never_kills_a_pid_that_is_not_its_parent():
         _, err = guardian.communicate(timeout=20)  # its stdin stays open: no EOF, no heartbeat
         assert guardian.returncode == 2, err
         assert b"not this guardian's parent" in err, err
-        time.sleep(1.5)  # longer than the timeout it was given
         assert bystander.poll() is None, "the guardian killed a process that is not its parent"
     finally:
         stop([bystander, guardian])
@@ -74,7 +82,7 @@ def test_a_guardian_never_kills_a_pid_that_is_not_its_parent():
 def test_a_stopped_worker_is_killed_by_its_guardian():
     worker, guardian = start_worker(1.0, "beat")
     try:
-        time.sleep(1.5)
+        beats(worker, 8)  # 1.6 s of heartbeats, longer than the guardian's timeout
         assert worker.poll() is None, "a beating worker was killed"
         worker.send_signal(signal.SIGSTOP)
         assert worker.wait(timeout=20) == -signal.SIGKILL
@@ -104,14 +112,14 @@ def test_suspending_worker_and_guardian_together_kills_nobody():
     # for a while, as if its worker had hung through the whole suspension.
     worker, guardian = start_worker(2.0, "beat")
     try:
-        time.sleep(1.0)
+        beats(worker, 3)
         for p in (worker, guardian):
             p.send_signal(signal.SIGSTOP)
-        time.sleep(8.0)  # four times the guardian's timeout
+        time.sleep(5.0)  # the suspension: 2.5 times the guardian's timeout
         guardian.send_signal(signal.SIGCONT)
-        time.sleep(0.7)
+        time.sleep(0.7)  # the guardian runs alone for a while, less than its timeout
         worker.send_signal(signal.SIGCONT)
-        time.sleep(3.0)
+        beats(worker, 15)  # 3 s of heartbeats after the resumption, longer than the timeout
         assert worker.poll() is None, "the guardian killed its worker after a whole-job suspension"
         assert guardian.is_running() and guardian.status() != psutil.STATUS_ZOMBIE
     finally:

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from elastic_ext.launch import horovodrun, prestart, round_watch
-from tests.unit.test_prestart import Discovery, in_threads, wait_for
+from tests.unit.test_prestart import Discovery, discovered, in_threads, wait_for, waiting_in_the_barrier
 
 
 class Job:
@@ -30,7 +30,17 @@ class Job:
         self.url = f"http://127.0.0.1:{self.port}"
         self.started = []
         self.exits = {}            # (host, local_rank) -> Event: set it and the slot's newest worker exits with code 1
+        self.handled = []          # (host, local_rank) of each worker exit the driver has finished handling
         self.finish = threading.Event()
+        self.driver._handle_worker_exit = self._handle_worker_exit
+
+    def _handle_worker_exit(self, slot_info, exit_code, timestamp):
+        # The driver's own handling (Horovod's, or elastic_ext's once installed), then a record of it.
+        # Horovod's records a failure, then waits in the round's barrier for the other workers.
+        try:
+            type(self.driver)._handle_worker_exit(self.driver, slot_info, exit_code, timestamp)
+        finally:
+            self.handled.append((slot_info.hostname, slot_info.local_rank))
 
     def _create_worker(self, slot_info, events):
         key = (slot_info.hostname, slot_info.local_rank)
@@ -76,7 +86,7 @@ def changed():
 def a_worker_of_host_a_dies_in_a_round(job):
     """host-a[1] fails while the three others ask for their ranks again (as after a collective failure)."""
     asks, threads = in_threads(*[lambda s=s: job.rank_and_size(*s) for s in SLOTS if s != ("host-a", 1)])
-    time.sleep(0.3)
+    waiting_in_the_barrier(job, 3)
     job.exits[("host-a", 1)].set()
     for thread in threads:
         thread.join(30)
@@ -86,7 +96,7 @@ def a_worker_of_host_a_dies_in_a_round(job):
 def a_host_loses_both_workers(job, lost, other):
     """Both workers of ``lost`` fail while those of ``other`` ask for their ranks again; returns their answers."""
     asks, threads = in_threads(lambda: job.rank_and_size(other, 0), lambda: job.rank_and_size(other, 1))
-    time.sleep(0.3)
+    waiting_in_the_barrier(job, 2)
     job.exits[(lost, 0)].set()
     job.exits[(lost, 1)].set()
     for thread in threads:
@@ -151,23 +161,28 @@ def test_the_late_exit_of_a_replaced_worker_is_not_charged_to_the_new_worker_in_
         # host-b leaves and comes back before its old workers have exited (as a
         # worker told to go takes up to 10 s to die while a blacklist cooldown may be 1 s).
         job.discovery.hosts = {"host-a": 2}
-        time.sleep(1.5)  # the driver rediscovers hosts every second
+        discovered(job, {"host-a": 2})
         asks, threads = in_threads(*[lambda s=s: job.rank_and_size(*s) for s in SLOTS])
         for thread in threads:
             thread.join(30)
         assert asks == [(0, 2), (1, 2), (-1, -1), (-1, -1)]
         old = job.exits[("host-b", 0)]
         job.discovery.hosts = {"host-a": 2, "host-b": 2}
-        time.sleep(1.5)
+        discovered(job, {"host-a": 2, "host-b": 2})
         asks, threads = in_threads(lambda: job.rank_and_size("host-a", 0), lambda: job.rank_and_size("host-a", 1))
         for thread in threads:
             thread.join(30)
         assert asks == [(0, 4), (1, 4)]
         assert wait_for(lambda: job.started.count(("host-b", 0)) == 2), job.started
         round_now = job.driver._worker_registry.last_rendezvous()
+        handled = job.handled.count(("host-b", 0))
         old.set()  # the old host-b[0] exits now, in the round of its successor
-        time.sleep(0.5)
-        charged = ("host-b", 0) in job.driver._worker_registry.get("FAILURE")
+        def charged():
+            return ("host-b", 0) in job.driver._worker_registry.get("FAILURE")
+
+        assert wait_for(lambda: charged() or job.handled.count(("host-b", 0)) == handled + 1), \
+            "the driver neither charged nor finished handling the exit"
+        charged = charged()
         assert charged is not with_changes
         if with_changes:
             assert job.store(round_watch.failed_key(round_now)) is None
@@ -189,14 +204,28 @@ def watch_env(monkeypatch, job):
     monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_PORT", str(job.port))
 
 
+def watched_keys(monkeypatch):
+    """The failure keys the round watcher reads, with each answer, in order."""
+    reads, real = [], round_watch.get
+
+    def get(url, timeout_s=round_watch.REQUEST_TIMEOUT_S):
+        answer = real(url, timeout_s)
+        if "/failed_" in url:
+            reads.append((url.rsplit("/", 1)[1], answer))
+        return answer
+
+    monkeypatch.setattr(round_watch, "get", get)
+    return reads
+
+
 def test_a_worker_waiting_in_its_first_init_learns_that_its_round_lost_a_member(changed, monkeypatch):
     job = started_job()
     try:
         watch_env(monkeypatch, job)
-        lost = []
+        reads, lost = watched_keys(monkeypatch), []
         stop = round_watch.watch(reset=False, on_lost=lost.append)
-        time.sleep(0.6)
-        assert lost == []
+        assert wait_for(lambda: len(reads) >= 2), "the watcher never read its round's key"
+        assert lost == [] and reads[:2] == [(round_watch.failed_key(1), None)] * 2
         job.exits[("host-b", 0)].set()
         assert wait_for(lambda: lost == [1], 10)
         stop()
@@ -210,10 +239,11 @@ def test_a_resetting_worker_watches_the_next_round_not_the_one_whose_failure_it_
         watch_env(monkeypatch, job)
         job.exits[("host-a", 1)].set()  # round 1 lost a member: the others reset
         assert wait_for(lambda: job.store(round_watch.failed_key(1)) is not None)
-        lost = []
+        reads, lost = watched_keys(monkeypatch), []
         stop = round_watch.watch(reset=True, on_lost=lost.append)
-        time.sleep(0.6)
+        assert wait_for(lambda: len(reads) >= 2), "the watcher never read its round's key"
         assert lost == [], "round 1's failure is why this worker resets; its round is 2"
+        assert reads[:2] == [(round_watch.failed_key(2), None)] * 2
         stop()
     finally:
         job.stop()
@@ -223,11 +253,10 @@ def test_without_the_drivers_rounds_nothing_is_watched(monkeypatch):
     job = started_job()
     try:
         watch_env(monkeypatch, job)
-        lost = []
-        stop = round_watch.watch(reset=False, on_lost=lost.append)
-        job.exits[("host-b", 0)].set()
-        time.sleep(1.0)
-        assert lost == []
+        before = set(threading.enumerate())
+        stop = round_watch.watch(reset=False, on_lost=lambda round_id: None)
+        started = [t.name for t in set(threading.enumerate()) - before]
+        assert "elastic_ext-round-watch" not in started, started
         stop()
     finally:
         job.stop()

@@ -86,6 +86,19 @@ def wait_for(predicate, timeout_s=20.0):
     return predicate()
 
 
+def discovered(job, host_slots):
+    """Waits until the driver's host discovery has seen ``host_slots`` (it polls every second)."""
+    assert wait_for(lambda: job.driver._host_manager.current_hosts.host_slots == host_slots), \
+        f"the driver never saw {host_slots}: {job.driver._host_manager.current_hosts}"
+
+
+def waiting_in_the_barrier(job, count):
+    """Waits until ``count`` workers asked for their ranks and wait in the driver's barrier for the others."""
+    from horovod.runner.elastic.registration import READY
+    assert wait_for(lambda: job.driver._worker_registry.count(READY) == count), \
+        f"{count} workers never waited in the barrier: {job.driver._worker_registry.get_recorded_slots()}"
+
+
 @pytest.fixture
 def job():
     job = Job({"host-a": 2}, 2, 4)
@@ -102,7 +115,7 @@ def job():
 def test_horovods_driver_starts_newcomers_only_after_every_worker_asks_again(job):
     """The reason survivors stand idle: without a new rank request, no newcomer is started."""
     job.discovery.hosts["host-b"] = 2
-    time.sleep(3.0)  # the driver rediscovers hosts every second
+    discovered(job, {"host-a": 2, "host-b": 2})
     assert len(job.started) == 2
 
 
@@ -117,14 +130,14 @@ def test_newcomers_start_and_announce_while_the_survivors_have_not_reset(job):
 
     job.newcomer = new_worker
     job.discovery.hosts["host-b"] = 2
-    time.sleep(1.5)
+    discovered(job, {"host-a": 2, "host-b": 2})
     survivors = [Prestart(job.url, "host-a", lr, poll=(lr == 0), timeout_s=60).start() for lr in (0, 1)]
     assert wait_for(lambda: survivors[0].ready()), "rank 0 never saw every rank of the next world"
     assert survivors[0].why == "all_there"
     assert [(p.next_rank, p.next_size) for p in survivors] == [(0, 4), (1, 4)]
     assert not survivors[1].ready()  # only rank 0 polls; the commit's allreduce tells the others
     assert sorted((s.hostname, s.local_rank) for s in job.started[2:]) == [("host-b", 0), ("host-b", 1)]
-    time.sleep(0.5)
+    waiting_in_the_barrier(job, 2)
     assert newcomer_ranks == []  # the newcomers wait in hvd.init() for the survivors' reset
     # The reset: the survivors' hvd.init() asks again and meets the waiting newcomers.
     ranks, threads = in_threads(lambda: job.rank_and_size("host-a", 0), lambda: job.rank_and_size("host-a", 1))
@@ -138,7 +151,7 @@ def test_newcomers_start_and_announce_while_the_survivors_have_not_reset(job):
 def test_a_survivor_whose_slot_goes_away_learns_it_at_once(job):
     job.newcomer = lambda slot_info: prestart.put(f"{job.url}/{prestart.SCOPE}/{slot_info.rank}")
     job.discovery.hosts = {"host-a": 1, "host-b": 2}  # host-a shrinks while host-b comes
-    time.sleep(1.5)
+    discovered(job, {"host-a": 1, "host-b": 2})
     survivors = [Prestart(job.url, "host-a", lr, poll=(lr == 0), timeout_s=60).start() for lr in (0, 1)]
     assert wait_for(lambda: survivors[0].ready() and survivors[1].ready())
     assert (survivors[1].why, survivors[1].next_rank) == ("removed", -1)  # it leaves at the resize
@@ -184,19 +197,21 @@ def test_a_newcomer_builds_its_model_solo_then_joins_the_survivors_reset(job, so
     seen, bindings = {}, {}
 
     def new_worker(slot_info):
-        time.sleep(0.5)  # a process starts Python and imports the framework first (seconds, in a real job)
+        # A real newcomer starts Python and imports its framework first
+        # (seconds), by which time the survivors have put the early-start marker.
+        assert wait_for(lambda: prestart.get(f"{job.url}/{prestart.SCOPE}/{prestart.MARKER}") is not None)
         env = newcomer_env(job, slot_info.rank, slot_info.hostname, slot_info.local_rank)
         assert newcomer.early_start_under_way(env) is True
         newcomer.start_solo(lambda: seen.update(init_env=dict(env)), env)  # Horovod's init, as a world of one
         seen.update(after=dict(env), ranks=list(global_process_set.ranks))
-        time.sleep(1.0)  # builds its model: the survivors go on training and do not see it yet
+        # (It builds its model here: the survivors go on training and do not see it yet.)
         seen["ready_before_join"] = prestart.get(f"{job.url}/{prestart.SCOPE}/{slot_info.rank}")
         bindings[slot_info.rank] = ResettingBinding(job, env)
         assert newcomer.join(bindings[slot_info.rank], env) is True
 
     job.newcomer = lambda slot_info: threading.Thread(target=new_worker, args=(slot_info,), daemon=True).start()
     job.discovery.hosts["host-b"] = 1
-    time.sleep(1.5)
+    discovered(job, {"host-a": 2, "host-b": 1})
     survivors = [Prestart(job.url, "host-a", lr, poll=(lr == 0), timeout_s=60).start() for lr in (0, 1)]
     assert wait_for(lambda: survivors[0].ready()) and survivors[0].why == "all_there"
     init_env = seen["init_env"]
