@@ -10,8 +10,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PINNED = (3, 11)  # tools/setup.sh builds .venv from Python 3.11: the torch/TF/Horovod wheels need it
 
@@ -41,11 +39,14 @@ def test_the_file_list_covers_the_project():
         assert expected in files, f"{expected} missing from the compiled files: {files[:10]}..."
 
 
-@pytest.mark.parametrize("path", tracked_python_files())
-def test_compiles(path):
-    with open(os.path.join(REPO, path), "rb") as handle:
-        source = handle.read()
-    try:
-        compile(source, path, "exec", dont_inherit=True)
-    except SyntaxError as exc:
-        pytest.fail(f"{path}:{exc.lineno}: {exc.msg} (Python {sys.version.split()[0]}):\n{exc.text}")
+def test_every_file_compiles():
+    failures = []
+    for path in tracked_python_files():
+        with open(os.path.join(REPO, path), "rb") as handle:
+            source = handle.read()
+        try:
+            compile(source, path, "exec", dont_inherit=True)
+        except SyntaxError as exc:
+            failures.append(f"{path}:{exc.lineno}: {exc.msg}:\n{exc.text}")
+    assert not failures, f"{len(failures)} file(s) do not compile on Python {sys.version.split()[0]}:\n" + \
+        "\n".join(failures)
