@@ -18,6 +18,7 @@ from elastic_ext.events import read_events
 from elastic_ext.testing import ledger
 from tests.multiprocess import launch
 
+USER_DEFAULTS = True  # what users run: the guardian on, as by default (see tests/conftest.py)
 DEMO = os.path.join(launch.REPO, "examples", "run_demo.py")
 
 

@@ -15,6 +15,7 @@ import pytest
 from elastic_ext.testing import ledger
 from tests.multiprocess import analysis, launch
 
+USER_DEFAULTS = True  # what users run: the guardian on, as by default (see tests/conftest.py)
 EXAMPLES = os.path.join(launch.REPO, "examples")
 TRAIN_SIZE = 1500  # digits minus the 297 held out, in both examples
 EPOCHS = 3

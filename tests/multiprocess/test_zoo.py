@@ -43,9 +43,7 @@ def test_zoo_survives_a_sigkill_and_a_scale_up_with_identical_parameters(tmp_pat
     cmd = launch.elastic_cmd(4, 2, 4, hosts, "zoo.py", "--out", str(out), "--model", model, "--epochs", "1",
                              "--commit-every", "4", "--faults", "3:6:kill",
                              "--resize-at", f"12:{hosts}:localhost:2,127.0.0.1:2,{launch.third_host()}:1")
-    # The guardian's hang limit well above this loaded CI machine's scheduling
-    # stalls: this test is about model state, not hang detection.
-    env = launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl"), ELASTIC_EXT_HANG_TIMEOUT_S="60")
+    env = launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl"))
     if model.startswith("keras"):
         # Rank 0 busy 6 s outside any collective (marking progress) while the
         # others wait in the step's allreduce inside @tf.function: graph code,
