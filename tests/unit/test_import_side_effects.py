@@ -86,3 +86,29 @@ def test_importing_the_package_forks_patches_writes_and_handles_nothing(tmp_path
     assert seen["patched"] == [], f"import {modules} replaced Horovod's {seen['patched']}"
     assert seen["env_changed"] == [], f"import {modules} changed environment variables {seen['env_changed']}"
     assert seen["signals_changed"] == [], f"import {modules} changed the handlers of signals {seen['signals_changed']}"
+
+
+def test_the_core_imports_and_works_without_any_framework():
+    # A meta-path finder that refuses torch, tensorflow, keras and horovod.
+    blocker = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('torch', 'tensorflow', 'keras', 'tf_keras', 'horovod'):\n"
+        "            raise ImportError('blocked: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "try:\n"
+        "    import torch\n"
+        "    raise SystemExit('torch import was not blocked')\n"
+        "except ImportError:\n"
+        "    pass\n"
+        "import elastic_ext, elastic_ext.data.partition, elastic_ext.data.sampler, elastic_ext.discovery\n"
+        "from elastic_ext.testing import SoloBinding\n"
+        "s = elastic_ext.State(binding=SoloBinding(), epoch=3)\n"
+        "s.commit(); s.epoch = 4; s.restore(); assert s.epoch == 3\n"
+        "print('ok', sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'tensorflow', 'horovod')))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=60,
+                            env=dict(os.environ, PYTHONPATH=REPO))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok []"
