@@ -1,4 +1,6 @@
-"""The examples run for real under horovodrun, survive a SIGKILL, learn, and see every sample exactly once.
+"""The examples run for real as their docstrings say (``elastic-horovodrun``), survive a
+SIGKILL, learn, and see every sample exactly once: the PyTorch loop, the
+TensorFlow loop (Keras 3) and ``model.fit`` (Keras 2).
 
 Each job has a hard timeout (launch.run kills the whole process tree on
 expiry) under pytest's own. Epochs are few to keep CI short; the digits
@@ -29,7 +31,7 @@ def run_example(tmp_path, script, hosts, np_, min_np, *script_args, timeout_s=15
     out.mkdir()
     hosts_file = str(out / "hosts")
     launch.write_hosts(hosts_file, hosts)
-    cmd = [os.path.join(launch.VENV_BIN, "horovodrun"), "-np", str(np_), "--min-np", str(min_np),
+    cmd = [os.path.join(launch.VENV_BIN, "elastic-horovodrun"), "-np", str(np_), "--min-np", str(min_np),
            "--max-np", str(np_), "--network-interfaces", "lo",
            "--host-discovery-script", f"{launch.STATIC} {hosts_file}",
            sys.executable, os.path.join(EXAMPLES, script), "--epochs", str(EPOCHS),
@@ -47,15 +49,25 @@ def final_accuracy(lines):
     return float(done[0].group(1)), int(done[0].group(2))
 
 
-def assert_killed_and_recovered(lines, out, kill_step, commit_every, survivors):
+def assert_killed_and_recovered(lines, out, kill_step, commit_every, survivors, printed=True, rolled_back=None):
+    """A rollback to the commit before ``kill_step``, then training on ``survivors`` workers to the end.
+
+    ``rolled_back``: the steps since that commit (default: commits every ``commit_every`` steps).
+
+    ``printed``: the example prints its recoveries and resets (the loops do;
+    ``model.fit``'s example leaves them to the event log).
+    """
     events = analysis.read_events(str(out / "events.jsonl"))
     assert any(e["event"] == "rollback" for e in events), "the SIGKILL did not cause a rollback"
-    resume = kill_step - kill_step % commit_every
-    expected = (f"[elastic] recovered from collective_failed in ", f"{kill_step - resume} steps rolled back, "
-                f"resuming at step {resume}")
-    recovered = [line for line in lines if line.startswith(expected[0]) and line.endswith(expected[1])]
-    assert recovered, f"no recovery line like {expected} in rank 0's output: {lines}"
-    assert f"[elastic] reset: the job now has {survivors} workers" in lines, lines
+    resume = kill_step - (kill_step % commit_every if rolled_back is None else rolled_back)
+    recovered = [e for e in events if e["event"] == "recovered" and e["rank"] == 0 and e["cause"] == "collective_failed"]
+    assert [e["steps_rolled_back"] for e in recovered] == [kill_step - resume], recovered
+    if printed:
+        expected = (f"[elastic] recovered from collective_failed in ", f"{kill_step - resume} steps rolled back, "
+                    f"resuming at step {resume}")
+        assert [line for line in lines if line.startswith(expected[0]) and line.endswith(expected[1])], \
+            f"no recovery line like {expected} in rank 0's output: {lines}"
+        assert f"[elastic] reset: the job now has {survivors} workers" in lines, lines
     epochs = [line for line in lines if line.startswith("epoch ")]
     assert len(epochs) == EPOCHS, lines
     assert epochs[-1].split("workers ")[1].startswith(f"{survivors} "), epochs[-1]
@@ -70,29 +82,35 @@ def assert_exactly_once(out):
 
 @pytest.mark.timeout(200)
 def test_pytorch_example_survives_a_sigkill_on_four_workers(tmp_path):
-    # Rank 3 lives on the second pseudo-host; Horovod blacklists that host: 4 -> 2 workers.
+    # Rank 3 is killed on a pseudo-host of 2 slots; the launcher keeps its host
+    # mate and starts a new worker in the failed slot: the job goes on with 4.
     kill_step, commit_every = 28, 5
     lines, out = run_example(tmp_path, "pytorch_elastic.py", ["localhost:2", "127.0.0.1:2"], 4, 2,
                              "--commit-every", str(commit_every), "--faults", f"3:{kill_step}:kill")
     accuracy, workers = final_accuracy(lines)
     assert accuracy > MIN_ACCURACY, lines
-    assert workers == 2, lines
-    assert_killed_and_recovered(lines, out, kill_step, commit_every, survivors=2)
+    assert workers == 4, lines
+    assert_killed_and_recovered(lines, out, kill_step, commit_every, survivors=4)
     report = assert_exactly_once(out)
     assert report["lost_steps"] >= 1, "the steps after the last commit should have been thrown away"
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("keras", ["3", "2"])
-def test_tensorflow_example_survives_a_sigkill_on_two_workers(tmp_path, keras):
+@pytest.mark.parametrize("script, keras, rolled_back", [("tensorflow_elastic.py", "3", 3),
+                                                      ("keras_fit_elastic.py", "2", 4)],
+                         ids=["loop-keras3", "fit-keras2"])
+def test_tensorflow_examples_survive_a_sigkill_on_two_workers(tmp_path, script, keras, rolled_back):
     # One slot on each pseudo-host, so that losing rank 1 (and its host) leaves rank 0 to finish alone.
+    # The loop commits every 5 steps (25, then the kill at 28: 3 rolled back); fit every 5 batches
+    # of an epoch and at its end (24 steps an epoch: the kill at 28 is 4 after the commit at 24).
     kill_step, commit_every = 28, 5
-    lines, out = run_example(tmp_path, "tensorflow_elastic.py", ["localhost:1", "127.0.0.1:1"], 2, 1,
+    lines, out = run_example(tmp_path, script, ["localhost:1", "127.0.0.1:1"], 2, 1,
                              "--keras", keras, "--commit-every", str(commit_every),
                              "--faults", f"1:{kill_step}:kill")
     accuracy, workers = final_accuracy(lines)
     assert accuracy > MIN_ACCURACY, lines
     assert workers == 1, lines
     assert f"(Keras {keras}." in lines[-1], f"not the Keras asked for: {lines[-1]}"
-    assert_killed_and_recovered(lines, out, kill_step, commit_every, survivors=1)
+    assert_killed_and_recovered(lines, out, kill_step, commit_every, survivors=1,
+                                printed=script == "tensorflow_elastic.py", rolled_back=rolled_back)
     assert_exactly_once(out)
