@@ -14,10 +14,13 @@ ELASTIC_EXT_EVENTS_PATH, checkpoints via ELASTIC_EXT_CHECKPOINT_*), plus:
 --compute-s S                      simulated compute per step (in state.step_timer): S seconds per 16 local samples
 --newcomer-delay-s S               a process started after the job trained (a newcomer) sleeps S before hvd.init:
                                    a slow container start, a big import (it writes OUT/newcomer-<pid> first)
+--newcomer-gate PATH               a newcomer writes OUT/newcomer-<pid>, then waits before hvd.init until PATH
+                                   exists: a start that lasts until the test's event (fails after 280 s)
 --guard                            State(guard=NumericGuard()) and state.guard_step after the allreduce; the
                                    guard's seconds per step go to guard-<pid>.json (median, count)
 --slow "RANK:STEP:FACTOR[:STEPS]"  from STEP (for STEPS steps, default: to the end), the process that started
-                                   as RANK computes FACTOR x longer (it stays slow under a new rank)
+                                   as RANK computes FACTOR x longer (it stays slow under a new rank); several
+                                   slowdowns are separated by commas
 """
 
 import argparse
@@ -56,13 +59,19 @@ p.add_argument("--compute-s", type=float, default=0.0)
 p.add_argument("--slow", default="")
 p.add_argument("--guard", action="store_true")
 p.add_argument("--newcomer-delay-s", type=float, default=0.0)
+p.add_argument("--newcomer-gate", default="")
 args = p.parse_args()
 
 torch.set_num_threads(1)
-if args.newcomer_delay_s and any(name.startswith("steps-") and os.path.getsize(os.path.join(args.out, name))
-                                 for name in os.listdir(args.out)):
+if (args.newcomer_delay_s or args.newcomer_gate) and any(
+        name.startswith("steps-") and os.path.getsize(os.path.join(args.out, name)) for name in os.listdir(args.out)):
     open(os.path.join(args.out, f"newcomer-{os.getpid()}"), "w").close()  # imported, not yet in hvd.init()
     time.sleep(args.newcomer_delay_s)
+    gate_deadline = time.monotonic() + 280
+    while args.newcomer_gate and not os.path.exists(args.newcomer_gate):
+        if time.monotonic() > gate_deadline:
+            raise SystemExit(f"newcomer {os.getpid()}: {args.newcomer_gate} did not appear within 280 s")
+        time.sleep(0.05)
 hvd.init()
 faults = FaultSchedule.parse(args.faults, os.path.join(args.out, "faults"))
 first_rank = hvd.rank()  # --slow follows the process, not whoever holds its rank after a resize
@@ -100,13 +109,14 @@ def long_phase(state):
 
 def compute_seconds(state):
     """Simulated compute of this step: --compute-s, times the --slow factor on the slow rank."""
-    if not args.slow:
-        return args.compute_s
-    parts = args.slow.split(":")
-    rank, start, factor = int(parts[0]), int(parts[1]), float(parts[2])
-    steps = int(parts[3]) if len(parts) > 3 else None
-    slow = first_rank == rank and state.step >= start and (steps is None or state.step < start + steps)
-    return args.compute_s * (factor if slow else 1.0)
+    seconds = args.compute_s
+    for spec in filter(None, args.slow.split(",")):
+        parts = spec.split(":")
+        rank, start, factor = int(parts[0]), int(parts[1]), float(parts[2])
+        steps = int(parts[3]) if len(parts) > 3 else None
+        if first_rank == rank and state.step >= start and (steps is None or state.step < start + steps):
+            seconds *= factor
+    return seconds
 
 
 def train_step(state, indices, pad):
