@@ -15,8 +15,9 @@ committed history.
 The reset limit, fixed hosts, the blacklist cooldown and the job's failure are
 decided by Horovod's driver and elastic_ext's run loop, the same for every
 framework, so they run with PyTorch only. The TensorFlow flavours run the
-scenarios that reach their own code. The TF2 loop (no other multi-process
-test trains through elastic_ext's DistributedGradientTape): hosts added and
+scenarios that reach their own code. The TF2 loop (the only job here whose
+elastic_ext DistributedGradientTape goes through a rollback or a join;
+test_tf_checkpoint_resume.py restarts one from storage): hosts added and
 removed (the newcomers' unbuilt Keras optimizer is built and synced from the
 survivors through the TF binding, then rank 0 moves to a worker that joined)
 and a SIGKILLed rank 0 (rollback, the Keras 3 model and optimizer restored,
