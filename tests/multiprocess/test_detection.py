@@ -2,9 +2,11 @@
 
 Horovod's driver only re-forms the job when a worker exits, so a hung worker
 (SIGSTOP, or a step that never ends) wedges a plain Horovod job; these tests
-check that elastic_ext turns hangs into failures within the configured bound,
-never mistakes a slow worker for a dead one, and lets a SIGTERMed worker
-leave at its next commit without a rollback.
+check that elastic_ext turns hangs into failures within the configured bound
+and lets a SIGTERMed worker leave at its next commit without a rollback.
+That a slow worker is never mistaken for a dead one is checked, with the
+other things a healthy job does that look like failures, by one job in
+test_lifecycle.py (the test of slow ranks, a long eval and a suspension).
 """
 
 import json
@@ -41,24 +43,6 @@ def assert_recovered_without_gloo_timeout(out, output):
     assert "Timed out" not in output and "Wait timeout" not in output, output[-3000:]
     records = ledger.read(str(out))
     assert {r["gen"] for r in records if "gen" in r} >= {1, 2}
-
-
-@pytest.mark.timeout(300)
-def test_a_slow_worker_is_not_declared_dead(tmp_path):
-    # Rank 1's steps take 20 x longer (1 s instead of 0.05 s) for steps 4..11,
-    # with the stall check at 3 s and the guardian at 5 s: neither may fire.
-    out, output = run_job(tmp_path, "--step-sleep-s", "0.05", "--slow", "1:4:12:20",
-                          env={"ELASTIC_EXT_STALL_TIMEOUT_S": "3", "ELASTIC_EXT_HANG_TIMEOUT_S": "5",
-                               "ELASTIC_EXT_HEARTBEAT_PERIOD_S": "0.5"})
-    events = analysis.read_events(str(out / "events.jsonl"))
-    kinds = {e["event"] for e in events}
-    assert not kinds & {"rollback", "stall", "resize", "leave"}, sorted(kinds)
-    assert "guardian" not in output
-    records = ledger.read(str(out))
-    assert {r["gen"] for r in records if "gen" in r} == {1}
-    assert {r["size"] for r in records if "gen" in r} == {4}
-    analysis.assert_exactly_once(out, DIGITS, 1)
-    analysis.assert_ranks_identical(analysis.load_finals(out))
 
 
 @pytest.mark.timeout(300)

@@ -1,6 +1,9 @@
-"""Lifecycle on a real cluster, with real horovodrun: no false stall kills (a long
-phase, a whole-job suspension), a SIGTERM leave that leaves its commit durable,
-and an abort that cuts only the collective library's connections.
+"""Lifecycle on a real cluster, with real horovodrun: no false alarm (stall kill,
+guardian kill, eviction) in one job full of what a healthy job does (a slow
+rank, a long eval phase, a whole-job suspension, short slowdowns), a SIGTERM
+leave that leaves its commit durable, an abort that cuts only the collective
+library's connections, and newcomers that start slowly or die in their start
+(they wait before hvd.init() until the test's event: see grow_at_step_8).
 """
 
 import json
@@ -45,64 +48,190 @@ def kinds(out):
 
 # ------------------------------------------------------------ 18.3 stalls
 
-@pytest.mark.timeout(300)
-def test_an_eval_phase_longer_than_the_stall_timeout_does_not_kill(tmp_path):
-    # Rank 1 evaluates for 3 x stall_timeout_s at step 9; the others wait in the next allreduce.
-    # A fast heartbeat ticks in the few ms between the end of their wait and
-    # their next record_step (a false stall kill before the stall clock
-    # stopped counting time spent in a collective).
-    out, output = run_job(tmp_path, "--phase", "1:9:9", "--step-sleep-s", "0.02",
-                          env={"ELASTIC_EXT_STALL_TIMEOUT_S": "3", "ELASTIC_EXT_HANG_TIMEOUT_S": "5",
-                               "ELASTIC_EXT_HEARTBEAT_PERIOD_S": "0.05"})
-    seen = kinds(out)
-    assert not {"stall", "rollback", "resize"} & set(seen), seen
-    assert "guardian" not in output
-    records = ledger.read(str(out))
-    assert {r["gen"] for r in records if "gen" in r} == {1}, "the job was re-formed: someone died"
-    analysis.assert_exactly_once(out, DIGITS, 1)
-    analysis.assert_ranks_identical(analysis.load_finals(out))
-
-
-def steps_done(out):
+def trained(out):
+    """Every step record of the ledger so far (a line being written is skipped)."""
     try:
-        return len([r for r in ledger.read(str(out)) if "gen" in r])
+        return [r for r in ledger.read(str(out)) if "gen" in r]
     except (OSError, ValueError):
-        return 0
+        return []
+
+
+def steps_by_pid(out):
+    """pid -> that process's step records, from its ledger file steps-<pid>.jsonl."""
+    result = {}
+    for path in out.glob("steps-*.jsonl"):
+        lines = path.read_text().splitlines()
+        result[int(path.stem.split("-")[1])] = [r for r in map(json.loads, lines[:-1] + [
+            line for line in lines[-1:] if line.endswith("}")]) if "gen" in r]
+    return result
+
+
+def signal_if_alive(proc, signum):
+    """Sends ``signum`` to ``proc``; False if it has already exited."""
+    try:
+        proc.send_signal(signum)
+        return True
+    except psutil.NoSuchProcess:
+        return False
+
+
+def stopped_or_gone(proc):
+    try:
+        return proc.status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
+
+
+class Temptations:
+    """One job full of things a healthy job does that a detector or a policy could take for a failure.
+
+    4 workers, 2 epochs (58 steps), each step 50 ms of compute inside
+    ``state.step_timer``; stall check at 3 s, guardian at 3 s, a heartbeat
+    every 50 ms; the straggler policy on (factor 3, window 12 steps, warm-up
+    4; the table is agreed at every commit, every 4 steps):
+
+    - the slow rank: rank 1 computes 20x longer (1 s a step) for steps 4..11,
+      so 4 s pass between its commits, more than the stall timeout; those 8
+      steps are also a slowdown above the factor that is shorter than the
+      window;
+    - the eval phase: at step 14 rank 1 spends 9 s (3 x the stall timeout) in
+      ``state.phase("eval")`` while the others wait in the allreduce, their
+      stall check ticking every 50 ms;
+    - the suspension: once every worker is past step 18, every process of the
+      job (driver, workers, guardians) is SIGSTOPped for 6 s (2 x both
+      timeouts), then SIGCONTed;
+    - the short slowdown: rank 3 computes 5x longer for steps 44..46 (one
+      slow table, under the 12-step window);
+    - below the factor: rank 2 computes 2x longer from step 4 to the end,
+      longer than the window.
+
+    Window 12 instead of the straggler tests' 8: the slow rank's 8 slow steps
+    span two tables, which a window of 8 rightly evicts.
+    """
+
+    STALL_S = HANG_S = 3.0
+    SLOW_RANK = (1, 4, 20, 8)       # rank, first step, factor, steps
+    EVAL = (1, 14, 9)               # rank, step, seconds
+    SUSPEND_AFTER_STEP = 18
+    SUSPEND_S = 2 * max(STALL_S, HANG_S)
+    SHORT_SLOWDOWN = (3, 44, 5, 3)  # rank, first step, factor, steps
+    BELOW_FACTOR = (2, 4, 2)        # rank, first step, factor (to the end)
+    EPOCHS = 2
+
+    def __init__(self):
+        self.suspension = None  # (stopped at, continued at, steps the workers were at), Unix seconds
+
+    def worker_args(self):
+        slow = ",".join(":".join(str(x) for x in spec) for spec in (self.SLOW_RANK, self.SHORT_SLOWDOWN,
+                                                                     self.BELOW_FACTOR))
+        return ["--straggler", "3:12:4", "--compute-s", "0.05", "--slow", slow,
+                "--phase", ":".join(str(x) for x in self.EVAL)]
+
+    def env(self):
+        return {"ELASTIC_EXT_STALL_TIMEOUT_S": self.STALL_S, "ELASTIC_EXT_HANG_TIMEOUT_S": self.HANG_S,
+                "ELASTIC_EXT_HEARTBEAT_PERIOD_S": 0.05}
+
+    def phases_at(self, step, t):
+        """The temptations a worker at ``step`` at Unix time ``t`` was exposed to, in words."""
+        names = []
+        rank, first, factor, steps = self.SLOW_RANK
+        if first <= step < first + steps + COMMIT_EVERY:
+            names.append(f"the slow rank (rank {rank} {factor}x for steps {first}..{first + steps - 1})")
+        rank, at, seconds = self.EVAL
+        if step == at:
+            names.append(f"the eval phase (rank {rank}, {seconds} s at step {at})")
+        if self.suspension is not None:
+            stopped, continued, steps_then = self.suspension
+            if t >= stopped and min(steps_then) <= step <= max(steps_then) + 1:
+                names.append(f"the whole-job suspension ({self.SUSPEND_S:.0f} s at steps {sorted(set(steps_then))})")
+        rank, first, factor, steps = self.SHORT_SLOWDOWN
+        if first <= step < first + steps + COMMIT_EVERY:
+            names.append(f"the short slowdown (rank {rank} {factor}x for steps {first}..{first + steps - 1})")
+        return " / ".join(names) or f"no temptation of its own (step {step}): rank {self.BELOW_FACTOR[0]} at " \
+                                    f"{self.BELOW_FACTOR[2]}x, below the straggler factor"
+
+    def where(self, out, pid, t):
+        """``pid``'s rank and step at Unix time ``t``, and the temptations it faced there, in words."""
+        records = [r for r in steps_by_pid(out).get(pid, []) if r["t"] <= t]
+        if not records:
+            return f"pid {pid} before its first step"
+        last = records[-1]
+        return f"rank {last['rank']} at step {last['step']}, during {self.phases_at(last['step'], t)}"
+
+    def suspend(self, job, out):
+        """Once every worker is past SUSPEND_AFTER_STEP: SIGSTOP every process of the job for SUSPEND_S."""
+        after = self.SUSPEND_AFTER_STEP
+
+        def past():
+            records = trained(out)
+            ranks = {r["rank"] for r in records if r["step"] > after}
+            return len(ranks) == 4
+        wait_for(f"all 4 workers past step {after}", past, job)
+        root = psutil.Process(job.proc.pid)
+        procs = [root] + root.children(recursive=True)
+        guardians = sum("elastic_ext.runtime.guardian" in " ".join(p.cmdline()) for p in procs)
+        assert guardians == 4, f"expected 4 guardians to suspend with their workers, found {guardians}"
+        procs = [p for p in procs if signal_if_alive(p, signal.SIGSTOP)]
+        wait_for("every process of the job stopped", lambda: all(stopped_or_gone(p) for p in procs), job,
+                 timeout_s=30)
+        stopped = time.time()
+        by_pid = steps_by_pid(out)
+        steps_then = [records[-1]["step"] for records in by_pid.values() if records]
+        assert max(steps_then) < self.SHORT_SLOWDOWN[1], f"suspended too late, at steps {steps_then}"
+        # The suspension's length is the fault itself (longer than both
+        # timeouts); nothing in a stopped job can mark its end.
+        time.sleep(self.SUSPEND_S)
+        for proc in procs:
+            signal_if_alive(proc, signal.SIGCONT)
+        self.suspension = (stopped, time.time(), steps_then)
+
+    def check(self, out, code, output):
+        """Per kind of false alarm, which temptation it fell for; then a complete, unchanged training."""
+        events = analysis.read_events(str(out / "events.jsonl"))
+
+        def listed(kind):
+            return [f"{e['event']} {({k: v for k, v in e.items() if k in ('idle_s', 'cause', 'detail')})} on "
+                    f"{self.where(out, e['pid'], e['time'])}" for e in events if e["event"] == kind]
+
+        assert not listed("stall"), f"a healthy worker declared itself stuck: {listed('stall')}"
+        guardian_kills = re.findall(r"worker (\d+) sent no heartbeat", output)
+        assert not guardian_kills, "a guardian killed a healthy worker, last seen at: " + "; ".join(
+            self.where(out, int(pid), float("inf")) for pid in guardian_kills)
+        evictions = sorted({f"rank {e['evicted_rank']} evicted at step {e['step']} (ratio {e['ratio']:.1f}, slow "
+                            f"since step {e['slow_since']}): {self.phases_at(e['slow_since'] + 1, e['time'])}"
+                            for e in events if e["event"] == "straggler"})
+        assert not evictions, f"the straggler policy evicted a rank: {evictions}"
+        for kind in ("leave", "rollback", "resize"):
+            assert not listed(kind), f"the job changed shape: {listed(kind)}"
+        assert code == 0, f"the job failed:\n{output[-5000:]}"
+        assert "suspended" in {e["event"] for e in events}, "no worker noticed the suspension: it tested nothing"
+        records = ledger.read(str(out))
+        assert {(r["gen"], r["size"]) for r in records if "gen" in r} == {(1, 4)}, "the job was re-formed"
+        finishes = [e for e in events if e["event"] == "finish"]
+        assert sorted(e["rank"] for e in finishes) == [0, 1, 2, 3], f"training did not finish on every rank: {finishes}"
+        assert not (out / "exclude").exists(), "a host was excluded"
+        analysis.assert_exactly_once(out, DIGITS, self.EPOCHS)
+        analysis.assert_ranks_identical(analysis.load_finals(out))
 
 
 @pytest.mark.timeout(300)
-def test_a_whole_job_suspended_and_resumed_kills_nobody(tmp_path):
-    # Like a Slurm suspend: every process of the job (driver, workers,
-    # guardians) is stopped for longer than both timeouts, then continued.
+def test_a_slow_rank_a_long_eval_a_suspension_and_short_slowdowns_kill_evict_and_roll_back_nobody(tmp_path):
+    # Merges the jobs that each asserted that nothing happened (slow worker,
+    # eval phase, whole-job suspension, short slowdowns under the straggler
+    # policy): one job with every temptation, whose messages name the one a
+    # false alarm fell for.
     out = tmp_path / "job"
     out.mkdir()
-    stall_s, hang_s = 3.0, 3.0
-    job = launch.Job(command(out, "--step-sleep-s", "0.1", epochs=2),
-                     environment(out, ELASTIC_EXT_STALL_TIMEOUT_S=stall_s, ELASTIC_EXT_HANG_TIMEOUT_S=hang_s),
-                     str(out / "horovodrun.log"))
-    deadline = time.monotonic() + 180
-    while steps_done(out) < 4 * 8:  # 8 steps on each of the 4 workers
-        assert job.proc.poll() is None, open(job.log_path).read()[-5000:]
-        assert time.monotonic() < deadline, "the job made no progress"
-        time.sleep(0.1)
-    root = psutil.Process(job.proc.pid)
-    procs = [root] + root.children(recursive=True)
-    assert sum("elastic_ext.runtime.guardian" in " ".join(p.cmdline()) for p in procs) == 4, "expected 4 guardians"
-    for proc in procs:
-        proc.send_signal(signal.SIGSTOP)
-    time.sleep(3 * max(stall_s, hang_s))
-    for proc in procs:
-        proc.send_signal(signal.SIGCONT)
+    temptations = Temptations()
+    job = launch.Job(command(out, *temptations.worker_args(), epochs=Temptations.EPOCHS),
+                     environment(out, **temptations.env()), str(out / "horovodrun.log"))
+    try:
+        temptations.suspend(job, out)
+    except BaseException:
+        job.kill()
+        raise
     code, output = job.wait(240)
-    assert code == 0, output[-5000:]
-    seen = kinds(out)
-    assert "sent no heartbeat" not in output, "a guardian killed its worker after the suspension"
-    assert not {"stall", "rollback", "resize"} & set(seen), seen
-    assert "suspended" in seen, "no worker noticed the suspension"
-    records = ledger.read(str(out))
-    assert {r["gen"] for r in records if "gen" in r} == {1}
-    analysis.assert_exactly_once(out, DIGITS, 2)
-    analysis.assert_ranks_identical(analysis.load_finals(out))
+    temptations.check(out, code, output)
 
 
 # ------------------------------------------------------------- 18.2 leave
@@ -191,29 +320,44 @@ def test_the_abort_cuts_only_the_collective_connections(tmp_path):
 
 # ------------------------------------------------------ slow newcomers
 
-def grow_at_step_8(out, newcomer_delay_s):
-    """Two workers on localhost; at step 8 a second host joins, whose newcomers sleep before hvd.init()."""
+def grow_at_step_8(out, newcomer_delay_s=0.0):
+    """Two workers on localhost; at step 8 a second host joins, whose newcomers sleep ``newcomer_delay_s``
+    before hvd.init(), then wait there until the file ``gate(out)`` exists (see :func:`open_gate`)."""
     hosts_file = str(out / "hosts")
     launch.write_hosts(hosts_file, ["localhost:2"])
     return launch.elastic_cmd(2, 2, 4, hosts_file, "lifecycle.py", "--out", str(out), "--commit-every",
                               str(COMMIT_EVERY), "--resize-at", f"8:{hosts_file}:localhost:2,127.0.0.1:2",
-                              "--newcomer-delay-s", str(newcomer_delay_s))
+                              "--newcomer-delay-s", str(newcomer_delay_s), "--newcomer-gate", str(gate(out)))
+
+
+def gate(out):
+    return out / "newcomers-may-start"
+
+
+def open_gate(out):
+    """Lets the newcomers of :func:`grow_at_step_8` go on to hvd.init() (those to come too)."""
+    gate(out).touch()
+
+
+def wait_for(what, condition, job, timeout_s=150):
+    """Polls ``condition()`` until it is true; fails saying ``what`` was awaited if ``job`` ends or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert job.proc.poll() is None, f"the job ended while waiting for {what}:\n{open(job.log_path).read()[-5000:]}"
+        assert time.monotonic() < deadline, f"not seen within {timeout_s}s: {what}\n{open(job.log_path).read()[-5000:]}"
+        time.sleep(0.05)
 
 
 def first_newcomer(out, job):
-    """The pid of the first newcomer, once it has imported its framework (it then sleeps before hvd.init())."""
-    deadline = time.monotonic() + 150
-    while not list(out.glob("newcomer-*")):
-        assert job.proc.poll() is None, open(job.log_path).read()[-5000:]
-        assert time.monotonic() < deadline, "no newcomer started"
-        time.sleep(0.05)
+    """The pid of the first newcomer, once it has imported its framework (it then waits before hvd.init())."""
+    wait_for("a newcomer started (OUT/newcomer-<pid>)", lambda: list(out.glob("newcomer-*")), job)
     return int(sorted(out.glob("newcomer-*"))[0].name.split("-")[1])
 
 
 @pytest.mark.timeout(300)
 def test_survivors_wait_for_a_newcomer_slower_than_horovods_30s_rendezvous_timeout(tmp_path):
     # Two workers train; at step 8 a second host is added. Its newcomers take
-    # 40 s to start (a container pull, a big import) while the two survivors
+    # over 30 s to start (a container pull, a big import) while the two survivors
     # wait for them in Horovod's re-initialisation. With Horovod's own 30 s
     # Gloo timeout the survivors abort ("Wait timeout after 30 seconds") and
     # the job dies; run() sets ElasticConfig.rendezvous_timeout_s (120 s).
@@ -221,9 +365,13 @@ def test_survivors_wait_for_a_newcomer_slower_than_horovods_30s_rendezvous_timeo
     # with the early start of newcomers the survivors train meanwhile instead
     # (the next test). The launcher sets the newcomers' first hvd.init()
     # timeout before their script runs.
+    # The newcomers' 32 s (after their import) are the fault itself: the
+    # survivors' wait must outlast Horovod's fixed 30 s default, which no
+    # event can stand for.
     out = tmp_path / "job"
     out.mkdir()
-    cmd = launch.under_elastic_ext_driver(grow_at_step_8(out, newcomer_delay_s=40))
+    open_gate(out)
+    cmd = launch.under_elastic_ext_driver(grow_at_step_8(out, newcomer_delay_s=32))
     env = environment(out, ELASTIC_EXT_PRESTART_NEWCOMERS=0)
     env.pop("HOROVOD_GLOO_TIMEOUT_SECONDS", None)
     code, output = launch.run(cmd, env, str(out / "horovodrun.log"), 240)
@@ -238,15 +386,22 @@ def test_survivors_wait_for_a_newcomer_slower_than_horovods_30s_rendezvous_timeo
 
 @pytest.mark.timeout(300)
 def test_a_job_that_ends_while_its_newcomers_start_early_takes_them_in_and_succeeds(tmp_path):
-    # The same slow newcomers with the defaults: the survivors start them early
-    # and train on, and the epoch ends before the newcomers are ready. Left
-    # behind, they were killed when the job ended (exit 137) and Horovod
-    # reported the job as failed. Now every rank commits at the end and
-    # resizes with them, and the job ends with four workers.
+    # Slow newcomers with the defaults: the survivors start them early and
+    # train on, and the epoch ends before the newcomers are ready (they wait
+    # until both survivors have begun the epoch's last step). Left behind,
+    # they were killed when the job ended (exit 137) and Horovod reported the
+    # job as failed. Now every rank commits at the end and resizes with them,
+    # and the job ends with four workers.
     out = tmp_path / "job"
     out.mkdir()
-    cmd = launch.under_elastic_ext_driver(grow_at_step_8(out, newcomer_delay_s=40))
-    code, output = launch.run(cmd, environment(out), str(out / "horovodrun.log"), 240)
+    job = launch.Job(launch.under_elastic_ext_driver(grow_at_step_8(out)), environment(out),
+                     str(out / "horovodrun.log"))
+    last_step = -(-DIGITS // 64) - 1  # the epoch's last step (global batch 64, padded)
+    first_newcomer(out, job)
+    wait_for(f"both survivors at step {last_step}, the epoch's last",
+             lambda: len({r["rank"] for r in trained(out) if r["step"] == last_step}) == 2, job)
+    open_gate(out)
+    code, output = job.wait(240)
     assert code == 0, output[-5000:]
     events = analysis.read_events(str(out / "events.jsonl"))
     of_rank_0 = [e for e in events if e["rank"] == 0 and e["event"] in ("prestart", "resize", "finish")]
@@ -272,10 +427,10 @@ def test_a_newcomer_sigtermed_before_it_trains_leaves_at_its_first_commit(tmp_pa
     env = environment(out, ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S=40, ELASTIC_EXT_TERM_GRACE_S=120,
                       ELASTIC_EXT_PRESTART_NEWCOMERS=0)
     # The launcher makes SIGTERM a leave before the script runs.
-    job = launch.Job(launch.under_elastic_ext_driver(grow_at_step_8(out, newcomer_delay_s=6)), env,
-                     str(out / "horovodrun.log"))
+    job = launch.Job(launch.under_elastic_ext_driver(grow_at_step_8(out)), env, str(out / "horovodrun.log"))
     leaver = first_newcomer(out, job)
     os.kill(leaver, signal.SIGTERM)
+    open_gate(out)
     code, output = job.wait(240)
     assert code == 0, output[-5000:]
     assert "Terminated" not in output
@@ -301,10 +456,11 @@ def newcomer_killed_before_it_starts_horovod(tmp_path, elastic_ext_driver=False,
     out = tmp_path / "job"
     out.mkdir()
     env = environment(out, ELASTIC_EXT_CHECKPOINT_DIR=str(out / "ckpt"), ELASTIC_EXT_CHECKPOINT_EVERY=1, **env_extra)
-    cmd = grow_at_step_8(out, newcomer_delay_s=4)
+    cmd = grow_at_step_8(out)
     job = launch.Job(launch.under_elastic_ext_driver(cmd) if elastic_ext_driver else cmd, env,
                      str(out / "horovodrun.log"))
     launch.kill_worker(first_newcomer(out, job))
+    open_gate(out)  # the other newcomer (and one started in the dead one's slot) go on
     return out, job
 
 

@@ -1,6 +1,7 @@
 """Straggler eviction with real horovodrun: a rank slowed 5x for good is asked to
-leave at a commit (no rollback, exactly once, its host in the exclude file);
-a short slowdown is not.
+leave at a commit (no rollback, exactly once, its host in the exclude file).
+That a short slowdown above the factor, and a long one below it, are not is
+checked by the job of every temptation in test_lifecycle.py.
 
 Every rank spends 30 ms of simulated compute per step inside
 ``state.step_timer``; ``--slow`` multiplies one rank's. The policy: factor 3,
@@ -52,17 +53,4 @@ def test_a_rank_slowed_5x_from_step_20_is_evicted_within_the_window_without_roll
     assert starts[2][2] == 28, "the job must go on from the commit where the straggler left"
     report = analysis.assert_exactly_once(out, DIGITS, 2)
     assert report["lost_steps"] == 0, "an eviction must not throw work away"
-    analysis.assert_ranks_identical(analysis.load_finals(out))
-
-
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("slow", ["1:20:2:3", "1:20:5:3"], ids=["2x-3-steps", "5x-3-steps"])
-def test_a_short_slowdown_is_not_evicted(tmp_path, slow):
-    out, events = run_job(tmp_path, "--slow", slow, epochs=1)
-    kinds = [e["event"] for e in events]
-    assert not {"straggler", "leave", "rollback", "resize"} & set(kinds), kinds
-    assert not (out / "exclude").exists()
-    records = ledger.read(str(out))
-    assert {r["gen"] for r in records if "gen" in r} == {1}
-    analysis.assert_exactly_once(out, DIGITS, 1)
     analysis.assert_ranks_identical(analysis.load_finals(out))
