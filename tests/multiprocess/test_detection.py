@@ -5,8 +5,8 @@ Horovod's driver only re-forms the job when a worker exits, so a hung worker
 check that elastic_ext turns hangs into failures within the configured bound
 and lets a SIGTERMed worker leave at its next commit without a rollback.
 That a slow worker is never mistaken for a dead one is checked, with the
-other things a healthy job does that look like failures, by one job in
-test_lifecycle.py (the test of slow ranks, a long eval and a suspension).
+other things a healthy job does that look like failures, by
+test_lifecycle.py::test_a_slow_rank_and_short_slowdowns_under_the_straggler_policy_kill_and_evict_nobody.
 """
 
 import json

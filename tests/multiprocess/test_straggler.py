@@ -1,7 +1,7 @@
 """Straggler eviction with real horovodrun: a rank slowed 5x for good is asked to
 leave at a commit (no rollback, exactly once, its host in the exclude file).
 That a short slowdown above the factor, and a long one below it, are not is
-checked by the job of every temptation in test_lifecycle.py.
+checked by test_lifecycle.py::test_a_slow_rank_and_short_slowdowns_under_the_straggler_policy_kill_and_evict_nobody.
 
 Every rank spends 30 ms of simulated compute per step inside
 ``state.step_timer``; ``--slow`` multiplies one rank's. The policy: factor 3,
