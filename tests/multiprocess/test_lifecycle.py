@@ -82,6 +82,15 @@ def stopped_or_gone(proc):
         return True
 
 
+def ran_since(proc, voluntary_switches, blocks=1):
+    """True once ``proc`` has blocked ``blocks`` more times since it had ``voluntary_switches`` (or is gone)."""
+    try:
+        return (proc.num_ctx_switches().voluntary >= voluntary_switches + blocks
+                and proc.status() != psutil.STATUS_STOPPED)
+    except psutil.NoSuchProcess:
+        return True
+
+
 class Temptations:
     """A job full of things a healthy job does that a detector or a policy could take for a failure.
 
@@ -179,7 +188,18 @@ class Temptations:
         procs = [root] + root.children(recursive=True)
         guardians = [p for p in procs if "elastic_ext.runtime.guardian" in " ".join(p.cmdline())]
         assert len(guardians) == 4, f"expected 4 guardians to suspend with their workers, found {len(guardians)}"
-        procs = [p for p in procs if signal_if_alive(p, signal.SIGSTOP)]
+        # Guardians last, once each has blocked again in its poll after its
+        # worker stopped: it has read every heartbeat, so it wakes to an
+        # empty pipe.
+        others = [p for p in procs if p not in guardians and signal_if_alive(p, signal.SIGSTOP)]
+        wait_for("every worker and launcher process stopped", lambda: all(stopped_or_gone(p) for p in others), job,
+                 timeout_s=30)
+        switches = {g.pid: g.num_ctx_switches().voluntary for g in guardians}
+        wait_for("every guardian read its pipe empty", lambda: all(ran_since(g, switches[g.pid]) for g in guardians),
+                 job, timeout_s=30)
+        for proc in guardians:
+            signal_if_alive(proc, signal.SIGSTOP)
+        procs = guardians + others
         wait_for("every process of the job stopped", lambda: all(stopped_or_gone(p) for p in procs), job,
                  timeout_s=30)
         stopped = time.time()
@@ -187,8 +207,19 @@ class Temptations:
         # The suspension's length is the fault itself (longer than both
         # timeouts); nothing in a stopped job can mark its end.
         time.sleep(self.SUSPEND_S)
-        for proc in guardians + [p for p in procs if p not in guardians]:
+        # Guardians first, and the rest once each guardian has run its check
+        # again (blocked twice more: its poll resumed, timed out, polled
+        # again): they wake to a silent pipe, which only their suspension
+        # rule keeps from a kill. A worker continued first would beat before
+        # its guardian looked.
+        switches = {g.pid: g.num_ctx_switches().voluntary for g in guardians}
+        for proc in guardians:
             signal_if_alive(proc, signal.SIGCONT)
+        wait_for("every guardian ran after its SIGCONT",
+                 lambda: all(ran_since(g, switches[g.pid], blocks=2) for g in guardians), job, timeout_s=30)
+        for proc in procs:
+            if proc not in guardians:
+                signal_if_alive(proc, signal.SIGCONT)
         self.suspension = (stopped, time.time(), steps_then)
 
     def check(self, out, code, output):
