@@ -137,6 +137,8 @@ def install(environ: Optional[Mapping[str, str]] = None) -> bool:
         return False  # a process the script started (the guardian, a data worker) inherited the variable
     keeper = os.getpid()
     dispositions = {sig: signal.getsignal(sig) for sig in IGNORED}
+    for sig in IGNORED:  # before the first fork: a SIGTERM in the child's first moments must not end the keeper
+        signal.signal(sig, signal.SIG_IGN)
     count = without_joining = lost_without_joining = 0
     last_lost = -1
     while True:
@@ -152,8 +154,6 @@ def install(environ: Optional[Mapping[str, str]] = None) -> bool:
             os.environ[ENV_RESTARTED_IN_PLACE] = str(count)
             _shared = shared
             return True
-        for sig in IGNORED:
-            signal.signal(sig, signal.SIG_IGN)
         status = _wait(pid)
         phase, joined = shared[PHASE], shared[JOINED]
         lost = int.from_bytes(shared[LOST], "little") - 1
