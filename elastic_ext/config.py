@@ -130,6 +130,18 @@ class ElasticConfig:
             keep up) instead of a few steps slowed by half: steadier step
             times. A write started for a leave (``force``) runs at the
             training's own priority. 0 (the default) keeps that priority.
+        replica_check_every: every this many commits (by commit id), each
+            rank's digest of what must agree across ranks rides on the
+            commit's collective; ranks whose committed state differs from a
+            strict majority's (silent data corruption) take the majority's,
+            and a host wrong twice within a day leaves (see
+            :mod:`elastic_ext.state.replica`). With no strict majority (two
+            ranks, a tie) the job stops with ``StateDivergenceError``. 0
+            turns it off.
+        exclude_file: a file of host names that the discovery script keeps
+            out of the job (``host_discovery/static.py --exclude-file``); a
+            rank evicted as a straggler or whose host committed a corrupt
+            replica twice appends its host. None: no file.
         heartbeat_period_s: how often the worker tells its guardian process
             that it is alive.
         hang_timeout_s: a worker whose heartbeat stops this long (SIGSTOP, a
@@ -178,6 +190,8 @@ class ElasticConfig:
     checkpoint_wait_s: float = 0.0
     checkpoint_nice: int = 0
     checkpoint_failure_limit: int = 5
+    replica_check_every: int = 1
+    exclude_file: Optional[str] = None
     heartbeat_period_s: float = 0.5
     hang_timeout_s: float = 10.0
     stall_timeout_s: float = 600.0
@@ -193,6 +207,11 @@ class ElasticConfig:
         if self.events_path is not None and not str(self.events_path).strip():
             raise ConfigError(f"events_path ({self.events_path!r}) must be a non-empty path or None")
         self._validate_checkpoint()
+        every = self.replica_check_every
+        if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+            raise ConfigError(f"replica_check_every ({every!r}) must be an integer >= 0 (0: off)")
+        if self.exclude_file is not None and (not isinstance(self.exclude_file, str) or not self.exclude_file.strip()):
+            raise ConfigError(f"exclude_file ({self.exclude_file!r}) must be a non-empty path or None")
         self._validate_detection()
 
     def _validate_detection(self) -> None:

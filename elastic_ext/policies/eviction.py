@@ -107,17 +107,22 @@ class StragglerWatch:
 
     def exclude(self, host: str) -> None:
         """Appends ``host`` to the policy's exclude file (if any), once, under a lock."""
-        path = self.policy.exclude_file
-        if not path:
-            return
-        try:
-            with open(path, "a") as handle:
-                fcntl.flock(handle, fcntl.LOCK_EX)
-                # Read as the discovery script reads it, so both agree on what is listed.
-                if host not in read_exclude_file(path):
-                    handle.write(f"{host}  # evicted as a straggler by elastic_ext\n")
-        except (OSError, DiscoveryInputError) as exc:
-            logger.error("cannot add straggler host %r to exclude file %r: %s", host, path, exc)
+        exclude_host(self.policy.exclude_file, host, "evicted as a straggler")
+
+
+def exclude_host(path: Optional[str], host: str, why: str) -> None:
+    """Appends ``host`` to the exclude file ``path`` (None: no file) once, under a lock, with ``why``
+    as a comment; a discovery script's ``--exclude-file`` then keeps it out of the job."""
+    if not path:
+        return
+    try:
+        with open(path, "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            # Read as the discovery script reads it, so both agree on what is listed.
+            if host not in read_exclude_file(path):
+                handle.write(f"{host}  # {why} by elastic_ext\n")
+    except (OSError, DiscoveryInputError) as exc:
+        logger.error("cannot add host %r (%s) to exclude file %r: %s", host, why, path, exc)
 
 
 def samples_per_step(objects: Iterable[Any], rank: int, size: int) -> int:
@@ -129,4 +134,4 @@ def samples_per_step(objects: Iterable[Any], rank: int, size: int) -> int:
     return 1
 
 
-__all__ = ["StragglerWatch", "host_name", "samples_per_step"]
+__all__ = ["StragglerWatch", "exclude_host", "host_name", "samples_per_step"]

@@ -43,6 +43,7 @@ from elastic_ext.state.listener import HorovodListener
 from elastic_ext.policies import numeric_rollback as _numeric
 from elastic_ext.policies.guard import NumericGuard, Verdict
 from elastic_ext.state.records import CommitRecord, RollbackRecord
+from elastic_ext.state.replica import ReplicaCheck
 from elastic_ext.data.sampler import ElasticPartitioner
 from elastic_ext.policies.step_timer import StepTimer
 from elastic_ext.policies.straggler import StragglerPolicy
@@ -115,6 +116,8 @@ class State(HorovodListener, DurableCommits):
         s(self, "_reset_callbacks", [])
         s(self, "_rollbacks", RollbackRecord())
         s(self, "_events", EventLog(self._config.events_path, binding.rank, binding.size))
+        s(self, "_replica", ReplicaCheck(self._config.replica_check_every, self._tracked, self._buffers,
+                                         self._events, self._config.exclude_file))
         s(self, "_checkpointer", None)
         if self._config.checkpoint_dir is not None:
             from elastic_ext.checkpoint import Checkpointer

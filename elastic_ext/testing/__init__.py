@@ -2,8 +2,8 @@
 
 - :mod:`~elastic_ext.testing.solo`: :class:`SoloBinding`, a world of one rank.
 - :mod:`~elastic_ext.testing.faults`: faults declared up front
-  (:class:`FaultSchedule`, :class:`CommitFaultProbe`) and scripted resizes
-  (:class:`HostFileSchedule`).
+  (:class:`FaultSchedule`, :class:`CommitFaultProbe`, :func:`flip_bit`) and
+  scripted resizes (:class:`HostFileSchedule`).
 - :mod:`~elastic_ext.testing.ledger`: the sample ledger that proves
   exactly-once.
 - :mod:`~elastic_ext.testing.instrument`: :class:`Instrument`, the one hook
@@ -17,9 +17,9 @@ Training code never needs these: an example that demonstrates faults builds
 its :class:`Instrument` outside the training loop.
 """
 
-from elastic_ext.testing.faults import HOW, WHERE, CommitFaultProbe, Fault, FaultSchedule, HostFileSchedule
+from elastic_ext.testing.faults import HOW, WHERE, CommitFaultProbe, Fault, FaultSchedule, HostFileSchedule, flip_bit
 from elastic_ext.testing.instrument import Instrument
 from elastic_ext.testing.solo import SoloBinding
 
 __all__ = ["HOW", "WHERE", "CommitFaultProbe", "Fault", "FaultSchedule", "HostFileSchedule", "Instrument",
-           "SoloBinding"]
+           "SoloBinding", "flip_bit"]

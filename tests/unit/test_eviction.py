@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from elastic_ext import ElasticPartitioner, State, StragglerPolicy
+from elastic_ext.config import ElasticConfig
 from elastic_ext.policies.eviction import StragglerWatch, samples_per_step
 from elastic_ext.state.host_updates import FIELDS
 from elastic_ext.testing.solo import SoloBinding
@@ -35,9 +36,9 @@ def test_off_adds_nothing_to_the_commit_allreduce():
     seen = []
     binding = SoloBinding()
     binding.allreduce_max = lambda array, name: seen.append(array.shape) or np.array(array)
-    state = State(binding=binding, step=0)
+    state = State(binding=binding, config=ElasticConfig(replica_check_every=0), step=0)
     state.commit()
-    assert seen == [(FIELDS,)]  # the fixed part only
+    assert seen == [(FIELDS,)]  # the fixed part only (the replica check, off here, adds one slot per rank)
 
 
 def test_every_rank_evicts_the_same_slow_rank_after_the_window_and_not_before():

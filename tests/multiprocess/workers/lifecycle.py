@@ -3,7 +3,9 @@
 Like train_torch.py (ledger steps-<pid>.jsonl, final-<rank>.npz, events via
 ELASTIC_EXT_EVENTS_PATH, checkpoints via ELASTIC_EXT_CHECKPOINT_*), plus:
 
---faults "RANK:STEP:HOW[:WHERE]"   injected faults (elastic_ext.testing), once each
+--faults "RANK:STEP:HOW[:WHERE[:TARGET]]"  injected faults (elastic_ext.testing), once each; a bit flip
+                                   ("flip", WHERE before_commit) corrupts TARGET: param (the first layer's
+                                   weight) or moment (its Adam exp_avg), on that rank only
 --phase "RANK:STEP:SECONDS"        at STEP, RANK spends SECONDS in ``state.phase("eval")``
 --bare-phase                       the same time without opening a phase (the old behaviour)
 --side "HOST:PORT"                 after hvd.init, open a TCP connection to an echo server and
@@ -146,6 +148,13 @@ def train_step(state, indices, pad):
     optimizer.step()
 
 
+def flip_targets():
+    """What a "flip" fault may corrupt: views of the live tensors (CPU tensors share their memory)."""
+    weight = model[0].weight
+    moment = optimizer.state.get(weight, {}).get("exp_avg")
+    return {"param": weight.detach().numpy(), **({"moment": moment.numpy()} if moment is not None else {})}
+
+
 def train(state):
     book.start(state.generation, sampler.epoch, sampler.cursor, state.step, hvd.rank(), hvd.size())
     while state.epoch < args.epochs:
@@ -163,6 +172,7 @@ def train(state):
             if state.step % args.commit_every == 0:
                 commit_probe.step = state.step
                 resizes.maybe_apply(state, hvd.rank(), state.step)
+                faults.maybe_fire(hvd.rank(), state.step, where="before_commit", targets=flip_targets())
                 state.commit()
                 commit_probe.step = None
         state.epoch += 1
