@@ -109,6 +109,7 @@ class State(HorovodListener, DurableCommits):
                                  "pass framework= to choose the one whose Horovod runs the collectives")
             binding = get_binding(framework or (frameworks[0] if frameworks else guess_framework()))
         s(self, "_binding", binding)
+        s(self, "_guarded", _numeric.GuardedSteps(guard, [*frameworks, binding.framework]))
         s(self, "_buffers", CommitBuffers(self._config.commit_buffers))
         s(self, "_record", CommitRecord())
         s(self, "_commit_time", None)
@@ -176,13 +177,13 @@ class State(HorovodListener, DurableCommits):
         return self._straggler.timer
 
     def guard_step(self, loss: Any, grads: Iterable[Any] = (), samples: int = 1,
-                   step: Optional[int] = None) -> Verdict:
-        """Judges a step on every rank together; a bad one raises ``NumericFaultError``, which ``run``
-        turns into a rollback that skips the step's samples. Call it after the gradient allreduce, before
-        the weights change and before ``commit()`` (see :func:`elastic_ext.policies.numeric_rollback.guard_step`)."""
+                   step: Optional[int] = None) -> Optional[Verdict]:
+        """Checks a step on every rank together (after the gradient allreduce, before ``commit()``); a bad
+        one raises ``NumericFaultError``, which ``run`` turns into a rollback that skips its samples. When and
+        how it is judged: :mod:`elastic_ext.policies.numeric_rollback`."""
         objects = self._tracked.objects
         samplers = (name for name in self._tracked.synced(objects) if isinstance(objects[name], ElasticPartitioner))
-        return _numeric.guard_step(self._guard, self._binding, objects, samplers, loss, grads, samples, step)
+        return self._guarded.step(self._binding, objects, samplers, loss, grads, samples, step)
     # What tests inspect: the last commit's entries, and the adapter found per name.
     _entries = property(lambda self: self._buffers.entries)
     _adapter_of = property(lambda self: self._tracked._adapter_of)
@@ -208,6 +209,7 @@ class State(HorovodListener, DurableCommits):
         Raises:
             StateError: an object cannot be snapshotted; the previous commit
                 is left intact.
+            NumericFaultError: the guard judged the step in flight bad (PyTorch); nothing was committed.
             HostsUpdatedInterrupt: hosts were added or removed (after the
                 commit has been made).
             CheckpointError: rank 0's checkpoint writes failed
@@ -216,6 +218,7 @@ class State(HorovodListener, DurableCommits):
         """
         self._liveness.progress()
         self._hosts.settle()  # overlap_commit: the previous commit's collective, before this snapshot
+        self._guarded.settle(self._tracked.objects)  # a bad step in flight must not be committed
         self.save()
         try:
             self.check_host_updates()
@@ -258,6 +261,7 @@ class State(HorovodListener, DurableCommits):
                              "it cannot be restored. Use commit_buffers=2 to keep the previous commit intact")
         for name, entry in self._buffers.entries.items():
             self._tracked.apply(name, entry)
+        self._guarded.drop()  # the step in flight is undone
         self._straggler.reset()  # replayed steps are not measured against the others
 
     def sync(self) -> None:
