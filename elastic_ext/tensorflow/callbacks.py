@@ -16,10 +16,9 @@ Keras 2 (tf_keras) and Keras 3::
 
 How it works. The committed state holds the epoch, the batch within the
 epoch and the sampler's cursor. :meth:`ElasticCallback.fit` calls
-``model.fit`` from there: if the committed position is inside an epoch (a
-rollback or a resize happened mid-epoch), one call finishes that epoch
-(``initial_epoch=epoch, epochs=epoch + 1`` and ``steps_per_epoch`` the steps
-left), then one call runs the remaining epochs with the steps of a full
+``model.fit`` from there: if the committed position is inside an epoch, or
+the epoch has skipped steps, one call finishes that epoch (``epochs=epoch +
+1``, ``steps_per_epoch`` the steps left), then one call runs the remaining epochs with the steps of a full
 epoch *at the current world size* (the global batch is constant, so the
 steps per epoch follow the world size). Keras keeps ``steps_per_epoch``
 fixed within a call, and calls after a reset are new calls, so both are
