@@ -10,7 +10,7 @@ side by side in one run:
    compute would). Three jobs of ``--epochs`` epochs on 4 one-slot hosts:
    ``none`` (no straggler), ``straggler`` (rank 1 is 3x slower from step 20,
    eviction off), ``evicted`` (the same straggler, ``StragglerPolicy(
-   enabled=True, factor=2.5, window_steps=8, warmup_steps=4)``). Goodput =
+   factor=2.5, window_steps=8, warmup_steps=4)``). Goodput =
    samples committed exactly once / seconds from the first trained step to
    the last.
 2. **Guard cost.** Two jobs without simulated compute, one with

@@ -75,8 +75,7 @@ class State(HorovodListener, DurableCommits):
         guard: an :class:`elastic_ext.NumericGuard` (opt-in): enables
             :meth:`guard_step`; its loss window is committed as
             ``numeric_guard_window`` (see :mod:`elastic_ext.policies.numeric_rollback`).
-        straggler: an :class:`elastic_ext.StragglerPolicy` with
-            ``enabled=True`` (opt-in): a rank much slower than the others,
+        straggler: an :class:`elastic_ext.StragglerPolicy` (opt-in): a rank much slower than the others,
             per ``state.step_timer``, is asked to leave at a commit (see
             :mod:`elastic_ext.policies.eviction`). Every rank must pass the same policy.
         **objects: the objects to track, by name.
@@ -100,7 +99,7 @@ class State(HorovodListener, DurableCommits):
             self._track(name, obj)
         _numeric.attach(self._tracked, guard)
         s(self, "_guard", guard)
-        s(self, "_straggler", StragglerWatch(straggler or StragglerPolicy()))
+        s(self, "_straggler", StragglerWatch(straggler, self._config.exclude_file))
         frameworks = self._tracked.frameworks()  # also finds every adapter: StateError if one is missing
         self._tracked.prepare()  # e.g. Keras optimizers build their slots here, before any sync
         if binding is None:

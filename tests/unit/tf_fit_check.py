@@ -54,7 +54,7 @@ CROSS_ENTROPY = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 def poisoned_loss(y_true, y_pred):
-    return CROSS_ENTROPY(y_true, y_pred) + POISON
+    return keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True) + POISON
 
 
 def build(guard=None, **compile_kwargs):

@@ -12,7 +12,7 @@ ELASTIC_EXT_EVENTS_PATH, checkpoints via ELASTIC_EXT_CHECKPOINT_*), plus:
                                    use it after training: side-<pid>.json says if it still works
 --resize-at                        as in train_torch.py (elastic_ext.testing.HostFileSchedule)
 --stop-file PATH                   end after the first epoch at whose end PATH exists (all ranks agree)
---straggler "FACTOR:WINDOW:WARMUP"  StragglerPolicy(enabled=True, ...), exclude file OUT/exclude
+--straggler "FACTOR:WINDOW:WARMUP"  StragglerPolicy(...), exclude file OUT/exclude
 --compute-s S                      simulated compute per step (in state.step_timer): S seconds per 16 local samples
 --newcomer-delay-s S               a process started after the job trained (a newcomer) sleeps S before hvd.init:
                                    a slow container start, a big import (it writes OUT/newcomer-<pid> first)
@@ -188,11 +188,10 @@ def train(state):
 straggler = None
 if args.straggler:
     factor, window, warmup = args.straggler.split(":")
-    straggler = elastic_ext.StragglerPolicy(enabled=True, factor=float(factor), window_steps=int(window),
-                                            warmup_steps=int(warmup),
-                                            exclude_file=os.path.join(args.out, "exclude"))
+    straggler = elastic_ext.StragglerPolicy(factor=float(factor), window_steps=int(window), warmup_steps=int(warmup))
 guard_seconds = []
-state = elastic_ext.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0,
+config = elastic_ext.ElasticConfig.from_env(exclude_file=os.path.join(args.out, "exclude") if straggler else None)
+state = elastic_ext.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0, config=config,
                           commit_probe=commit_probe, adapters=[commit_probe], straggler=straggler,
                           guard=elastic_ext.NumericGuard() if args.guard else None)
 elastic_ext.run(train)(state)
