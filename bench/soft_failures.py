@@ -13,12 +13,22 @@ side by side in one run:
    factor=2.5, window_steps=8, warmup_steps=4)``). Goodput =
    samples committed exactly once / seconds from the first trained step to
    the last.
-2. **Guard cost.** Two jobs without simulated compute, one with
-   ``State(guard=NumericGuard())`` and ``state.guard_step`` after the
-   allreduce: the median step time (from the ledger's step timestamps) with
-   and without, and the median of ``guard_step`` itself as the worker timed it.
+2. **Guard cost, custom loop.** Jobs without simulated compute: without a
+   guard, with ``State(guard=NumericGuard())`` and ``state.guard_step`` after
+   the allreduce (its allgather in Horovod's background thread, the step
+   judged at the next ``guard_step`` or commit), and with the guard's
+   blocking allgather per step as it was before (``--guard-blocking``): the
+   median step time (from the ledger's step timestamps) and the median of
+   ``guard_step`` itself as the worker timed it.
+3. **Guard cost, model.fit.** tests/multiprocess/workers/keras_fit.py (Keras 3,
+   a 64-32-10 MLP, global batch 64, a commit every 4 steps, 4 workers)
+   with and without ``State(guard=NumericGuard())``: the guard's signal
+   rides on the gradient allreduce and the callback judges each batch.
 
-    .venv/bin/python -m bench.soft_failures
+The guard jobs run in the order A B C C B A (``--rounds`` times), so that a
+machine whose load drifts favours none.
+
+    .venv/bin/python -m bench.soft_failures [--parts straggler,guard,fit]
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import glob
 import json
 import os
 import statistics
+import sys
 import tempfile
 from typing import Any, Dict, List
 
@@ -37,6 +48,7 @@ from elastic_ext.testing import launch, ledger
 
 DIGITS = 1797
 WORKER = os.path.join(launch.WORKERS, "lifecycle.py")
+FIT_WORKER = os.path.join(launch.WORKERS, "keras_fit.py")
 
 
 def hosts_for(count: int) -> List[str]:
@@ -46,12 +58,13 @@ def hosts_for(count: int) -> List[str]:
     return ["localhost:2", "127.0.0.1:2"]  # fewer names: two 2-slot hosts (an eviction then takes two ranks)
 
 
-def run_job(workdir: str, name: str, args: List[str], epochs: int, timeout_s: float) -> Dict[str, Any]:
+def run_job(workdir: str, name: str, args: List[str], epochs: int, timeout_s: float,
+            worker: str = WORKER) -> Dict[str, Any]:
     out = os.path.join(workdir, name)
     os.makedirs(out)
     hosts = hosts_for(4)
     launch.write_hosts(os.path.join(out, "hosts"), hosts)
-    cmd = harness.horovodrun(WORKER, ["--out", out, "--epochs", str(epochs), "--commit-every", "4", *args],
+    cmd = harness.horovodrun(worker, ["--out", out, "--epochs", str(epochs), "--commit-every", "4", *args],
                              os.path.join(out, "hosts"), np_=4, min_np=2, max_np=4)
     code, output = launch.run(cmd, launch.base_env(ELASTIC_EXT_EVENTS_PATH=os.path.join(out, "events.jsonl")),
                               os.path.join(out, "horovodrun.log"), timeout_s)
@@ -78,33 +91,72 @@ def run_job(workdir: str, name: str, args: List[str], epochs: int, timeout_s: fl
     }
 
 
+GUARD_KINDS = {  # name: (worker, its arguments)
+    "no_guard": (WORKER, []),
+    "guard": (WORKER, ["--guard"]),
+    "guard_blocking": (WORKER, ["--guard", "--guard-blocking"]),
+    "fit_no_guard": (FIT_WORKER, ["--keras", "3", "--global-batch", "64"]),
+    "fit_guard": (FIT_WORKER, ["--keras", "3", "--global-batch", "64", "--guard"]),
+}
+
+
+def guard_runs(work: str, kinds: List[str], epochs: int, rounds: int, timeout_s: float) -> Dict[str, Any]:
+    """Every kind ``rounds`` times in the order A B C C B A; per kind the medians over its jobs."""
+    jobs: Dict[str, List[Dict[str, Any]]] = {kind: [] for kind in kinds}
+    for index, kind in enumerate((kinds + kinds[::-1]) * rounds):
+        worker, worker_args = GUARD_KINDS[kind]
+        job = run_job(work, f"{kind}-{index}", worker_args, epochs, timeout_s, worker)
+        jobs[kind].append(job)
+        print(f"  {kind}: step median {1000 * job['step_s_median']:.1f} ms", flush=True)
+    runs = {}
+    for kind, done in jobs.items():
+        steps = [j["step_s_median"] for j in done if j["step_s_median"] is not None]
+        guards = [j["guard_step_s_median"] for j in done if j["guard_step_s_median"] is not None]
+        runs[kind] = {"name": kind, "jobs": done, "exactly_once": all(j["exactly_once"] for j in done),
+                      "step_s_median": statistics.median(steps) if steps else None,
+                      "guard_step_s_median": statistics.median(guards) if guards else None,
+                      "goodput_samples_per_s": None, "evictions": 0, "rollbacks": sum(j["rollbacks"] for j in done)}
+    return runs
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="straggler,guard,fit")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--compute-s", type=float, default=0.03)
     parser.add_argument("--guard-epochs", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of A B C C B A for the guard jobs")
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--name", default="soft_failures", help="result file stem under bench/results")
     args = parser.parse_args(argv)
+    parts = set(filter(None, args.parts.split(",")))
     work = tempfile.mkdtemp(prefix="bench_soft_")
     compute = ["--compute-s", str(args.compute_s)]
-    runs = {
-        "none": run_job(work, "none", compute, args.epochs, args.timeout_s),
-        "straggler": run_job(work, "straggler", compute + ["--slow", "1:20:3"], args.epochs, args.timeout_s),
-        "evicted": run_job(work, "evicted", compute + ["--slow", "1:20:3", "--straggler", "2.5:8:4"],
-                           args.epochs, args.timeout_s),
-        "no_guard": run_job(work, "no_guard", [], args.guard_epochs, args.timeout_s),
-        "guard": run_job(work, "guard", ["--guard"], args.guard_epochs, args.timeout_s),
-    }
-    good = {k: runs[k]["goodput_samples_per_s"] for k in ("none", "straggler", "evicted")}
-    ratios = {
-        "goodput_evicted_over_straggler": harness.ratio(good["evicted"], good["straggler"]),
-        "goodput_straggler_over_none": harness.ratio(good["straggler"], good["none"]),
-        "goodput_evicted_over_none": harness.ratio(good["evicted"], good["none"]),
-        "step_time_guard_over_no_guard": harness.ratio(runs["guard"]["step_s_median"],
-                                                       runs["no_guard"]["step_s_median"]),
-    }
-    result = harness.machine(runs=runs, ratios=ratios, epochs=args.epochs, compute_s=args.compute_s)
+    runs: Dict[str, Dict[str, Any]] = {}
+    ratios: Dict[str, Any] = {}
+    if "straggler" in parts:
+        runs["none"] = run_job(work, "none", compute, args.epochs, args.timeout_s)
+        runs["straggler"] = run_job(work, "straggler", compute + ["--slow", "1:20:3"], args.epochs, args.timeout_s)
+        runs["evicted"] = run_job(work, "evicted", compute + ["--slow", "1:20:3", "--straggler", "2.5:8:4"],
+                                  args.epochs, args.timeout_s)
+        good = {k: runs[k]["goodput_samples_per_s"] for k in ("none", "straggler", "evicted")}
+        ratios.update({
+            "goodput_evicted_over_straggler": harness.ratio(good["evicted"], good["straggler"]),
+            "goodput_straggler_over_none": harness.ratio(good["straggler"], good["none"]),
+            "goodput_evicted_over_none": harness.ratio(good["evicted"], good["none"])})
+    kinds = (["no_guard", "guard", "guard_blocking"] if "guard" in parts else []) + \
+        (["fit_no_guard", "fit_guard"] if "fit" in parts else [])
+    if kinds:
+        runs.update(guard_runs(work, kinds, args.guard_epochs, args.rounds, args.timeout_s))
+    step = {k: r["step_s_median"] for k, r in runs.items()}
+    if "guard" in parts:
+        ratios["step_time_guard_over_no_guard"] = harness.ratio(step["guard"], step["no_guard"])
+        ratios["step_time_guard_blocking_over_no_guard"] = harness.ratio(step["guard_blocking"], step["no_guard"])
+    if "fit" in parts:
+        ratios["fit_step_time_guard_over_no_guard"] = harness.ratio(step["fit_guard"], step["fit_no_guard"])
+    result = harness.machine(runs=runs, ratios=ratios, epochs=args.epochs, compute_s=args.compute_s,
+                             command="python -m bench.soft_failures " + " ".join(argv if argv is not None
+                                                                                  else sys.argv[1:]))
     print(harness.table(["run", "goodput (samples/s)", "step median (ms)", "guard_step median (ms)", "evictions",
                          "rollbacks", "exactly once"],
                         [[r["name"], r["goodput_samples_per_s"], None if r["step_s_median"] is None

@@ -20,6 +20,7 @@ ELASTIC_EXT_EVENTS_PATH, checkpoints via ELASTIC_EXT_CHECKPOINT_*), plus:
                                    exists: a start that lasts until the test's event (fails after 280 s)
 --guard                            State(guard=NumericGuard()) and state.guard_step after the allreduce; the
                                    guard's seconds per step go to guard-<pid>.json (median, count)
+--guard-blocking                   the guard's allgather blocks each step, as before it ran in the background
 --slow "RANK:STEP:FACTOR[:STEPS]"  from STEP (for STEPS steps, default: to the end), the process that started
                                    as RANK computes FACTOR x longer (it stays slow under a new rank); several
                                    slowdowns are separated by commas
@@ -60,6 +61,7 @@ p.add_argument("--straggler", default="")
 p.add_argument("--compute-s", type=float, default=0.0)
 p.add_argument("--slow", default="")
 p.add_argument("--guard", action="store_true")
+p.add_argument("--guard-blocking", action="store_true", help="the guard's allgather blocks each step (bench)")
 p.add_argument("--newcomer-delay-s", type=float, default=0.0)
 p.add_argument("--newcomer-gate", default="")
 args = p.parse_args()
@@ -194,6 +196,8 @@ config = elastic_ext.ElasticConfig.from_env(exclude_file=os.path.join(args.out, 
 state = elastic_ext.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0, config=config,
                           commit_probe=commit_probe, adapters=[commit_probe], straggler=straggler,
                           guard=elastic_ext.NumericGuard() if args.guard else None)
+if args.guard_blocking:
+    state.binding.allgather_start = None  # no background allgather: the guard's collective blocks every step
 elastic_ext.run(train)(state)
 
 arrays = {f"model/{k}": v.numpy() for k, v in model.state_dict().items()}

@@ -1,0 +1,135 @@
+"""The replica check's cost per step at its default cadence, on the bench.compare workload.
+
+Failure-free jobs of bench/workers/compare_ext.py (the bench.compare worker: the digits
+MLP 64-64-10 with Adam, 4 workers under ``elastic-horovodrun`` on two 2-slot pseudo-hosts,
+global batch 64, 3 ms of emulated compute per sample, a commit every 10 steps), side by side
+in the order A B B A (``--rounds`` times), with ``ELASTIC_EXT_REPLICA_CHECK_EVERY`` at 0
+(off) and at the default (every commit):
+
+- the step time (median gap between completed steps on rank 0's log, from the first
+  step at 4 workers to the stop) with the check over without it;
+- what the check adds to a commit (the workers log each commit's seconds), per step:
+  (commit seconds with - without) / commit interval, over the step time.
+
+Also, in this process: the digest's throughput over a state of ``--state-mb`` MB (what
+the check reads at each checked commit), beside a plain copy (what every commit does).
+
+    .venv/bin/python -m bench.replica_check [--rounds 2] [--overhead-s 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List
+
+import numpy as np
+
+from bench import compare, harness
+from bench.compare_report import failure_free
+from bench.workers import compare_common
+from elastic_ext import ElasticConfig
+from elastic_ext.state.replica import replica_digest
+from elastic_ext.state.snapshot import Entry
+from elastic_ext.state.sync import digest_items
+from elastic_ext.testing import ledger
+
+ENV = "ELASTIC_EXT_REPLICA_CHECK_EVERY"
+
+
+def commit_seconds(log_dir: str) -> List[float]:
+    """Every commit's seconds on every rank (the workers' ``commit_s`` records)."""
+    return [r["commit_s"] for r in ledger.read(log_dir) if "commit_s" in r]
+
+
+def one_job(every: int, work: str, index: int, hosts: List[str], args: argparse.Namespace) -> Dict[str, Any]:
+    os.environ[ENV] = str(every)  # launch.base_env copies this environment into the job's
+    log_dir = os.path.join(work, f"every{every}-{index}")
+    run = compare.run_attempt("ext", log_dir, hosts, 0, os.path.join(log_dir, "unused.pt"), args,
+                              uptime_s=args.overhead_s)
+    measured = failure_free([run])
+    commits = commit_seconds(log_dir)
+    result = {"every": every, "step_s": measured["step_time_s"], "samples_per_s": measured["samples_per_s"],
+              "commit_s_median": statistics.median(commits) if commits else None, "commits": len(commits),
+              "problems": run.problems}
+    print(f"  replica_check_every={every}: step {1000 * (result['step_s'] or float('nan')):.2f} ms, "
+          f"commit {1000 * (result['commit_s_median'] or float('nan')):.3f} ms (median of {len(commits)})"
+          + (f"; {'; '.join(run.problems)}" if run.problems else ""), flush=True)
+    return result
+
+
+def digest_throughput(state_mb: int) -> Dict[str, float]:
+    """GB/s of the check's digest and of a plain copy over ``state_mb`` MB of float32 arrays."""
+    rng = np.random.default_rng(0)
+    arrays = {f"layer{i}": rng.standard_normal(state_mb * (1 << 20) // 4 // 8, dtype=np.float32) for i in range(8)}
+    entries = {"model": Entry(arrays=arrays, meta={"kind": "bench"})}
+    nbytes = sum(a.nbytes for a in arrays.values())
+    spare = {k: np.empty_like(a) for k, a in arrays.items()}
+    digest_s, copy_s = [], []
+    for _ in range(3):
+        started = time.perf_counter()
+        replica_digest(digest_items(entries, ["model"], {"model": frozenset()}))
+        digest_s.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        for key, array in arrays.items():
+            np.copyto(spare[key], array)
+        copy_s.append(time.perf_counter() - started)
+    return {"state_bytes": nbytes, "digest_gb_per_s": nbytes / min(digest_s) / 1e9,
+            "copy_gb_per_s": nbytes / min(copy_s) / 1e9}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of A B B A")
+    parser.add_argument("--overhead-s", type=float, default=20.0, help="seconds of each job at 4 workers")
+    parser.add_argument("--commit-every", type=int, default=10)
+    parser.add_argument("--compute-ms-per-sample", type=float, default=3.0)
+    parser.add_argument("--global-batch", type=int, default=64)
+    parser.add_argument("--state-mb", type=int, default=256)
+    parser.add_argument("--name", default="replica_check", help="result file stem under bench/results")
+    args = parser.parse_args(argv)
+    args.overlap_commit = False  # bench.compare's option, not this benchmark's
+    default = ElasticConfig().replica_check_every
+    work = tempfile.mkdtemp(prefix="bench_replica_")
+    args.data = os.path.join(work, "digits.npz")
+    compare_common.write_data(args.data)
+    hosts = harness.local_host_names()
+    jobs = {0: [], default: []}
+    for index, every in enumerate([0, default, default, 0] * args.rounds):
+        jobs[every].append(one_job(every, work, index, hosts, args))
+    off, on = jobs[0], jobs[default]
+
+    def median_of(runs, key):
+        values = [r[key] for r in runs if r[key] is not None]
+        return statistics.median(values) if values else None
+
+    step_off, step_on = median_of(off, "step_s"), median_of(on, "step_s")
+    commit_off, commit_on = median_of(off, "commit_s_median"), median_of(on, "commit_s_median")
+    per_step = None if None in (commit_on, commit_off, step_off) else \
+        (commit_on - commit_off) / args.commit_every / step_off
+    throughput = digest_throughput(args.state_mb)
+    ratios = {"step_time_check_over_off": harness.ratio(step_on, step_off),
+              "check_cost_per_step_over_step_time": per_step,
+              "digest_over_copy_time": throughput["copy_gb_per_s"] / throughput["digest_gb_per_s"]}
+    result = harness.machine(default_every=default, commit_every=args.commit_every, runs={"off": off, "on": on},
+                             step_s={"off": step_off, "on": step_on}, commit_s={"off": commit_off, "on": commit_on},
+                             digest=throughput, ratios=ratios,
+                             command="python -m bench.replica_check " + " ".join(sys.argv[1:]))
+    print(harness.table(["replica check", "step median (ms)", "commit median (ms)", "jobs"],
+                        [["off", 1000 * step_off if step_off else None, 1000 * commit_off if commit_off else None,
+                          len(off)],
+                         [f"every {default} commit(s)", 1000 * step_on if step_on else None,
+                          1000 * commit_on if commit_on else None, len(on)]]))
+    print(f"digest {throughput['digest_gb_per_s']:.2f} GB/s, copy {throughput['copy_gb_per_s']:.2f} GB/s "
+          f"over {throughput['state_bytes'] / 1e6:.0f} MB")
+    print(ratios)
+    print("wrote", harness.write_json(args.name, result))
+    return 0 if all(not r["problems"] for r in off + on) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
