@@ -70,7 +70,8 @@ class ElasticConfig:
 
     Attributes:
         rollback_limit: how many rollbacks in a row may happen without a new
-            commit in between before the job ends with ``RollbackLimitError``.
+            commit in between before the job ends with ``RollbackLimitError``;
+            numeric rollbacks (the guard) are counted apart, against the same limit.
         events_path: file that receives one JSON object per line for every
             recovery event; ``{rank}`` in the path is replaced by the rank at
             start-up. ``None`` logs events without writing a file.

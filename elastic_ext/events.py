@@ -44,7 +44,7 @@ The run loop (``run.py``):
   verdict's fields (``step``, ``reason``, ``loss``, ``bad_ranks``, ...),
   ``commit_id``, ``rollbacks_in_a_row``, ``steps_rolled_back``, ``skipped``
   (``[sampler, epoch, start, stop]`` ranges). A numeric rollback over
-  ``NumericGuard.max_rollbacks`` writes ``rollback_limit`` with ``cause``
+  ``ElasticConfig.rollback_limit`` writes ``rollback_limit`` with ``cause``
   ``"numeric"`` and the verdict's fields instead.
 - ``finish`` (:data:`FINISH`): the training function returned; ``commit_id``,
   ``duration_s``.

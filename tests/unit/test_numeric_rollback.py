@@ -11,9 +11,10 @@ from elastic_ext.data.sampler import ElasticPartitioner
 from elastic_ext.testing import SoloBinding
 
 
-def make_state(guard=NumericGuard(spike_k=None), **objects):
+def make_state(guard=NumericGuard(spike_k=None), rollback_limit=5, **objects):
     sampler = ElasticPartitioner(40, global_batch_size=4, shuffle=False, world=lambda: (0, 1))
-    return State(binding=SoloBinding(), config=ElasticConfig(), guard=guard, sampler=sampler, step=0, **objects)
+    return State(binding=SoloBinding(), config=ElasticConfig(rollback_limit=rollback_limit), guard=guard,
+                 sampler=sampler, step=0, **objects)
 
 
 def nan_once_at(bad_step, seen):
@@ -51,7 +52,7 @@ def test_a_nan_step_rolls_back_skips_its_samples_and_training_finishes_without_a
 
 
 def test_too_many_numeric_rollbacks_in_a_row_end_the_job_with_the_verdict():
-    state = make_state(guard=NumericGuard(spike_k=None, max_rollbacks=2))
+    state = make_state(guard=NumericGuard(spike_k=None), rollback_limit=2)
 
     calls = []
 
@@ -63,7 +64,7 @@ def test_too_many_numeric_rollbacks_in_a_row_end_the_job_with_the_verdict():
         for _ in state.sampler.batches():
             state.guard_step(math.inf)
 
-    with pytest.raises(elastic_ext.NumericRollbackLimitError, match=r"3 numeric rollbacks in a row.*max_rollbacks \(2\)"):
+    with pytest.raises(elastic_ext.NumericRollbackLimitError, match=r"3 numeric rollbacks in a row.*rollback_limit \(2\)"):
         diverged(state)
     limit = [e for e in state.events.history if e["event"] == "rollback_limit"]
     assert len(limit) == 1 and limit[0]["cause"] == "numeric" and limit[0]["reason"] == "nonfinite_loss"
