@@ -130,10 +130,14 @@ def record_ready(ready_at: tf.Tensor) -> None:
 
 
 def record(reduced_vector: tf.Tensor, reduced_grads: Iterable[Any]) -> None:
-    """Stores a step's reduced vector and the reduced gradients' squared norm, for :func:`carried_signal`."""
+    """Stores a step's reduced vector, the reduced gradients' squared norm and whether every element
+    of them is finite (exact, whatever the summation order: the decision rests on it), for
+    :func:`carried_signal`."""
     variables = _variables()
-    grad_sq = tf.reshape(_squared_norm(reduced_grads), [1])
-    variables["signal"].assign(tf.concat([tf.cast(reduced_vector, tf.float32), grad_sq], 0), read_value=False)
+    dense = [g.values if isinstance(g, tf.IndexedSlices) else g for g in reduced_grads if g is not None]
+    finite = tf.reduce_all(tf.stack([tf.constant(True)] + [tf.reduce_all(tf.math.is_finite(g)) for g in dense]))
+    tail = tf.stack([_squared_norm(dense), tf.cast(finite, tf.float32)])
+    variables["signal"].assign(tf.concat([tf.cast(reduced_vector, tf.float32), tail], 0), read_value=False)
     variables["count"].assign_add(1, read_value=False)
 
 
@@ -154,13 +158,15 @@ def grads_ready_time() -> Optional[float]:
 
 
 def decode(stored: np.ndarray) -> GlobalSignal:
-    """The :class:`GlobalSignal` of a stored vector: reduced ``[loss sum, count, bad one-hot...]`` and the
-    reduced gradients' squared norm (an average divides the first three alike: the mean is unchanged)."""
+    """The :class:`GlobalSignal` of a stored vector: reduced ``[loss sum, count, bad one-hot...]``, then
+    the reduced gradients' squared norm and finite flag (an average divides the loss sum and the count
+    alike: the mean is unchanged)."""
     stored = np.asarray(stored, dtype=np.float64)
-    loss_sum, count, bad, grad_sq = stored[0], stored[1], stored[2:-1], stored[-1]
+    loss_sum, count, bad, grad_sq = stored[0], stored[1], stored[2:-2], stored[-2]
     bad_loss = tuple(int(r) for r in np.flatnonzero(bad != 0))
-    grad_finite = bool(np.isfinite(grad_sq))
+    grad_finite = bool(stored[-1] == 1.0)
     loss = float(loss_sum / count) if count > 0 and not bad_loss else float("nan")
     bad_ranks = bad_loss or (() if grad_finite else tuple(range(bad.size)))
     return GlobalSignal(loss=loss, loss_finite=not bad_loss and math.isfinite(loss), grad_finite=grad_finite,
-                        grad_norm=math.sqrt(grad_sq) if grad_finite else None, bad_ranks=bad_ranks)
+                        grad_norm=math.sqrt(grad_sq) if grad_finite and np.isfinite(grad_sq) else None,
+                        bad_ranks=bad_ranks)

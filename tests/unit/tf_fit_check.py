@@ -252,4 +252,32 @@ try:
     raise AssertionError("a guard without a step counter accepted")
 except StateError as exc:
     assert "'step'" in str(exc), exc
+# 7. The signal elastic_ext's tape carries on its gradient allreduce (carrying is on: a State with a guard
+#    exists), read once per step, in a custom loop: eagerly and inside tf.function.
+from elastic_ext.tensorflow.guard import carried_signal  # noqa: E402
+
+carried_signal()  # drop what fit left
+keras.utils.set_random_seed(2)
+net = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+
+
+def tape_step(scale):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(net(X[:32]))) * scale
+    return etf.DistributedGradientTape(tape).gradient(loss, net.trainable_variables), loss
+
+
+grads, loss = tape_step(tf.constant(1.0))
+signal = carried_signal()
+expected = float(np.sqrt(sum(float(tf.reduce_sum(tf.square(g))) for g in grads)))
+assert signal.loss_finite and signal.grad_finite and signal.bad_ranks == (), signal
+assert signal.loss == float(loss) and abs(signal.grad_norm - expected) < 1e-4 * expected, (signal, expected)
+assert carried_signal() is None, "a signal is read once"
+compiled = tf.function(tape_step)
+compiled(tf.constant(float("inf")))
+bad = carried_signal()
+assert not bad.loss_finite and bad.bad_ranks == (0,) and not bad.grad_finite, bad
+compiled(tf.constant(2.0))
+again = carried_signal()
+assert again.loss_finite and again.grad_finite and again.loss > 0, again
 print("ok")
