@@ -11,8 +11,10 @@ in the order A B B A (``--rounds`` times), with ``ELASTIC_EXT_REPLICA_CHECK_EVER
 - what the check adds to a commit (the workers log each commit's seconds), per step:
   (commit seconds with - without) / commit interval, over the step time.
 
-Also, in this process: the digest's throughput over a state of ``--state-mb`` MB (what
-the check reads at each checked commit), beside a plain copy (what every commit does).
+Also, in this process: a commit of that workload's state with and without the check in a
+world of one (the digest's own cost, free of the collectives' noise), and the digest's
+throughput over a state of ``--state-mb`` MB (what the check reads at each checked commit)
+beside a plain copy (what every commit does).
 
     .venv/bin/python -m bench.replica_check [--rounds 2] [--overhead-s 20]
 """
@@ -35,7 +37,6 @@ from bench.workers import compare_common
 from elastic_ext import ElasticConfig
 from elastic_ext.state.replica import replica_digest
 from elastic_ext.state.snapshot import Entry
-from elastic_ext.state.sync import digest_items
 from elastic_ext.testing import ledger
 
 ENV = "ELASTIC_EXT_REPLICA_CHECK_EVERY"
@@ -62,6 +63,37 @@ def one_job(every: int, work: str, index: int, hosts: List[str], args: argparse.
     return result
 
 
+def commit_cost_in_process(commits: int = 200, rounds: int = 15) -> Dict[str, float]:
+    """Seconds per commit of the bench.compare worker's state (the 64-64-10 MLP, Adam with its moments,
+    the sampler, two counters) in a world of one, with the check at every commit and without
+    (alternating blocks, the fastest block of each): the digest's own cost, free of the collectives'
+    noise and of a busy machine's."""
+    import torch
+
+    from elastic_ext import State
+    from elastic_ext.testing import SoloBinding
+    from elastic_ext.torch import ElasticSampler
+
+    model, optimizer = compare_common.build_model()
+    model(torch.zeros(4, 64)).sum().backward()
+    optimizer.step()  # Adam's moments exist, as in training
+    states = {}
+    for every in (0, 1):
+        sampler = ElasticSampler(compare_common.DATASET_SIZE, global_batch_size=64, seed=1, policy="pad",
+                                 world=lambda: (0, 1))
+        states[every] = State(binding=SoloBinding(), config=ElasticConfig(replica_check_every=every), model=model,
+                              optimizer=optimizer, sampler=sampler, epoch=0, step=0)
+        states[every].commit()
+    best = {0: float("inf"), 1: float("inf")}
+    for _ in range(rounds):
+        for every, state in states.items():
+            started = time.perf_counter()
+            for _ in range(commits):
+                state.commit()
+            best[every] = min(best[every], (time.perf_counter() - started) / commits)
+    return {"commit_s_off": best[0], "commit_s_on": best[1], "check_s": best[1] - best[0]}
+
+
 def digest_throughput(state_mb: int) -> Dict[str, float]:
     """GB/s of the check's digest and of a plain copy over ``state_mb`` MB of float32 arrays."""
     rng = np.random.default_rng(0)
@@ -72,7 +104,7 @@ def digest_throughput(state_mb: int) -> Dict[str, float]:
     digest_s, copy_s = [], []
     for _ in range(3):
         started = time.perf_counter()
-        replica_digest(digest_items(entries, ["model"], {"model": frozenset()}))
+        replica_digest(entries, ["model"], {"model": frozenset()})
         digest_s.append(time.perf_counter() - started)
         started = time.perf_counter()
         for key, array in arrays.items():
@@ -112,12 +144,15 @@ def main(argv=None) -> int:
     per_step = None if None in (commit_on, commit_off, step_off) else \
         (commit_on - commit_off) / args.commit_every / step_off
     throughput = digest_throughput(args.state_mb)
+    in_process = commit_cost_in_process()
     ratios = {"step_time_check_over_off": harness.ratio(step_on, step_off),
               "check_cost_per_step_over_step_time": per_step,
+              "in_process_check_per_step_over_step_time":
+                  None if step_off is None else in_process["check_s"] / default / args.commit_every / step_off,
               "digest_over_copy_time": throughput["copy_gb_per_s"] / throughput["digest_gb_per_s"]}
     result = harness.machine(default_every=default, commit_every=args.commit_every, runs={"off": off, "on": on},
                              step_s={"off": step_off, "on": step_on}, commit_s={"off": commit_off, "on": commit_on},
-                             digest=throughput, ratios=ratios,
+                             digest=throughput, in_process=in_process, ratios=ratios,
                              command="python -m bench.replica_check " + " ".join(sys.argv[1:]))
     print(harness.table(["replica check", "step median (ms)", "commit median (ms)", "jobs"],
                         [["off", 1000 * step_off if step_off else None, 1000 * commit_off if commit_off else None,
@@ -125,7 +160,8 @@ def main(argv=None) -> int:
                          [f"every {default} commit(s)", 1000 * step_on if step_on else None,
                           1000 * commit_on if commit_on else None, len(on)]]))
     print(f"digest {throughput['digest_gb_per_s']:.2f} GB/s, copy {throughput['copy_gb_per_s']:.2f} GB/s "
-          f"over {throughput['state_bytes'] / 1e6:.0f} MB")
+          f"over {throughput['state_bytes'] / 1e6:.0f} MB; in one process a commit of this workload's state "
+          f"takes {1e6 * in_process['commit_s_off']:.0f} us, {1e6 * in_process['check_s']:.0f} us more with the check")
     print(ratios)
     print("wrote", harness.write_json(args.name, result))
     return 0 if all(not r["problems"] for r in off + on) else 1

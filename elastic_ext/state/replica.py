@@ -28,6 +28,7 @@ on every rank together):
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
@@ -40,7 +41,8 @@ from elastic_ext.events import REPLICA_MISMATCH, EventLog
 from elastic_ext.policies.eviction import exclude_host, host_name
 from elastic_ext.policies.replica import RepeatOffenders, ReplicaVerdict, describe, judge, pack_digest
 from elastic_ext.state.buffers import CommitBuffers
-from elastic_ext.state.sync import INT63, DigestItem, arrays_of, digest_items, first_difference
+from elastic_ext.state.snapshot import Entry
+from elastic_ext.state.sync import INT63, arrays_of, digest_items, first_difference
 from elastic_ext.state.tracked import Tracked
 
 logger = logging.getLogger(__name__)
@@ -48,12 +50,20 @@ logger = logging.getLogger(__name__)
 HOST_BYTES = 256  # a host name's width in the allgather of names (DNS names are at most 253)
 
 
-def replica_digest(items: List[DigestItem]) -> int:
-    """One 63-bit digest over the items that must agree (labels included: a renamed entry counts)."""
+def replica_digest(entries: Dict[str, Entry], names: List[str], keys: Dict[str, FrozenSet[str]]) -> int:
+    """One 63-bit XXH3 over what must agree in ``entries[names]``: every entry's name and metadata, and
+    every array but its buffers (``keys``) with its key, dtype and shape. One streaming hash: the
+    per-entry digests and labels of :func:`~elastic_ext.state.sync.digest_items` are only computed
+    when ranks differ, to name the entry."""
     digest = xxhash.xxh3_64()
-    for label, value, strict in items:
-        if strict:
-            digest.update(f"{label}={value};".encode())
+    for name in names:
+        entry = entries[name]
+        digest.update(f"{name}\0{json.dumps(entry.meta, sort_keys=True)}\0".encode())
+        skip = keys.get(name, frozenset())
+        for key, array in entry.arrays.items():
+            if key not in skip:
+                digest.update(f"{key}\0{array.dtype.str}{array.shape}\0".encode())
+                digest.update(np.ascontiguousarray(array).view(np.uint8).data)
     return digest.intdigest() & INT63
 
 
@@ -86,7 +96,7 @@ class ReplicaCheck:
         self.exclude_file = exclude_file
         self.offenders = RepeatOffenders()
         self.last_agreed: Optional[int] = None  # the newest commit id on which every rank agreed
-        self._digested: Optional[Tuple[List[str], Dict[str, FrozenSet[str]], List[DigestItem]]] = None
+        self._digested: Optional[Tuple[List[str], Dict[str, FrozenSet[str]]]] = None
 
     def due(self, commit_id: int) -> bool:
         """True at the commits that are checked (the same on every rank: commit ids are agreed)."""
@@ -99,9 +109,8 @@ class ReplicaCheck:
             return None
         names = self.tracked.synced(self.buffers.entries)
         keys = {name: self.tracked.buffer_keys(name) for name in names}
-        items = digest_items(self.buffers.entries, names, keys)
-        self._digested = (names, keys, items)
-        return pack_digest(rank, size, replica_digest(items))
+        self._digested = (names, keys)
+        return pack_digest(rank, size, replica_digest(self.buffers.entries, names, keys))
 
     def act(self, reduced: np.ndarray, binding: Binding, commit_id: int, liveness: Any, term_grace_s: float) -> None:
         """Acts on the agreed table of digests (every rank together; collectives only when they differ).
@@ -113,10 +122,10 @@ class ReplicaCheck:
         if verdict.agreed:
             self.last_agreed = commit_id
             return
-        names, keys, items = self._digested
+        names, keys = self._digested
         hosts = gather_hosts(binding)
         root = verdict.majority[0] if verdict.majority else min(set(range(len(hosts))) - set(verdict.wrong))
-        first, _ = first_difference(binding, root, list(verdict.wrong), items)
+        first, _ = first_difference(binding, root, list(verdict.wrong), digest_items(self.buffers.entries, names, keys))
         fields = {"commit_id": commit_id, "wrong_ranks": list(verdict.wrong),
                   "wrong_hosts": [hosts[r] for r in verdict.wrong], "majority_ranks": list(verdict.majority),
                   "first_difference": first, "last_agreed_commit_id": self.last_agreed}
