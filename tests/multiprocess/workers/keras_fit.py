@@ -88,7 +88,7 @@ def loss_fn(y_true, y_pred):
     if args.nan:
         loss = loss + POISON
     if args.compute_s:  # part of the training step, before its gradients: what the callback times
-        loss = loss + tf.stop_gradient(tf.py_function(simulated_compute, [], tf.float32))
+        loss = loss + tf.stop_gradient(tf.reshape(tf.py_function(simulated_compute, [], tf.float32), []))
     return loss
 
 
