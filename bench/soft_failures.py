@@ -19,7 +19,10 @@ side by side in one run:
    judged at the next ``guard_step`` or commit), and with the guard's
    blocking allgather per step as it was before (``--guard-blocking``): the
    median step time (from the ledger's step timestamps) and the median of
-   ``guard_step`` itself as the worker timed it.
+   ``guard_step`` itself as the worker timed it. Jobs differ in the load
+   they meet on a shared machine, so ``guard_ab`` and ``guard_blocking_ab``
+   also measure within one job: the guard on for 8 steps, off for 8, and
+   so on; the ratio is the median step with it over the median without.
 3. **Guard cost, model.fit.** tests/multiprocess/workers/keras_fit.py (Keras 3,
    a 64-32-10 MLP, global batch 64, a commit every 4 steps, 4 workers)
    with and without ``State(guard=NumericGuard())``: the guard's signal
@@ -49,6 +52,7 @@ from elastic_ext.testing import launch, ledger
 DIGITS = 1797
 WORKER = os.path.join(launch.WORKERS, "lifecycle.py")
 FIT_WORKER = os.path.join(launch.WORKERS, "keras_fit.py")
+GUARD_BLOCKS = 8
 
 
 def hosts_for(count: int) -> List[str]:
@@ -75,10 +79,13 @@ def run_job(workdir: str, name: str, args: List[str], epochs: int, timeout_s: fl
     audit = ledger.audit(records, DIGITS, epochs)
     span = max(r["t"] for r in steps) - min(r["t"] for r in steps)
     events = read_events(os.path.join(out, "events.jsonl"))
-    by_worker: Dict[tuple, List[float]] = {}  # (generation, rank): one process's consecutive steps
+    by_worker: Dict[tuple, List[dict]] = {}  # (generation, rank): one process's consecutive steps
     for record in steps:
-        by_worker.setdefault((record["gen"], record["rank"]), []).append(record["t"])
-    gaps = [b - a for times in by_worker.values() for a, b in zip(sorted(times), sorted(times)[1:])]
+        by_worker.setdefault((record["gen"], record["rank"]), []).append(record)
+    step_gaps = [(a["step"], b["t"] - a["t"]) for records_ in by_worker.values()
+                 for a, b in zip(sorted(records_, key=lambda r: r["t"]), sorted(records_, key=lambda r: r["t"])[1:])
+                 if b["step"] == a["step"] + 1]  # a step's time: its start to the next one's
+    gaps = [gap for _, gap in step_gaps]
     guards = [json.load(open(path)) for path in glob.glob(os.path.join(out, "guard-*.json"))]
     return {
         "name": name, "hosts": hosts, "span_s": round(span, 3), "exactly_once": audit["exactly_once"],
@@ -88,6 +95,7 @@ def run_job(workdir: str, name: str, args: List[str], epochs: int, timeout_s: fl
         "evictions": sum(e["event"] == "straggler" and "host" in e for e in events),
         "rollbacks": sum(e["event"] == "rollback" for e in events),
         "evicted_at_step": next((e["step"] for e in events if e["event"] == "straggler"), None),
+        "step_gaps": step_gaps,
     }
 
 
@@ -95,6 +103,9 @@ GUARD_KINDS = {  # name: (worker, its arguments)
     "no_guard": (WORKER, []),
     "guard": (WORKER, ["--guard"]),
     "guard_blocking": (WORKER, ["--guard", "--guard-blocking"]),
+    # On and off in one job (blocks of GUARD_BLOCKS steps): the same load on both sides.
+    "guard_ab": (WORKER, ["--guard", "--guard-blocks", "8"]),
+    "guard_blocking_ab": (WORKER, ["--guard", "--guard-blocking", "--guard-blocks", "8"]),
     "fit_no_guard": (FIT_WORKER, ["--keras", "3", "--global-batch", "64"]),
     "fit_guard": (FIT_WORKER, ["--keras", "3", "--global-batch", "64", "--guard"]),
 }
@@ -110,6 +121,18 @@ def guard_runs(work: str, kinds: List[str], epochs: int, rounds: int, timeout_s:
         print(f"  {kind}: step median {1000 * job['step_s_median']:.1f} ms", flush=True)
     runs = {}
     for kind, done in jobs.items():
+        if kind.endswith("_ab"):  # within each job: the median step with the guard over the one without
+            on = [gap for job in done for step, gap in job["step_gaps"] if (step // GUARD_BLOCKS) % 2 == 0]
+            off = [gap for job in done for step, gap in job["step_gaps"] if (step // GUARD_BLOCKS) % 2]
+            for job in done:
+                job.pop("step_gaps")
+            runs[kind] = {"name": kind, "jobs": done, "exactly_once": all(j["exactly_once"] for j in done),
+                          "step_s_median": statistics.median(on), "step_s_median_off": statistics.median(off),
+                          "guard_step_s_median": statistics.median(j["guard_step_s_median"] for j in done),
+                          "goodput_samples_per_s": None, "evictions": 0, "rollbacks": 0}
+            continue
+        for job in done:
+            job.pop("step_gaps")
         steps = [j["step_s_median"] for j in done if j["step_s_median"] is not None]
         guards = [j["guard_step_s_median"] for j in done if j["guard_step_s_median"] is not None]
         runs[kind] = {"name": kind, "jobs": done, "exactly_once": all(j["exactly_once"] for j in done),
@@ -144,7 +167,7 @@ def main(argv=None) -> int:
             "goodput_evicted_over_straggler": harness.ratio(good["evicted"], good["straggler"]),
             "goodput_straggler_over_none": harness.ratio(good["straggler"], good["none"]),
             "goodput_evicted_over_none": harness.ratio(good["evicted"], good["none"])})
-    kinds = (["no_guard", "guard", "guard_blocking"] if "guard" in parts else []) + \
+    kinds = (["no_guard", "guard", "guard_blocking", "guard_ab", "guard_blocking_ab"] if "guard" in parts else []) + \
         (["fit_no_guard", "fit_guard"] if "fit" in parts else [])
     if kinds:
         runs.update(guard_runs(work, kinds, args.guard_epochs, args.rounds, args.timeout_s))
@@ -152,6 +175,9 @@ def main(argv=None) -> int:
     if "guard" in parts:
         ratios["step_time_guard_over_no_guard"] = harness.ratio(step["guard"], step["no_guard"])
         ratios["step_time_guard_blocking_over_no_guard"] = harness.ratio(step["guard_blocking"], step["no_guard"])
+        for kind in ("guard_ab", "guard_blocking_ab"):
+            ratios[f"{kind}_step_time_on_over_off_in_one_job"] = harness.ratio(
+                runs[kind]["step_s_median"], runs[kind]["step_s_median_off"])
     if "fit" in parts:
         ratios["fit_step_time_guard_over_no_guard"] = harness.ratio(step["fit_guard"], step["fit_no_guard"])
     result = harness.machine(runs=runs, ratios=ratios, epochs=args.epochs, compute_s=args.compute_s,

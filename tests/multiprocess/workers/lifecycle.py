@@ -21,6 +21,7 @@ ELASTIC_EXT_EVENTS_PATH, checkpoints via ELASTIC_EXT_CHECKPOINT_*), plus:
 --guard                            State(guard=NumericGuard()) and state.guard_step after the allreduce; the
                                    guard's seconds per step go to guard-<pid>.json (median, count)
 --guard-blocking                   the guard's allgather blocks each step, as before it ran in the background
+--guard-blocks N                   with --guard, guard_step only where step // N is even (on and off in one job)
 --slow "RANK:STEP:FACTOR[:STEPS]"  from STEP (for STEPS steps, default: to the end), the process that started
                                    as RANK computes FACTOR x longer (it stays slow under a new rank); several
                                    slowdowns are separated by commas
@@ -62,6 +63,8 @@ p.add_argument("--compute-s", type=float, default=0.0)
 p.add_argument("--slow", default="")
 p.add_argument("--guard", action="store_true")
 p.add_argument("--guard-blocking", action="store_true", help="the guard's allgather blocks each step (bench)")
+p.add_argument("--guard-blocks", type=int, default=0,
+               help="with --guard: guard_step only in steps whose step // N is even (the bench's A/B in one job)")
 p.add_argument("--newcomer-delay-s", type=float, default=0.0)
 p.add_argument("--newcomer-gate", default="")
 args = p.parse_args()
@@ -143,7 +146,7 @@ def train_step(state, indices, pad):
         faults.maybe_fire(hvd.rank(), state.step, where="allreduce")  # a collective is in flight here
         for handle in handles:
             hvd.synchronize(handle)
-    if args.guard:
+    if args.guard and not (args.guard_blocks and (state.step // args.guard_blocks) % 2):
         started = time.perf_counter()
         state.guard_step(loss, grads, samples=int((~pad).sum()))
         guard_seconds.append(time.perf_counter() - started)
