@@ -63,14 +63,17 @@ def hosts_for(count: int) -> List[str]:
 
 
 def run_job(workdir: str, name: str, args: List[str], epochs: int, timeout_s: float,
-            worker: str = WORKER) -> Dict[str, Any]:
+            worker: str = WORKER, fusion: bool = False) -> Dict[str, Any]:
     out = os.path.join(workdir, name)
     os.makedirs(out)
     hosts = hosts_for(4)
     launch.write_hosts(os.path.join(out, "hosts"), hosts)
     cmd = harness.horovodrun(worker, ["--out", out, "--epochs", str(epochs), "--commit-every", "4", *args],
                              os.path.join(out, "hosts"), np_=4, min_np=2, max_np=4)
-    code, output = launch.run(cmd, launch.base_env(ELASTIC_EXT_EVENTS_PATH=os.path.join(out, "events.jsonl")),
+    # base_env turns tensor fusion off (bitwise-reproducible tests); --fusion gives Horovod's default back.
+    fused = {"HOROVOD_FUSION_THRESHOLD": harness.HOROVOD_DEFAULT_FUSION} if fusion else {}
+    code, output = launch.run(cmd, launch.base_env(ELASTIC_EXT_EVENTS_PATH=os.path.join(out, "events.jsonl"),
+                                                   **fused),
                               os.path.join(out, "horovodrun.log"), timeout_s)
     if code != 0:
         raise RuntimeError(f"{name}: job failed with exit code {code}:\n{output[-3000:]}")
@@ -111,12 +114,13 @@ GUARD_KINDS = {  # name: (worker, its arguments)
 }
 
 
-def guard_runs(work: str, kinds: List[str], epochs: int, rounds: int, timeout_s: float) -> Dict[str, Any]:
+def guard_runs(work: str, kinds: List[str], epochs: int, rounds: int, timeout_s: float,
+               fusion: bool = False) -> Dict[str, Any]:
     """Every kind ``rounds`` times in the order A B C C B A; per kind the medians over its jobs."""
     jobs: Dict[str, List[Dict[str, Any]]] = {kind: [] for kind in kinds}
     for index, kind in enumerate((kinds + kinds[::-1]) * rounds):
         worker, worker_args = GUARD_KINDS[kind]
-        job = run_job(work, f"{kind}-{index}", worker_args, epochs, timeout_s, worker)
+        job = run_job(work, f"{kind}-{index}", worker_args, epochs, timeout_s, worker, fusion)
         jobs[kind].append(job)
         print(f"  {kind}: step median {1000 * job['step_s_median']:.1f} ms", flush=True)
     runs = {}
@@ -149,6 +153,8 @@ def main(argv=None) -> int:
     parser.add_argument("--compute-s", type=float, default=0.03)
     parser.add_argument("--guard-epochs", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=1, help="rounds of A B C C B A for the guard jobs")
+    parser.add_argument("--fusion", action="store_true",
+                        help="Horovod's default tensor fusion in the guard jobs (off by default, as in the tests)")
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--name", default="soft_failures", help="result file stem under bench/results")
     args = parser.parse_args(argv)
@@ -170,7 +176,7 @@ def main(argv=None) -> int:
     kinds = (["no_guard", "guard", "guard_blocking", "guard_ab", "guard_blocking_ab"] if "guard" in parts else []) + \
         (["fit_no_guard", "fit_guard"] if "fit" in parts else [])
     if kinds:
-        runs.update(guard_runs(work, kinds, args.guard_epochs, args.rounds, args.timeout_s))
+        runs.update(guard_runs(work, kinds, args.guard_epochs, args.rounds, args.timeout_s, args.fusion))
     step = {k: r["step_s_median"] for k, r in runs.items()}
     if "guard" in parts:
         ratios["step_time_guard_over_no_guard"] = harness.ratio(step["guard"], step["no_guard"])
@@ -181,6 +187,7 @@ def main(argv=None) -> int:
     if "fit" in parts:
         ratios["fit_step_time_guard_over_no_guard"] = harness.ratio(step["fit_guard"], step["fit_no_guard"])
     result = harness.machine(runs=runs, ratios=ratios, epochs=args.epochs, compute_s=args.compute_s,
+                             fusion=args.fusion,
                              command="python -m bench.soft_failures " + " ".join(argv if argv is not None
                                                                                   else sys.argv[1:]))
     print(harness.table(["run", "goodput (samples/s)", "step median (ms)", "guard_step median (ms)", "evictions",
