@@ -5,21 +5,27 @@ of each round, in the rank it answers, in the exits it records and in the
 worker it notifies of host changes. The changes, each for a failure Horovod
 turns into a longer or larger one:
 
-1. **A round after a failure holds only the survivors.** Horovod keeps the
-   failed worker's slot in the next round and starts a new worker there;
-   every survivor then waits in ``hvd.init()`` until that process has
-   started Python, imported its framework and built its model (6 s and
-   more). Here the next round is exactly the workers that asked for a rank
-   in it, so they go on at once; the slot's new worker joins later, while
-   they train, the way a newcomer of an early start does
-   (:mod:`elastic_ext.launch.prestart`): the driver tells the coordinator
-   that hosts were added until a round has the capacity back. Survivors
-   keep their host; on a host whose worker of a lower local rank failed,
-   they move down to the free local ranks, and the driver translates every
-   name it holds (the answer to a rank request, exits, notification
-   clients) from the old local rank to the new one. Where the survivors
-   alone are fewer than ``--min-np``, the slot's new worker starts at once,
-   in the same round, as Horovod does.
+1. **A round after a reset holds only the workers that asked for a rank
+   in it.** After a failure, Horovod keeps the failed worker's slot in the
+   next round and starts a new worker there, and after a host change it
+   starts the new hosts' workers in the round the survivors reset into;
+   every survivor then waits in ``hvd.init()`` until those processes have
+   started Python, imported their framework and built their model (6 s
+   and more). Here such a round is exactly the workers that asked, so they
+   go on at once, and capacity beyond them (the failed slot, a new host)
+   joins later, while they train, the way a newcomer of an early start
+   does (:mod:`elastic_ext.launch.prestart`): the driver tells the
+   coordinator that hosts were added until a round has that capacity. Only
+   the round that an early start's rank requests complete
+   (:data:`~elastic_ext.launch.prestart.ASKED` in the store) starts new
+   workers, which start in a world of one. Survivors keep their host; on a
+   host whose worker of a lower local rank failed, they move down to the
+   free local ranks, and the driver translates every name it holds (the
+   answer to a rank request, exits, notification clients) from the old
+   local rank to the new one. Where the workers that asked are fewer than
+   ``--min-np``, new workers start in the same round, as Horovod does.
+   So under the launcher no ``hvd.init()`` but the job's first and that
+   last case meets a worker that is still starting.
 2. **A host is blacklisted only when it lost all its workers of the round.**
    Horovod blacklists the host of every failed worker, which also ends its
    healthy workers ("has been removed from elastic job") and, when two
@@ -48,6 +54,7 @@ import logging
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
+from elastic_ext.launch import prestart
 from elastic_ext.launch.round_watch import ASSIGNED, CURRENT, SCOPE, failed_key
 
 logger = logging.getLogger(__name__)
@@ -67,6 +74,15 @@ def _store(driver: Any, key: str, value: bytes) -> None:
         server.cache.setdefault(SCOPE, {})[key] = value
 
 
+def _early_start_asked(driver: Any) -> bool:
+    """True when an early start's rank requests complete this round (they are in the store until it forms)."""
+    server = getattr(getattr(driver, "_rendezvous", None), "_httpd", None)
+    if server is None:
+        return False
+    with server.cache_lock:
+        return prestart.ASKED in server.cache.get(prestart.SCOPE, {})
+
+
 def _ext(driver: Any) -> "DriverState":
     return driver.__dict__.setdefault("elastic_ext", DriverState())
 
@@ -79,7 +95,7 @@ class DriverState:
     holders: Dict[Slot, Any] = dataclasses.field(default_factory=dict)
     # For the round being answered: a survivor's old local rank -> its new one, by host.
     moved: Dict[Slot, int] = dataclasses.field(default_factory=dict)
-    # Set by the round's barrier after a failure: the survivors' slots by host (old local ranks, sorted).
+    # Set by a round's barrier: the slots of the workers that asked, by host (old local ranks, sorted).
     survivors: Optional[Dict[str, List[int]]] = None
     # While building a survivors' round: the slot count per host that _get_host_assignments uses.
     only: Optional[Dict[str, int]] = None
@@ -127,8 +143,7 @@ def install() -> None:
         manager, ext = self._host_manager, _ext(self._driver)
         ready = set(self.get(READY))
         ready_hosts = {host for host, _ in ready}
-        failed = self.get(FAILURE)
-        if failed and not self.get(SUCCESS) and ready:
+        if ready and not self.get(SUCCESS) and (self.get(FAILURE) or not _early_start_asked(self._driver)):
             ext.survivors = survivors_by_host(ready)
         blacklist = manager.blacklist
 
@@ -172,12 +187,13 @@ def install() -> None:
             finally:
                 ext.only = None
             _move(self, ext, moves(survivors))
-            ext.regrow = True
-            logger.info("elastic_ext: the round holds the %d survivors only; the failed slots' new workers "
-                        "join while they train", self.world_size())
+            full, _ = original["_get_host_assignments"](self, current_hosts)
+            ext.regrow = full != self._host_assignments
+            logger.info("elastic_ext: the round holds the %d workers that asked for a rank%s", self.world_size(),
+                        "; the rest of the capacity joins while they train" if ext.regrow else "")
             return pending  # none: every slot is a survivor's
         ext.moved, ext.regrow = {}, False
-        if survivors:  # too few to go on alone: start the failed slots' new workers now, as Horovod does
+        if survivors:  # too few to go on alone: start new workers now, in the failed slots too, as Horovod does
             self._host_assignments = {host: [slot for slot in slots if slot.local_rank in survivors.get(host, ())]
                                       for host, slots in self._host_assignments.items()}
         return original["_update_host_assignments"](self, current_hosts)

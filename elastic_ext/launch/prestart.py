@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 SCOPE = "elastic_ext_ready"          # the store's scope of the announcements; the key is the rank
 MARKER = "early_start"               # a key of SCOPE: the survivors started the newcomers early
+ASKED = "early_start_asked"          # a key of SCOPE, put before the rank requests: the driver starts newcomers
 RANK_SCOPE = "rank_and_size"         # Horovod's own scope: a GET records the worker as ready
 POLL_S = 0.1
 REQUEST_TIMEOUT_S = 10.0
@@ -140,6 +141,8 @@ class Prestart:
 
     def _run(self) -> None:
         try:
+            # The launcher's driver starts new workers only in a round an early start completes.
+            put(f"{self.url}/{SCOPE}/{ASKED}")
             # Blocks until every current rank asked (they all start at the same commit).
             answer = get(f"{self.url}/{RANK_SCOPE}/{self.host}:{self.local_rank}", timeout_s=None)
             if answer is None:

@@ -140,9 +140,15 @@ def test_a_failures_round_holds_only_the_survivors_and_the_slot_returns_when_the
         job.stop()
 
 
+def early_start_asks(job, *slots):
+    """An early start's rank requests (the survivors', while they train): what Prestart sends, in threads."""
+    prestart.put(f"{job.url}/{prestart.SCOPE}/{prestart.ASKED}")
+    return in_threads(*[lambda s=s: job.rank_and_size(*s) for s in slots])
+
+
 def survivors_ask_again(job, lost=("host-a", 1)):
     """The survivors' rank requests of an early start; returns their answers once the next round formed."""
-    asks, threads = in_threads(*[lambda s=s: job.rank_and_size(*s) for s in SLOTS if s != lost])
+    asks, threads = early_start_asks(job, *[s for s in SLOTS if s != lost])
     for thread in threads:
         thread.join(30)
     return asks
@@ -170,6 +176,26 @@ def test_a_survivor_moves_down_to_the_failed_workers_local_rank_and_keeps_its_na
         # (charged to host-a[1], which no round holds, Horovod would ignore it and the barrier never complete)
         assert asks == [(0, 2), (1, 2)], asks
         assert job.driver._host_manager.is_blacklisted("host-a")  # its last worker failed
+    finally:
+        job.stop()
+
+
+def test_a_reset_after_a_host_was_added_holds_the_workers_that_asked_and_the_early_start_brings_the_host(changed):
+    job = Job({"host-a": 2}, 1, 4)
+    job.start(2)
+    assert wait_for(lambda: len(job.started) == 2)
+    try:
+        job.discovery.hosts = {"host-a": 2, "host-b": 2}
+        discovered(job, {"host-a": 2, "host-b": 2})
+        asks, threads = in_threads(lambda: job.rank_and_size("host-a", 0), lambda: job.rank_and_size("host-a", 1))
+        for thread in threads:  # a reset (a removal came with the addition, say): nobody waits for host-b
+            thread.join(30)
+        assert asks == [(0, 2), (1, 2)] and len(job.started) == 2, (asks, job.started)
+        asks, threads = early_start_asks(job, ("host-a", 0), ("host-a", 1))
+        for thread in threads:
+            thread.join(30)
+        assert asks == [(0, 4), (1, 4)]
+        assert sorted(job.started[2:]) == [("host-b", 0), ("host-b", 1)]
     finally:
         job.stop()
 
@@ -264,7 +290,7 @@ def test_the_late_exit_of_a_replaced_worker_is_not_charged_to_the_new_worker_in_
         old = job.exits[("host-b", 0)]
         job.discovery.hosts = {"host-a": 2, "host-b": 2}
         discovered(job, {"host-a": 2, "host-b": 2})
-        asks, threads = in_threads(lambda: job.rank_and_size("host-a", 0), lambda: job.rank_and_size("host-a", 1))
+        asks, threads = early_start_asks(job, ("host-a", 0), ("host-a", 1))
         for thread in threads:
             thread.join(30)
         assert asks == [(0, 4), (1, 4)]
