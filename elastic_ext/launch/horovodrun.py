@@ -13,10 +13,9 @@ survivors, and the failed slot's new worker joins while they train; a host
 is blacklisted only when it lost every worker; the rounds are published to
 the workers; a replaced worker's late exit is not charged to its successor).
 
-The workers restart in place (:mod:`elastic_ext.launch.keeper`) unless
-``ELASTIC_EXT_RESTART_IN_PLACE`` says otherwise, when the job has durable
-checkpoints (``ELASTIC_EXT_CHECKPOINT_DIR``): a restarted worker holds no
-commit.
+The workers restart in place (:mod:`elastic_ext.launch.keeper`) when the
+job has durable checkpoints (``ELASTIC_EXT_CHECKPOINT_DIR``): a restarted
+worker holds no commit.
 """
 
 from __future__ import annotations
@@ -26,19 +25,20 @@ import os
 import sys
 from typing import Any, List, MutableMapping, Optional
 
-from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_LAUNCHER, ENV_RESTART_IN_PLACE, restart_in_place
+from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_LAUNCHER, ENV_MIN_NP, ENV_RESTART_IN_PLACE
 from elastic_ext.launch import driver
 
 
-def restart_in_place_by_default(environ: MutableMapping[str, str]) -> bool:
-    """Turns restart in place on for the workers when the job has durable checkpoints and the user said nothing.
+def restart_in_place_when_checkpointing(environ: MutableMapping[str, str]) -> bool:
+    """Tells the workers to restart in place exactly when the job has durable checkpoints; returns which.
 
-    A restarted worker holds no commit, so without a checkpoint directory it
-    cannot help. Returns whether the workers restart in place.
+    A restarted worker holds no commit: with a checkpoint directory a round
+    whose every member was restarted resumes from the newest checkpoint;
+    without one it could only train again from scratch.
     """
-    if ENV_RESTART_IN_PLACE not in environ and environ.get(ENV_CHECKPOINT_DIR):
-        environ[ENV_RESTART_IN_PLACE] = "1"
-    return restart_in_place(environ)
+    on = bool(environ.get(ENV_CHECKPOINT_DIR, "").strip())
+    environ[ENV_RESTART_IN_PLACE] = "1" if on else "0"
+    return on
 
 
 WORKER_MODULE = "elastic_ext.launch.worker"
@@ -74,6 +74,8 @@ def _through_the_worker_entry() -> None:
     def parse_and_rewrite() -> Any:
         args = parse_args()
         command = worker_command(args.command or [])
+        if args.min_num_proc is not None:  # an elastic job: its workers choose their resets' Gloo timeout by it
+            os.environ[ENV_MIN_NP] = str(args.min_num_proc)
         if command != (args.command or []):
             os.environ[ENV_LAUNCHER] = "1"  # the workers' entry module runs: early start is possible
         elif command:  # (no command at all: --check-build, --version)
@@ -88,7 +90,7 @@ def _through_the_worker_entry() -> None:
 
 def main(argv: Optional[List[str]] = None) -> None:
     """The console script ``elastic-horovodrun``: ``horovodrun``'s arguments, the launcher's behaviour."""
-    restart_in_place_by_default(os.environ)
+    restart_in_place_when_checkpointing(os.environ)
     driver.install()
     _through_the_worker_entry()
     from horovod.runner.launch import run_commandline

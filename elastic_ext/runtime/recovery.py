@@ -28,6 +28,7 @@ import numpy as np
 
 from elastic_ext.errors import NumericFaultError, RollbackLimitError, error_detail
 from elastic_ext.events import LEAVE, RECOVERED, RESET, RESIZE, ROLLBACK, ROLLBACK_LIMIT
+from elastic_ext.launch.gloo_timeout import reset_timeout
 from elastic_ext.runtime.connections import CollectiveConnections
 from elastic_ext.runtime.numeric_recovery import NumericRecovery
 from elastic_ext.launch.sigterm import LEAVE_EXIT_CODE
@@ -170,6 +171,8 @@ class Recoverer:
     def reset(self) -> None:
         """Re-initialises Horovod for the next world, then the State's reset callbacks."""
         started = time.perf_counter()
+        if self.kind == "gloo":
+            reset_timeout(self.state.config, self.state.binding.size())
         self.links.before_init()
         self.state.binding.reset()
         self.links.after_init()

@@ -1,6 +1,8 @@
 """Every test seam of elastic_ext, public so tests and benchmarks share them.
 
-- :mod:`~elastic_ext.testing.solo`: :class:`SoloBinding`, a world of one rank.
+- :mod:`~elastic_ext.testing.solo`: :class:`SoloBinding`, a world of one rank,
+  and :func:`state_on`, a :class:`~elastic_ext.State` whose collectives go
+  through a given binding instead of Horovod.
 - :mod:`~elastic_ext.testing.faults`: faults declared up front
   (:class:`FaultSchedule`, :class:`CommitFaultProbe`) and scripted resizes
   (:class:`HostFileSchedule`).
@@ -19,7 +21,7 @@ its :class:`Instrument` outside the training loop.
 
 from elastic_ext.testing.faults import HOW, WHERE, CommitFaultProbe, Fault, FaultSchedule, HostFileSchedule
 from elastic_ext.testing.instrument import Instrument
-from elastic_ext.testing.solo import SoloBinding
+from elastic_ext.testing.solo import SoloBinding, state_on
 
 __all__ = ["HOW", "WHERE", "CommitFaultProbe", "Fault", "FaultSchedule", "HostFileSchedule", "Instrument",
-           "SoloBinding"]
+           "SoloBinding", "state_on"]

@@ -384,13 +384,14 @@ def test_without_the_drivers_rounds_nothing_is_watched(monkeypatch):
 
 
 @pytest.mark.parametrize("environ, expected", [
-    ({"ELASTIC_EXT_CHECKPOINT_DIR": "/ckpt"}, True),
-    ({}, False),                                                            # nothing to restart from
-    ({"ELASTIC_EXT_CHECKPOINT_DIR": "/ckpt", "ELASTIC_EXT_RESTART_IN_PLACE": "0"}, False),  # the user said no
-    ({"ELASTIC_EXT_RESTART_IN_PLACE": "1"}, True),
+    ({"ELASTIC_EXT_CHECKPOINT_DIR": "/ckpt"}, "1"),
+    ({}, "0"),                                                                   # nothing to restart from
+    ({"ELASTIC_EXT_CHECKPOINT_DIR": "  "}, "0"),
+    ({"ELASTIC_EXT_RESTART_IN_PLACE": "1"}, "0"),                                # not a setting: the launcher decides
 ])
-def test_workers_restart_in_place_by_default_when_the_job_has_checkpoints(environ, expected):
-    assert horovodrun.restart_in_place_by_default(environ) is expected
+def test_workers_restart_in_place_exactly_when_the_job_has_checkpoints(environ, expected):
+    assert horovodrun.restart_in_place_when_checkpointing(environ) is (expected == "1")
+    assert environ["ELASTIC_EXT_RESTART_IN_PLACE"] == expected
 
 
 def test_a_keeper_can_tell_whether_its_slot_is_still_in_the_job(changed, monkeypatch):
