@@ -87,8 +87,9 @@ class Prestart:
     :meth:`start` sends the next world's rank request in a background
     thread; :meth:`ready` is True once every rank of the next world is
     there (polled on ``poll`` ranks only: rank 0), once this rank was
-    removed, once the request failed, or after ``timeout_s``. Any of these
-    makes the next commit reset the job.
+    removed, once a newcomer died (the launcher's driver publishes its
+    round's failures), once the request failed, or after ``timeout_s``. Any
+    of these makes the next commit reset the job.
     """
 
     def __init__(self, url: str, host: str, local_rank: int, poll: bool, timeout_s: float,
@@ -98,7 +99,7 @@ class Prestart:
         self.started = clock()
         self.next_rank: Optional[int] = None
         self.next_size: Optional[int] = None
-        self.why = ""                   # why it is ready: "all_there", "removed", "error: ...", "timeout"
+        self.why = ""                   # why it is ready: "all_there", "removed", "newcomer_failed", "error: ...", "timeout"
         self._ready = threading.Event()
         self._cancelled = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -155,9 +156,15 @@ class Prestart:
             put(f"{self.url}/{SCOPE}/{self.next_rank}")
             if not self.poll:
                 return
+            # The round our requests formed, whose members the newcomers are (the launcher's driver says).
+            round_id = get(f"{self.url}/{round_watch.SCOPE}/{round_watch.CURRENT}")
+            failed = None if round_id is None else f"{self.url}/{round_watch.SCOPE}/{round_watch.failed_key(int(round_id))}"
             missing = set(range(self.next_size))
             while missing and not self._cancelled.is_set() and not self._ready.is_set():
                 missing = {rank for rank in missing if get(f"{self.url}/{SCOPE}/{rank}") is None}
+                if missing and failed is not None and get(failed) is not None:
+                    self.finish("newcomer_failed")  # it will never announce itself: reset now, not at the timeout
+                    return
                 if missing:
                     time.sleep(POLL_S)
             if not missing:

@@ -15,8 +15,6 @@ commit and acts on it together:
   sync;
 - whether rank 0's checkpoint writer failed ``checkpoint_failure_limit``
   times in a row: every rank then stops together (:class:`~elastic_ext.errors.CheckpointError`);
-- whether some rank wants the next commits' collective blocking (see
-  :class:`HostUpdates`);
 - anything else that rides along (the straggler table).
 """
 
@@ -52,10 +50,8 @@ class EarlyStart(Protocol):
 # Horovod's HostUpdateResult flags, repeated here so the core needs no Horovod import.
 HOSTS_REMOVED = 1
 HOSTS_ADDED = 2
-FIELDS = 9  # the vector's fixed part; the extra follows
-# Commits further apart than this gain nothing from an overlapped collective (it costs a few ms) and
-# lose by it: what a commit agrees would act a whole interval later (a leave within term_grace_s).
-OVERLAP_BELOW_S = 1.0
+FIELDS = 8  # the vector's fixed part; the extra follows
+_now = time.monotonic  # the clock of commit intervals (tests replace it)
 
 
 @dataclasses.dataclass
@@ -69,15 +65,14 @@ class Agreed:
     newcomers_ready: bool       # an early start's newcomers are all waiting (or it gave up)
     extra: Optional[np.ndarray]  # element-wise maximum of every rank's extra
     stop: bool = False          # some rank asks every rank to stop (its checkpoints keep failing)
-    block: bool = True          # some rank wants the next commits' collective blocking
 
 
 def agreement_vector(commit_id: int, newest: int, flags: int, leaving: bool,
                      extra: Optional[np.ndarray] = None, newcomers_ready: bool = False,
-                     stop: bool = False, block: bool = True) -> np.ndarray:
+                     stop: bool = False) -> np.ndarray:
     """What one rank contributes to a commit's allreduce (see the module docstring)."""
     vector = np.array([newest, flags & HOSTS_REMOVED, (flags & HOSTS_ADDED) >> 1, int(leaving),
-                       int(newcomers_ready), commit_id, -commit_id, int(stop), int(block)], dtype=np.int64)
+                       int(newcomers_ready), commit_id, -commit_id, int(stop)], dtype=np.int64)
     if extra is not None:
         vector = np.concatenate([vector, np.asarray(extra, dtype=np.int64)])
     return vector
@@ -89,7 +84,7 @@ def read_agreement(reduced: np.ndarray, commit_id: int, has_extra: bool) -> Agre
     Raises:
         StateDivergenceError: ranks held different commit ids.
     """
-    newest, removed, added, leaving, ready, highest, negated_lowest, stop, block = (int(x) for x in reduced[:FIELDS])
+    newest, removed, added, leaving, ready, highest, negated_lowest, stop = (int(x) for x in reduced[:FIELDS])
     lowest = -negated_lowest
     if highest != lowest:
         raise StateDivergenceError(
@@ -97,26 +92,20 @@ def read_agreement(reduced: np.ndarray, commit_id: int, has_extra: bool) -> Agre
             f"{commit_id}); every rank must call commit() the same number of times between syncs "
             "(save() is local and does not count for the others)")
     return Agreed(newest, bool(leaving), bool(removed), bool(added), bool(ready),
-                  reduced[FIELDS:] if has_extra else None, bool(stop), bool(block))
+                  reduced[FIELDS:] if has_extra else None, bool(stop))
 
 
 class HostUpdates:
     """Horovod's host-update notifications this rank has not acted on, and the newest it acted on.
 
     Overlapped commits: where the binding can run the allreduce in Horovod's
-    background thread (``overlap``: PyTorch) and commits come less than
-    :data:`OVERLAP_BELOW_S` apart on every rank, the allreduce of commit *k*
+    background thread (``overlap``: PyTorch), the allreduce of commit *k*
     runs while training goes on, and commit *k + 1* reads it: no commit
     waits for a collective, and what it agrees (a resize, a leave, an
-    eviction, the commit-id check) acts one commit later, a fraction of a
-    second. Where commits are further apart, the collective's few
-    milliseconds do not matter and waiting a whole interval would (a leave
-    must happen within ``term_grace_s``), so it blocks. Each rank votes in
-    every allreduce; the agreed vote sets the mode of the commits after it,
-    on every rank at the same commit. After a reset commits block until a
-    vote says otherwise. Every rank reads the same reduced vector at the
-    same commit, so they still act together. A reset drops the one in
-    flight (:meth:`clear`).
+    eviction, the commit-id check) acts one commit later. Every rank reads
+    the same reduced vector at the same commit, so they still act together.
+    A reset drops the one in flight (:meth:`clear`). Elsewhere the
+    allreduce blocks and its commit acts on it.
 
     With ``prestart`` (a factory of :class:`EarlyStart`, which ``run`` sets
     under an elastic ``horovodrun``; its answer is None where it cannot
@@ -138,8 +127,8 @@ class HostUpdates:
         # (wait for the result, the commit id it agrees, whether it carries extra)
         self._in_flight: Optional[Tuple[Callable[[], np.ndarray], int, bool]] = None
         self._settled: Optional[Tuple[np.ndarray, int, bool]] = None  # its result, once waited for
-        self.overlapping = False  # the mode agreed for this commit's collective
-        self._last_agree: Optional[float] = None
+        self._agreed_at: Optional[float] = None  # time.monotonic() of this rank's last commit collective
+        self.interval_s: Optional[float] = None   # the time between its last two
 
     def put(self, timestamp: int, update_res: int) -> None:
         self._messages.put((timestamp, int(update_res)))
@@ -151,7 +140,6 @@ class HostUpdates:
         self._messages = queue.Queue()
         self._in_flight = None  # a collective of the previous Horovod context: never waited for
         self._settled = None
-        self.overlapping, self._last_agree = False, None
         if self.prestart is not None:  # a reset: the driver counts the newcomers in already
             self.prestart.cancel()
             self.prestart = None
@@ -190,28 +178,23 @@ class HostUpdates:
         """
         newest, flags = self._drain()
         ready = self.prestart is not None and self.prestart.ready()
-        now = time.monotonic()
-        block = not self.overlap or self._last_agree is None or now - self._last_agree >= OVERLAP_BELOW_S
-        self._last_agree = now
-        vector = agreement_vector(commit_id, newest, flags, leaving, extra, ready, stop, block)
+        vector = agreement_vector(commit_id, newest, flags, leaving, extra, ready, stop)
+        now = _now()
+        self.interval_s = None if self._agreed_at is None else now - self._agreed_at
+        self._agreed_at = now
+        if not self.overlap:
+            return self._act(read_agreement(binding.allreduce_max(vector, "elastic_ext.hosts"), commit_id,
+                                            extra is not None))
+        self.settle()
+        previous, self._settled = self._settled, None
         result: Tuple[Optional[bool], Optional[np.ndarray]] = (None, None)
-        if self.overlapping:
-            self.settle()
-            previous, self._settled = self._settled, None
-            if previous is not None:
-                reduced, agreed_id, has_extra = previous
-                agreed = read_agreement(reduced, agreed_id, has_extra)
-                self.overlapping = not agreed.block
-                result = self._act(agreed)
-                if result[0] is not None:
-                    return result  # every rank resizes now: nothing more runs on this Horovod context
-        if self.overlapping:
-            self._in_flight = (allreduce_max_start(binding, vector, "elastic_ext.hosts"), commit_id,
-                               extra is not None)
-            return result
-        agreed = read_agreement(binding.allreduce_max(vector, "elastic_ext.hosts"), commit_id, extra is not None)
-        self.overlapping = not agreed.block
-        return self._act(agreed)
+        if previous is not None:
+            reduced, agreed_id, has_extra = previous
+            result = self._act(read_agreement(reduced, agreed_id, has_extra))
+            if result[0] is not None:
+                return result  # every rank resizes now: nothing more runs on this Horovod context
+        self._in_flight = (allreduce_max_start(binding, vector, "elastic_ext.hosts"), commit_id, extra is not None)
+        return result
 
     def _act(self, agreed: Agreed) -> Tuple[Optional[bool], Optional[np.ndarray]]:
         self.stopped = self.stopped or agreed.stop
@@ -238,3 +221,9 @@ class HostUpdates:
             return False
         self.prestart, self.joined = prestart.start(), None
         return True
+
+    def too_late_to_wait(self, time_left_s: Optional[float]) -> bool:
+        """True when this commit's collective is in flight and the next commit, which would read it,
+        is not expected within ``time_left_s`` (a leaver's grace): see :func:`decide_at_commit`."""
+        return (self._in_flight is not None and time_left_s is not None and self.interval_s is not None
+                and time_left_s < self.interval_s)

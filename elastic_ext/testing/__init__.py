@@ -24,4 +24,16 @@ from elastic_ext.testing.instrument import Instrument
 from elastic_ext.testing.solo import SoloBinding, state_on
 
 __all__ = ["HOW", "WHERE", "CommitFaultProbe", "Fault", "FaultSchedule", "HostFileSchedule", "Instrument",
-           "SoloBinding", "state_on"]
+           "SoloBinding", "heartbeat_period", "state_on"]
+
+
+def heartbeat_period(seconds: float) -> None:
+    """Sets how often this process's workers beat (for the watchdogs started after this call).
+
+    The tests of the stall check's races tick faster than the default
+    :data:`elastic_ext.config.HEARTBEAT_PERIOD_S`, which is not a setting.
+    """
+    from elastic_ext import config
+    if not seconds > 0:
+        raise ValueError(f"heartbeat period ({seconds!r}) must be > 0")
+    config.HEARTBEAT_PERIOD_S = float(seconds)

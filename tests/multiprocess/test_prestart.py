@@ -1,4 +1,4 @@
-"""ELASTIC_EXT_PRESTART_NEWCOMERS=1 under elastic-horovodrun: at a host addition the two
+"""Under elastic-horovodrun (the early start of newcomers): at a host addition the two
 survivors keep training while Horovod's driver starts the newcomers, and the
 job resizes at the first commit after the newcomers wait in hvd.init().
 Also a SIGKILL of a survivor while the newcomers start."""
@@ -21,7 +21,7 @@ def run_job(tmp_path, faults, worker="train_torch.py", extra=()):
     # 0.2 s per step: a newcomer's start (Python, torch, Horovod) spans several commits.
     out, _ = launch.run_job(tmp_path, worker, "--step-sleep-s", "0.2", "--resize-at", f"8:{hosts}:{grown}",
                             "--faults", faults, *extra, hosts=BASE, np_=2, epochs=EPOCHS, commit_every=COMMIT_EVERY,
-                            env={"ELASTIC_EXT_PRESTART_NEWCOMERS": "1"}, timeout_s=300, launcher=True)
+                            timeout_s=300, launcher=True)
     return out, ledger.read(str(out)), analysis.read_events(str(out / "events.jsonl"))
 
 

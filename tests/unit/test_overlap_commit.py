@@ -1,7 +1,7 @@
-"""Overlapped commits: where the binding runs the commit's collective in the background and commits
-come less than a second apart, a commit's collective is read at the next commit. Every rank still
-acts together, one commit later; commits further apart block again, on every rank at the same
-commit; a reset drops the collective in flight (ranks simulated by threads)."""
+"""Overlapped commits: where the binding runs the commit's collective in the background (PyTorch), a
+commit's collective is read at the next commit. Every rank still acts together, one commit later; a
+reset drops the collective in flight; a leaver whose grace is shorter than a commit interval leaves at
+its commit, once every rank has taken it (ranks simulated by threads)."""
 
 import numpy as np
 import pytest
@@ -38,11 +38,7 @@ def commit_all(world, states):
 
 
 def overlapping(world, states):
-    """Two commits in quick succession: the first blocks and votes to block (no interval yet), the
-    second blocks and votes to overlap, so the commits after it overlap on every rank."""
-    assert commit_all(world, states) == [None] * len(states)
-    assert commit_all(world, states) == [None] * len(states)
-    assert all(state._hosts.overlapping for state in states)
+    assert all(state._hosts.overlap for state in states)
     return world, states
 
 
@@ -84,7 +80,7 @@ def test_differing_commit_ids_fail_at_the_next_commit_on_every_rank():
     assert world.run(commit) == [None, None]  # this commit's allreduce is only read at the next commit
     results = commit_all(world, states)
     assert all(isinstance(r, StateDivergenceError) for r in results), results
-    assert "from 3 to 4" in str(results[0])
+    assert "from 1 to 2" in str(results[0])
 
 
 def test_a_reset_drops_the_collective_in_flight():
@@ -93,7 +89,6 @@ def test_a_reset_drops_the_collective_in_flight():
     assert commit_all(world, states) == [None, None]  # the update is in flight
     for state in states:
         state.on_reset()  # a failure's reset: a new Horovod context
-        assert not state._hosts.overlapping  # commits block again until a vote says otherwise
     assert commit_all(world, states) == [None, None]
     assert commit_all(world, states) == [None, None]
 
@@ -126,20 +121,29 @@ class CountingBinding:
         return wait
 
 
-def test_commits_overlap_while_they_come_often_and_block_again_when_they_are_far_apart(monkeypatch):
-    clock = iter([0.0, 0.1, 0.2, 0.3, 5.3, 5.4, 5.5])
-    monkeypatch.setattr(host_updates.time, "monotonic", lambda: next(clock))
+def test_with_a_background_collective_no_commit_waits_for_its_own():
     binding, hosts = CountingBinding(), HostUpdates(overlap=True)
-    for commit_id in range(1, 8):
+    for commit_id in (1, 2, 3):
         assert hosts.agree(binding, commit_id, leaving=False) == (None, None)
-    assert binding.calls == [
-        "blocking",              # 1: no interval yet: blocks, votes to block
-        "blocking",              # 2: 0.1 s after: votes to overlap, agreed at once
-        "started",               # 3: overlapped
-        "waited", "started",     # 4: reads 3, starts its own
-        "waited", "started",     # 5 (5 s later): reads 4 (overlap), starts its own with a vote to block
-        "waited", "blocking",    # 6: reads 5 (block), so it blocks on its own, which votes to overlap
-        "started"]               # 7: overlapped again
+    assert binding.calls == ["started", "waited", "started", "waited", "started"]
+
+
+def test_a_leaver_whose_grace_ends_before_the_next_commit_leaves_at_this_one(monkeypatch):
+    """Its leave would act at the commit after this one (it is in this commit's collective, read at
+    the next). With less grace left than a commit interval, it leaves now, after waiting for this
+    commit's collective: every rank then holds this commit, and rolls back to it."""
+    from elastic_ext.liveness import Liveness
+    world, states = world_of(2, True)
+    live = Liveness()
+    monkeypatch.setattr(states[1], "_liveness", live)
+    clock = iter([0.0, 0.0, 10.0, 10.0])  # rank 0's and rank 1's collectives, commit 1 then 2: 10 s apart
+    monkeypatch.setattr(host_updates, "_now", lambda: next(clock))
+    assert commit_all(world, states) == [None, None]
+    live.ask_to_leave(5.0)  # SIGTERM on rank 1: 5 s left, commits come every 10 s
+    results = commit_all(world, states)
+    assert results[0] is None, results  # rank 0 reads the leave only at the next commit
+    assert isinstance(results[1], HostsUpdatedInterrupt) and results[1].skip_sync, results
+    assert states[1]._hosts._in_flight is None  # its commit's collective was waited for: rank 0 took commit 2
 
 
 def test_a_binding_that_cannot_start_a_collective_in_the_background_always_blocks():
@@ -171,6 +175,6 @@ def test_a_commit_waits_for_the_previous_collective_before_its_snapshot():
 
     binding.allreduce_max_start = start
     state.sync()
-    for _ in range(5):
+    for _ in range(3):
         state.commit()
-    assert seen == [3, 4]  # commit 3's collective read while the newest snapshot was still 3, not 4
+    assert seen == [1, 2]  # commit 1's collective read while the newest snapshot was still 1, not 2
