@@ -9,8 +9,8 @@ to Horovod's driver, and when every member of a round has failed the driver
 ends the job ("failure count == N"). That was most of ``bench.soak``'s job
 deaths.
 
-With ``ELASTIC_EXT_RESTART_IN_PLACE=1`` (on by default under
-``elastic-horovodrun`` when the job has a checkpoint directory), the
+When the job has a checkpoint directory, ``elastic-horovodrun`` sets
+``ELASTIC_EXT_RESTART_IN_PLACE=1`` for its workers, and the
 launcher's entry module (:mod:`elastic_ext.launch.worker`) forks before the
 script runs (Linux). The parent, the process
 Horovod's driver started and watches, only waits (the *keeper*); the child

@@ -6,8 +6,10 @@ a reset. So without an early start the survivors stop at a host addition, re-ini
 and then wait while the newcomers start Python, import the framework,
 initialise Horovod and build their model (6 to 7 s on the test machine).
 
-With ``ElasticConfig.prestart_newcomers`` (on by default, under
-``elastic-horovodrun``) a pure host addition does not reset at once:
+Under ``elastic-horovodrun`` a pure host addition does not reset at once
+(and a failed worker's slot comes back the same way: the launcher's driver
+forms the round after a failure from the survivors, then offers the slot as
+added, :mod:`elastic_ext.launch.driver`):
 
 1. At the commit that agrees the addition, every rank sends the rank request
    of the next world from a background thread (:class:`Prestart`), the same
