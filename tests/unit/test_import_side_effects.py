@@ -41,7 +41,6 @@ def handlers():
     return found
 
 import importlib
-from elastic_ext.testing import state_on
 for name in filter(None, sys.argv[1].split(",")):  # the user's own imports: what they change is not ours
     importlib.import_module(name)
 before = {"horovod": horovod(), "env": dict(os.environ), "signals": handlers()}
