@@ -159,13 +159,18 @@ class Recoverer:
         the function is then called again in the larger world (from the
         commit, which already holds the end of training).
 
+        First, and also when no newcomer is on its way, it waits for the last
+        commit's overlapped collective (see ``State._settle_commits``).
+
         Raises:
             HostsUpdatedInterrupt: on every rank together, when an early start is under way.
         """
+        self.state._settle_commits()
         if not self.state._early_start_under_way():
             return
         from horovod.common.exceptions import HostsUpdatedInterrupt
         self.state.commit()  # may agree the resize itself (the newcomers are there)
+        self.state._settle_commits()
         raise HostsUpdatedInterrupt(False)
 
     def reset(self) -> None:

@@ -370,14 +370,15 @@ def test_the_abort_cuts_only_the_collective_connections(tmp_path):
 
 # ------------------------------------------------------ slow newcomers
 
-def grow_at_step_8(out, newcomer_delay_s=0.0):
+def grow_at_step_8(out, *worker_args, newcomer_delay_s=0.0):
     """Two workers on localhost; at step 8 a second host joins, whose newcomers sleep ``newcomer_delay_s``
     before hvd.init(), then wait there until the file ``gate(out)`` exists (see :func:`open_gate`)."""
     hosts_file = str(out / "hosts")
     launch.write_hosts(hosts_file, ["localhost:2"])
     return launch.elastic_cmd(2, 2, 4, hosts_file, "lifecycle.py", "--out", str(out), "--commit-every",
                               str(COMMIT_EVERY), "--resize-at", f"8:{hosts_file}:localhost:2,127.0.0.1:2",
-                              "--newcomer-delay-s", str(newcomer_delay_s), "--newcomer-gate", str(gate(out)))
+                              "--newcomer-delay-s", str(newcomer_delay_s), "--newcomer-gate", str(gate(out)),
+                              *worker_args)
 
 
 def gate(out):
@@ -475,7 +476,9 @@ def test_a_newcomer_sigtermed_before_it_trains_leaves_at_its_first_commit(tmp_pa
     out.mkdir()
     env = environment(out, ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S=40, ELASTIC_EXT_TERM_GRACE_S=120)
     # The launcher makes SIGTERM a leave before the script runs.
-    job = launch.Job(launch.under_elastic_ext_driver(grow_at_step_8(out)), env, str(out / "horovodrun.log"))
+    # Two epochs of 0.2 s steps: the survivors outlast the newcomers' start, so the leaver trains.
+    cmd = launch.under_elastic_ext_driver(grow_at_step_8(out, "--epochs", "2", "--step-sleep-s", "0.2"))
+    job = launch.Job(cmd, env, str(out / "horovodrun.log"))
     leaver = first_newcomer(out, job)
     os.kill(leaver, signal.SIGTERM)
     open_gate(out)
@@ -488,8 +491,9 @@ def test_a_newcomer_sigtermed_before_it_trains_leaves_at_its_first_commit(tmp_pa
     assert "rollback" not in {e["event"] for e in events}
     records = ledger.read(str(out))
     assert (out / f"steps-{leaver}.jsonl").stat().st_size, "the leaver trained before it left"
-    assert {r["size"] for r in records if "gen" in r} == {2, 4}
-    analysis.assert_exactly_once(out, DIGITS, 1)
+    sizes = {r["size"] for r in records if "gen" in r}
+    assert {2, 4} <= sizes <= {2, 3, 4}, sizes  # 3: after the leave, until its slot's new worker joins
+    analysis.assert_exactly_once(out, DIGITS, 2)
     analysis.assert_ranks_identical(analysis.load_finals(out))
 
 
@@ -500,11 +504,12 @@ def sizes_in_time_order(out):
 
 
 def newcomer_killed_before_it_starts_horovod(tmp_path, elastic_ext_driver=False, **env_extra):
-    """Two workers train; at step 8 a host of two newcomers joins, and one of them is SIGKILLed in its start."""
+    """Two workers train (2 epochs, 0.2 s a step: they outlast the newcomers' start); at step 8 a host of
+    two newcomers joins, and one of them is SIGKILLed in its start."""
     out = tmp_path / "job"
     out.mkdir()
     env = environment(out, ELASTIC_EXT_CHECKPOINT_DIR=str(out / "ckpt"), ELASTIC_EXT_CHECKPOINT_EVERY=1, **env_extra)
-    cmd = grow_at_step_8(out)
+    cmd = grow_at_step_8(out, "--epochs", "2", "--step-sleep-s", "0.2")
     job = launch.Job(launch.under_elastic_ext_driver(cmd) if elastic_ext_driver else cmd, env,
                      str(out / "horovodrun.log"))
     launch.kill_worker(first_newcomer(out, job))
@@ -524,7 +529,8 @@ def test_under_elastic_ext_horovodrun_a_killed_worker_costs_no_healthy_neighbour
     # host order, which varies from run to run.
     out = tmp_path / "job"
     out.mkdir()
-    cmd = launch.under_elastic_ext_driver(command(out, "--faults", "1:10:kill:allreduce"))
+    cmd = launch.under_elastic_ext_driver(command(out, "--faults", "1:10:kill:allreduce", "--step-sleep-s", "0.2",
+                                                  epochs=2))
     code, output = launch.run(cmd, environment(out), str(out / "horovodrun.log"), 240)
     assert code == 0, output[-5000:]
     sizes = sizes_in_time_order(out)
@@ -536,7 +542,7 @@ def test_under_elastic_ext_horovodrun_a_killed_worker_costs_no_healthy_neighbour
     joined = [e for e in events if e["event"] == "newcomers_joined" and e["rank"] == 0]
     assert [e["next_size"] for e in joined] == [4], f"the slot's new worker never joined: {joined}"
     assert {e["size"] for e in events if e["event"] == "finish"} == {4}
-    analysis.assert_exactly_once(out, DIGITS, 1)
+    analysis.assert_exactly_once(out, DIGITS, 2)
     analysis.assert_ranks_identical(analysis.load_finals(out))
 
 
@@ -547,7 +553,7 @@ def test_under_elastic_ext_horovodrun_survivors_learn_at_once_that_a_starting_ne
     # the newcomers start, learn from the driver that a member of the
     # newcomers' round failed and reset at their next commit instead of
     # waiting out the 120 s rendezvous timeout; the dead newcomer's slot
-    # returns through a later early start, and the job ends with 4 workers.
+    # returns through a later early start.
     out, job = newcomer_killed_before_it_starts_horovod(tmp_path, elastic_ext_driver=True)
     code, output = job.wait(240)
     assert code == 0, output[-5000:]
@@ -555,6 +561,7 @@ def test_under_elastic_ext_horovodrun_survivors_learn_at_once_that_a_starting_ne
     events = analysis.read_events(str(out / "events.jsonl"))
     joined = [e["why"] for e in events if e["event"] == "newcomers_joined" and e["rank"] == 0]
     assert joined[:1] == ["newcomer_failed"], joined
-    assert {e["size"] for e in events if e["event"] == "finish"} == {4}
-    analysis.assert_exactly_once(out, DIGITS, 1)
+    assert not [e for e in events if e["event"] == "rollback"], "the dead newcomer cost a rollback"
+    assert min(e["size"] for e in events if e["event"] == "finish") >= 3, "the live newcomer never joined"
+    analysis.assert_exactly_once(out, DIGITS, 2)
     analysis.assert_ranks_identical(analysis.load_finals(out))
