@@ -3,20 +3,22 @@
 Failure-free jobs of bench/workers/compare_ext.py (the bench.compare worker: the digits
 MLP 64-64-10 with Adam, 4 workers under ``elastic-horovodrun`` on two 2-slot pseudo-hosts,
 global batch 64, 3 ms of emulated compute per sample, a commit every 10 steps), side by side
-in the order A B B A (``--rounds`` times), with ``ELASTIC_EXT_REPLICA_CHECK_EVERY`` at 0
-(off) and at the default (every commit):
+in the order A B ... B A (``--rounds`` times), with ``ELASTIC_EXT_REPLICA_CHECK_EVERY`` at 0
+(off) and at the default cadence (or those ``--every`` names):
 
 - the step time (median gap between completed steps on rank 0's log, from the first
   step at 4 workers to the stop) with the check over without it;
-- what the check adds to a commit (the workers log each commit's seconds), per step:
-  (commit seconds with - without) / commit interval, over the step time.
+- what the check adds to a commit (the workers log each commit's seconds; the mean, since
+  only every N-th commit is checked), per step: (commit seconds with - without) / commit
+  interval, over the step time. Where commits overlap (PyTorch) a checked commit's
+  collective blocks: that is in it too.
 
 Also, in this process: a commit of that workload's state with and without the check in a
 world of one (the digest's own cost, free of the collectives' noise), and the digest's
 throughput over a state of ``--state-mb`` MB (what the check reads at each checked commit)
 beside a plain copy (what every commit does).
 
-    .venv/bin/python -m bench.replica_check [--rounds 2] [--overhead-s 20]
+    .venv/bin/python -m bench.replica_check [--every 10,1] [--rounds 2] [--overhead-s 20]
 """
 
 from __future__ import annotations
@@ -55,10 +57,10 @@ def one_job(every: int, work: str, index: int, hosts: List[str], args: argparse.
     measured = failure_free([run])
     commits = commit_seconds(log_dir)
     result = {"every": every, "step_s": measured["step_time_s"], "samples_per_s": measured["samples_per_s"],
-              "commit_s_median": statistics.median(commits) if commits else None, "commits": len(commits),
+              "commit_s_mean": statistics.mean(commits) if commits else None, "commits": len(commits),
               "problems": run.problems}
     print(f"  replica_check_every={every}: step {1000 * (result['step_s'] or float('nan')):.2f} ms, "
-          f"commit {1000 * (result['commit_s_median'] or float('nan')):.3f} ms (median of {len(commits)})"
+          f"commit {1000 * (result['commit_s_mean'] or float('nan')):.3f} ms (mean of {len(commits)})"
           + (f"; {'; '.join(run.problems)}" if run.problems else ""), flush=True)
     return result
 
@@ -70,8 +72,7 @@ def commit_cost_in_process(commits: int = 200, rounds: int = 15) -> Dict[str, fl
     noise and of a busy machine's."""
     import torch
 
-    from elastic_ext import State
-    from elastic_ext.testing import SoloBinding
+    from elastic_ext.testing import SoloBinding, state_on
     from elastic_ext.torch import ElasticSampler
 
     model, optimizer = compare_common.build_model()
@@ -81,7 +82,7 @@ def commit_cost_in_process(commits: int = 200, rounds: int = 15) -> Dict[str, fl
     for every in (0, 1):
         sampler = ElasticSampler(compare_common.DATASET_SIZE, global_batch_size=64, seed=1, policy="pad",
                                  world=lambda: (0, 1))
-        states[every] = State(binding=SoloBinding(), config=ElasticConfig(replica_check_every=every), model=model,
+        states[every] = state_on(SoloBinding(), config=ElasticConfig(replica_check_every=every), model=model,
                               optimizer=optimizer, sampler=sampler, epoch=0, step=0)
         states[every].commit()
     best = {0: float("inf"), 1: float("inf")}
@@ -116,7 +117,8 @@ def digest_throughput(state_mb: int) -> Dict[str, float]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of A B B A")
+    parser.add_argument("--every", default="", help="cadences to measure besides off (default: the default one)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of A B ... B A")
     parser.add_argument("--overhead-s", type=float, default=20.0, help="seconds of each job at 4 workers")
     parser.add_argument("--commit-every", type=int, default=10)
     parser.add_argument("--compute-ms-per-sample", type=float, default=3.0)
@@ -126,45 +128,46 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.overlap_commit = False  # bench.compare's option, not this benchmark's
     default = ElasticConfig().replica_check_every
+    cadences = [int(x) for x in args.every.split(",") if x] or [default]
     work = tempfile.mkdtemp(prefix="bench_replica_")
     args.data = os.path.join(work, "digits.npz")
     compare_common.write_data(args.data)
     hosts = harness.local_host_names()
-    jobs = {0: [], default: []}
-    for index, every in enumerate([0, default, default, 0] * args.rounds):
+    arms = [0] + cadences
+    jobs: Dict[int, List[Dict[str, Any]]] = {every: [] for every in arms}
+    for index, every in enumerate((arms + arms[::-1]) * args.rounds):
         jobs[every].append(one_job(every, work, index, hosts, args))
-    off, on = jobs[0], jobs[default]
 
     def median_of(runs, key):
         values = [r[key] for r in runs if r[key] is not None]
         return statistics.median(values) if values else None
 
-    step_off, step_on = median_of(off, "step_s"), median_of(on, "step_s")
-    commit_off, commit_on = median_of(off, "commit_s_median"), median_of(on, "commit_s_median")
-    per_step = None if None in (commit_on, commit_off, step_off) else \
-        (commit_on - commit_off) / args.commit_every / step_off
+    step = {every: median_of(runs, "step_s") for every, runs in jobs.items()}
+    commit = {every: median_of(runs, "commit_s_mean") for every, runs in jobs.items()}
     throughput = digest_throughput(args.state_mb)
     in_process = commit_cost_in_process()
-    ratios = {"step_time_check_over_off": harness.ratio(step_on, step_off),
-              "check_cost_per_step_over_step_time": per_step,
-              "in_process_check_per_step_over_step_time":
-                  None if step_off is None else in_process["check_s"] / default / args.commit_every / step_off,
-              "digest_over_copy_time": throughput["copy_gb_per_s"] / throughput["digest_gb_per_s"]}
-    result = harness.machine(default_every=default, commit_every=args.commit_every, runs={"off": off, "on": on},
-                             step_s={"off": step_off, "on": step_on}, commit_s={"off": commit_off, "on": commit_on},
-                             digest=throughput, in_process=in_process, ratios=ratios,
+    ratios: Dict[str, Any] = {"digest_over_copy_time": throughput["copy_gb_per_s"] / throughput["digest_gb_per_s"]}
+    for every in cadences:
+        ratios[f"step_time_every_{every}_over_off"] = harness.ratio(step[every], step[0])
+        ratios[f"commit_cost_per_step_every_{every}_over_step_time"] = (
+            None if None in (commit[every], commit[0], step[0])
+            else (commit[every] - commit[0]) / args.commit_every / step[0])
+        ratios[f"in_process_digest_per_step_every_{every}_over_step_time"] = (
+            None if step[0] is None else in_process["check_s"] / every / args.commit_every / step[0])
+    result = harness.machine(default_every=default, commit_every=args.commit_every, runs=jobs, step_s=step,
+                             commit_s_mean=commit, digest=throughput, in_process=in_process, ratios=ratios,
                              command="python -m bench.replica_check " + " ".join(sys.argv[1:]))
-    print(harness.table(["replica check", "step median (ms)", "commit median (ms)", "jobs"],
-                        [["off", 1000 * step_off if step_off else None, 1000 * commit_off if commit_off else None,
-                          len(off)],
-                         [f"every {default} commit(s)", 1000 * step_on if step_on else None,
-                          1000 * commit_on if commit_on else None, len(on)]]))
+    print(harness.table(["replica check", "step median (ms)", "commit mean (ms)", "jobs"],
+                        [["off" if every == 0 else f"every {every} commit(s)",
+                          None if step[every] is None else 1000 * step[every],
+                          None if commit[every] is None else 1000 * commit[every], len(jobs[every])]
+                         for every in arms]))
     print(f"digest {throughput['digest_gb_per_s']:.2f} GB/s, copy {throughput['copy_gb_per_s']:.2f} GB/s "
           f"over {throughput['state_bytes'] / 1e6:.0f} MB; in one process a commit of this workload's state "
           f"takes {1e6 * in_process['commit_s_off']:.0f} us, {1e6 * in_process['check_s']:.0f} us more with the check")
     print(ratios)
     print("wrote", harness.write_json(args.name, result))
-    return 0 if all(not r["problems"] for r in off + on) else 1
+    return 0 if all(not r["problems"] for runs in jobs.values() for r in runs) else 1
 
 
 if __name__ == "__main__":

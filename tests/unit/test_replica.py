@@ -7,12 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from elastic_ext import State
 from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import ConfigError, StateDivergenceError
 from elastic_ext.liveness import Liveness
 from elastic_ext.policies.replica import NOT_MINE, RepeatOffenders, judge, pack_digest
-from elastic_ext.testing import flip_bit
+from elastic_ext.testing import flip_bit, state_on
 
 from tests.unit.test_state_agreement import ThreadWorld, bn_model, train_on_own_batch
 
@@ -22,7 +21,7 @@ def make_states(size, every=1, exclude_file=None):
     models = [bn_model() for _ in range(size)]
     optimizers = [torch.optim.Adam(m.parameters(), lr=0.1) for m in models]
     config = ElasticConfig(replica_check_every=every, exclude_file=exclude_file)
-    states = [State(binding=world.binding(r), config=config, model=models[r], optimizer=optimizers[r], epoch=0)
+    states = [state_on(world.binding(r), config=config, model=models[r], optimizer=optimizers[r], epoch=0)
               for r in range(size)]
     for state in states:
         object.__setattr__(state, "_liveness", Liveness())  # one process per rank, not one for all threads
@@ -169,3 +168,26 @@ def test_bad_settings_name_the_value():
     with pytest.raises(ConfigError, match="exclude_file"):
         ElasticConfig(exclude_file=" ")
     assert ElasticConfig.from_env({"ELASTIC_EXT_REPLICA_CHECK_EVERY": "7"}).replica_check_every == 7
+
+
+def test_where_commits_overlap_a_checked_commit_blocks_and_heals_at_once():
+    # PyTorch's binding starts the commit's collective in the background and the next commit reads it;
+    # a checked commit runs its own blocking, so that the heal comes before the wrong rank trains on.
+    world, models, optimizers, states = make_states(3, every=2)
+    for rank, state in enumerate(states):
+        binding = state.binding
+
+        def start(array, name, _binding=binding):
+            result = _binding.allreduce_max(array, name)
+            return lambda: result
+        binding.allreduce_max_start = start
+        state._hosts.overlap = True
+    step_and_commit(world, models, optimizers, states)  # commit 1: overlapped, in flight
+    assert states[0]._hosts._in_flight is not None
+    flips = lambda rank: rank == 1 and flip_bit(models[1][0].weight.detach().numpy(), index=2)  # noqa: E731
+    results = step_and_commit(world, models, optimizers, states, flips)  # commit 2: checked, blocking
+    assert not any(isinstance(r, BaseException) for r in results), results
+    assert [e["commit_id"] for e in mismatches(states[0])] == [2] and states[0]._hosts._in_flight is None
+    assert_replicas_equal(models, optimizers)
+    step_and_commit(world, models, optimizers, states)  # commit 3: overlapped again
+    assert states[0]._hosts._in_flight is not None and len(mismatches(states[2])) == 1

@@ -30,7 +30,7 @@ import elastic_ext  # noqa: E402
 import elastic_ext.tensorflow as etf  # noqa: E402
 from elastic_ext.testing import ledger  # noqa: E402
 from elastic_ext.errors import ConfigError, StateError  # noqa: E402
-from elastic_ext.testing import SoloBinding  # noqa: E402
+from elastic_ext.testing import SoloBinding, state_on  # noqa: E402
 
 assert keras.__version__.startswith(KERAS), keras.__version__
 tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -66,8 +66,8 @@ def build(guard=None, **compile_kwargs):
     # A world of one outside horovodrun is an MPI world to Horovod, where
     # elastic_ext ends the job on a failure; the solo binding keeps in-job
     # recovery (Horovod's own ops still run, in a world of one).
-    state = elastic_ext.State(model=model, optimizer=model.optimizer, sampler=sampler, epoch=0, batch=0, step=0,
-                              binding=SoloBinding(), guard=guard)
+    state = state_on(SoloBinding(), model=model, optimizer=model.optimizer, sampler=sampler, epoch=0, batch=0,
+                     step=0, guard=guard)
     return model, sampler, state
 
 
@@ -247,8 +247,8 @@ with tempfile.TemporaryDirectory() as out:
     # Every batch since the rollback (a restore discards what was measured before it): steps 13 to 28.
     assert steps == 16 and median is not None and median > 0, (median, steps)
 try:
-    etf.ElasticCallback(elastic_ext.State(model=model, epoch=0, batch=0, guard=elastic_ext.NumericGuard(),
-                                          binding=SoloBinding()), load)
+    etf.ElasticCallback(state_on(SoloBinding(), model=model, epoch=0, batch=0, guard=elastic_ext.NumericGuard()),
+                        load)
     raise AssertionError("a guard without a step counter accepted")
 except StateError as exc:
     assert "'step'" in str(exc), exc
