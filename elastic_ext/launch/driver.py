@@ -265,10 +265,10 @@ def _start_regrow(driver: Any) -> None:
     from horovod.runner.elastic.worker import HostUpdateResult
 
     def tell() -> None:
+        # Not under the driver's host lock, which its discovery and round formation take: the send to a
+        # coordinator that died may block (60 s), and a notification a round makes stale costs nothing.
         while ext.regrow and not driver.finished():
-            with driver._wait_hosts_cond:
-                if ext.regrow:
-                    driver._notify_workers_host_changes(driver._host_manager.current_hosts, HostUpdateResult.added)
+            driver._notify_workers_host_changes(driver._host_manager.current_hosts, HostUpdateResult.added)
             driver._shutdown.wait(REGROW_POLL_S)
 
     ext.regrow_thread = threading.Thread(target=tell, name="elastic_ext-regrow", daemon=True)
