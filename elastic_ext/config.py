@@ -77,7 +77,8 @@ class ElasticConfig:
 
     Attributes:
         rollback_limit: how many rollbacks in a row may happen without a new
-            commit in between before the job ends with ``RollbackLimitError``.
+            commit in between before the job ends with ``RollbackLimitError``;
+            numeric rollbacks (the guard) are counted apart, against the same limit.
         events_path: file that receives one JSON object per line for every
             recovery event; ``{rank}`` in the path is replaced by the rank at
             start-up. ``None`` logs events without writing a file.
@@ -100,6 +101,18 @@ class ElasticConfig:
             from; a ``checkpoint_failing`` event says so first. Every failed
             write is retried at the next commit, so a brief storage outage
             of fewer writes than this costs nothing.
+        replica_check_every: every this many commits (by commit id), each
+            rank's digest of what must agree across ranks rides on the
+            commit's collective; ranks whose committed state differs from a
+            strict majority's (silent data corruption) take the majority's,
+            and a host wrong twice within a day leaves (see
+            :mod:`elastic_ext.state.replica`). With no strict majority (two
+            ranks, a tie) the job stops with ``StateDivergenceError``. 0
+            turns it off.
+        exclude_file: a file of host names that the discovery script keeps
+            out of the job (``host_discovery/static.py --exclude-file``); a
+            rank evicted as a straggler or whose host committed a corrupt
+            replica twice appends its host. None: no file.
         hang_timeout_s: a worker that sent its guardian process no heartbeat
             for this long *and* ran for less than 2 % of that time on
             the CPU (stopped by SIGSTOP, blocked in the kernel, deadlocked in
@@ -151,6 +164,8 @@ class ElasticConfig:
     checkpoint_every: int = 1
     checkpoint_keep_last: int = 3
     checkpoint_failure_limit: int = 5
+    replica_check_every: int = 10
+    exclude_file: Optional[str] = None
     hang_timeout_s: float = 10.0
     stall_timeout_s: float = 600.0
     term_grace_s: float = 30.0
@@ -165,6 +180,11 @@ class ElasticConfig:
         if self.events_path is not None and not str(self.events_path).strip():
             raise ConfigError(f"events_path ({self.events_path!r}) must be a non-empty path or None")
         self._validate_checkpoint()
+        every = self.replica_check_every
+        if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+            raise ConfigError(f"replica_check_every ({every!r}) must be an integer >= 0 (0: off)")
+        if self.exclude_file is not None and (not isinstance(self.exclude_file, str) or not self.exclude_file.strip()):
+            raise ConfigError(f"exclude_file ({self.exclude_file!r}) must be a non-empty path or None")
         self._validate_detection()
 
     def _validate_detection(self) -> None:

@@ -44,7 +44,7 @@ The run loop (``run.py``):
   verdict's fields (``step``, ``reason``, ``loss``, ``bad_ranks``, ...),
   ``commit_id``, ``rollbacks_in_a_row``, ``steps_rolled_back``, ``skipped``
   (``[sampler, epoch, start, stop]`` ranges). A numeric rollback over
-  ``NumericGuard.max_rollbacks`` writes ``rollback_limit`` with ``cause``
+  ``ElasticConfig.rollback_limit`` writes ``rollback_limit`` with ``cause``
   ``"numeric"`` and the verdict's fields instead.
 - ``finish`` (:data:`FINISH`): the training function returned; ``commit_id``,
   ``duration_s``.
@@ -58,6 +58,15 @@ The run loop (``run.py``):
   shows one rank slow for long enough (:mod:`elastic_ext.policies.eviction`);
   ``commit_id``, ``evicted_rank``, ``step``, ``ratio``, ``slow_since``,
   ``slow_steps``, ``ratios``, and ``host`` on the evicted rank.
+- ``replica_mismatch`` (:data:`REPLICA_MISMATCH`): every rank, when the
+  replica check (``replica_check_every``) found ranks whose committed state
+  differs from the majority's (:mod:`elastic_ext.state.replica`);
+  ``commit_id``, ``wrong_ranks``, ``wrong_hosts``, ``majority_ranks``,
+  ``first_difference`` (the first entry that differs), ``healed`` (the wrong
+  ranks took the majority's state; False: no strict majority, the job
+  stops), ``bytes`` and ``senders`` of the heal, ``repeat_hosts`` (wrong
+  before within the window: their wrong ranks leave, the host goes into
+  ``exclude_file``), ``last_agreed_commit_id``.
 - ``restarted_in_place`` (:data:`RESTARTED_IN_PLACE`, at ``@elastic_ext.run``
   of a worker its keeper restarted, see :mod:`elastic_ext.launch.keeper`): Gloo
   aborted the previous process of this slot inside ``hvd.init()``;
@@ -115,13 +124,14 @@ CHECKPOINT_FAILING = "checkpoint_failing"
 CHECKPOINT_RESUMED = "checkpoint_resumed"
 NUMERIC_ROLLBACK = "numeric_rollback"
 STRAGGLER = "straggler"
+REPLICA_MISMATCH = "replica_mismatch"
 JOB_RESTART = "job_restart"
 RESTARTED_IN_PLACE = "restarted_in_place"
 
 #: Every event name elastic_ext emits (the module docstring says what each means).
 ALL_EVENTS = (SYNC, ROLLBACK, ROLLBACK_LIMIT, RESIZE, PRESTART, NEWCOMERS_JOINED, RESET, RECOVERED,
               FINISH, STALL, SUSPENDED, LEAVE, CHECKPOINT, CHECKPOINT_SKIPPED, CHECKPOINT_FAILED, CHECKPOINT_FAILING,
-              CHECKPOINT_RESUMED, NUMERIC_ROLLBACK, STRAGGLER, JOB_RESTART, RESTARTED_IN_PLACE)
+              CHECKPOINT_RESUMED, NUMERIC_ROLLBACK, STRAGGLER, REPLICA_MISMATCH, JOB_RESTART, RESTARTED_IN_PLACE)
 
 
 class EventLog:

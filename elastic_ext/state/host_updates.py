@@ -128,6 +128,8 @@ class HostUpdates:
         self._in_flight: Optional[Tuple[Callable[[], np.ndarray], int, bool]] = None
         self._settled: Optional[Tuple[np.ndarray, int, bool]] = None  # its result, once waited for
         self._agreed_at: Optional[float] = None  # time.monotonic() of this rank's last commit collective
+        self.earlier_extra: Optional[np.ndarray] = None  # a blocking commit's: the previous commit's reduced extra
+        self.current = False  # the last agree() returned its own commit's extra (not the previous one's)
         self.interval_s: Optional[float] = None   # the time between its last two
 
     def put(self, timestamp: int, update_res: int) -> None:
@@ -166,12 +168,17 @@ class HostUpdates:
         return newest, flags
 
     def agree(self, binding: Binding, commit_id: int, leaving: bool,
-              extra: Optional[np.ndarray] = None, stop: bool = False) -> Tuple[Optional[bool], Optional[np.ndarray]]:
+              extra: Optional[np.ndarray] = None, stop: bool = False,
+              blocking: bool = False) -> Tuple[Optional[bool], Optional[np.ndarray]]:
         """Runs a commit's allreduce. Returns (None if nothing changed, else
         ``skip_sync`` for the ``HostsUpdatedInterrupt`` every rank then raises together;
         the reduced ``extra``). With ``overlap``, both are those of the previous
-        commit's allreduce, (None, None) if there is none. ``stop``: this rank
-        asks every rank to stop; :attr:`stopped` says whether some rank did.
+        commit's allreduce, (None, None) if there is none, unless ``blocking``
+        (a commit whose extra must act at once: the replica check): then the
+        previous one acts first (its extra in :attr:`earlier_extra`) and this
+        one runs blocking. :attr:`current` says whether the extra returned is
+        this commit's. ``stop``: this rank asks every rank to stop;
+        :attr:`stopped` says whether some rank did.
 
         Raises:
             StateDivergenceError: ranks hold different commit ids.
@@ -182,6 +189,7 @@ class HostUpdates:
         now = _now()
         self.interval_s = None if self._agreed_at is None else now - self._agreed_at
         self._agreed_at = now
+        self.earlier_extra, self.current = None, not self.overlap
         if not self.overlap:
             return self._act(read_agreement(binding.allreduce_max(vector, "elastic_ext.hosts"), commit_id,
                                             extra is not None))
@@ -193,6 +201,10 @@ class HostUpdates:
             result = self._act(read_agreement(reduced, agreed_id, has_extra))
             if result[0] is not None:
                 return result  # every rank resizes now: nothing more runs on this Horovod context
+        if blocking:
+            self.earlier_extra, self.current = result[1], True
+            return self._act(read_agreement(binding.allreduce_max(vector, "elastic_ext.hosts"), commit_id,
+                                            extra is not None))
         self._in_flight = (allreduce_max_start(binding, vector, "elastic_ext.hosts"), commit_id, extra is not None)
         return result
 

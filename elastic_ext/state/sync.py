@@ -130,18 +130,7 @@ def check_agreement(binding: Binding, table: np.ndarray, root: int, target: int,
     bad = [int(r) for r in same if table[r, DIGEST] != table[root, DIGEST]]
     if not bad:
         return
-    b = binding
-    labels = broadcast_json(b, [label for label, _, strict in items if strict] if b.rank() == root else None,
-                            root, "elastic_ext.state.sync.diagnose.labels")
-    crcs = dict((label, crc) for label, crc, strict in items if strict)
-    row = np.array([[crcs.get(label, -1) for label in labels]], dtype=np.int64)
-    found = b.allgather(row, "elastic_ext.state.sync.diagnose.digests") if labels else np.zeros((b.size(), 0))
-    first, differing = None, bad
-    for column, label in enumerate(labels):
-        ranks = [r for r in bad if found[r, column] != found[root, column]]
-        if ranks:
-            first, differing = label, ranks
-            break
+    first, differing = first_difference(binding, root, bad, items)
     what = (f"first difference: {first}" if first is not None
             else "the entries differ in which arrays they hold")
     raise StateDivergenceError(
@@ -150,6 +139,24 @@ def check_agreement(binding: Binding, table: np.ndarray, root: int, target: int,
         f"{int(table[root, DIGEST]):#010x}). Parameters, optimizer state, plain values and sampler "
         "positions must agree; buffers may differ. Mark an object that is legitimately per rank with "
         "State(..., per_rank=(name,))")
+
+
+def first_difference(binding: Binding, root: int, bad: List[int],
+                     items: List[DigestItem]) -> Tuple[Optional[str], List[int]]:
+    """On every rank together (one broadcast and one allgather): the first entry that must agree
+    in which some of the ranks ``bad`` differ from ``root``, and those ranks; (None, ``bad``)
+    when the entries differ only in which arrays they hold."""
+    b = binding
+    labels = broadcast_json(b, [label for label, _, strict in items if strict] if b.rank() == root else None,
+                            root, "elastic_ext.state.sync.diagnose.labels")
+    crcs = dict((label, crc) for label, crc, strict in items if strict)
+    row = np.array([[crcs.get(label, -1) for label in labels]], dtype=np.int64)
+    found = b.allgather(row, "elastic_ext.state.sync.diagnose.digests") if labels else np.zeros((b.size(), 0))
+    for column, label in enumerate(labels):
+        ranks = [r for r in bad if found[r, column] != found[root, column]]
+        if ranks:
+            return label, ranks
+    return None, bad
 
 
 def holders(table: np.ndarray, root: int) -> List[int]:

@@ -4,8 +4,8 @@
   and :func:`state_on`, a :class:`~elastic_ext.State` whose collectives go
   through a given binding instead of Horovod.
 - :mod:`~elastic_ext.testing.faults`: faults declared up front
-  (:class:`FaultSchedule`, :class:`CommitFaultProbe`) and scripted resizes
-  (:class:`HostFileSchedule`).
+  (:class:`FaultSchedule`, :class:`CommitFaultProbe`, :func:`flip_bit`) and
+  scripted resizes (:class:`HostFileSchedule`).
 - :mod:`~elastic_ext.testing.ledger`: the sample ledger that proves
   exactly-once.
 - :mod:`~elastic_ext.testing.instrument`: :class:`Instrument`, the one hook
@@ -19,12 +19,12 @@ Training code never needs these: an example that demonstrates faults builds
 its :class:`Instrument` outside the training loop.
 """
 
-from elastic_ext.testing.faults import HOW, WHERE, CommitFaultProbe, Fault, FaultSchedule, HostFileSchedule
+from elastic_ext.testing.faults import HOW, WHERE, CommitFaultProbe, Fault, FaultSchedule, HostFileSchedule, flip_bit
 from elastic_ext.testing.instrument import Instrument
 from elastic_ext.testing.solo import SoloBinding, state_on
 
 __all__ = ["HOW", "WHERE", "CommitFaultProbe", "Fault", "FaultSchedule", "HostFileSchedule", "Instrument",
-           "SoloBinding", "heartbeat_period", "state_on"]
+           "SoloBinding", "flip_bit", "heartbeat_period", "state_on"]
 
 
 def heartbeat_period(seconds: float) -> None:
