@@ -26,12 +26,14 @@ turns into a longer or larger one:
    ``--min-np``, new workers start in the same round, as Horovod does.
    So under the launcher no ``hvd.init()`` but the job's first and that
    last case meets a worker that is still starting.
-2. **A host is blacklisted only when it lost all its workers of the round.**
-   Horovod blacklists the host of every failed worker, which also ends its
-   healthy workers ("has been removed from elastic job") and, when two
-   hosts each lose a worker in one round, leaves no host at all. A host
-   whose every worker of the round failed (a lost machine) is still
-   blacklisted.
+2. **A host is blacklisted only when it lost all its workers of a round
+   that held all its slots.** Horovod blacklists the host of every failed
+   worker, which also ends its healthy workers ("has been removed from
+   elastic job") and, when two hosts each lose a worker in one round, leaves
+   no host at all. A host whose every slot's worker failed in one round (a
+   lost machine) is still blacklisted; one whose last worker of a round of
+   survivors failed is not (two process failures in a row, not a machine:
+   seen under a failure every 15 s, where the job lost a host for good).
 3. **Workers learn that their round is lost** (:mod:`elastic_ext.launch.round_watch`):
    the rendezvous server's store holds the current round's number and
    slots, and a key per round in which a member failed.
@@ -151,6 +153,14 @@ def install() -> None:
             if host in ready_hosts:
                 logger.warning("elastic_ext: not blacklisting %s: another of its workers is ready (a worker "
                                "failed, not the host)", host)
+                return
+            held = len(self._driver.host_assignments.get(host, ()))
+            if held < manager.current_hosts.get_slots(host):
+                # A round of survivors held only part of the host: its last worker failed, not the whole
+                # machine at once. Its slots come back through the regrow; a lost machine then fails them
+                # all in one round and is blacklisted then.
+                logger.warning("elastic_ext: not blacklisting %s: the round held %d of its %d slots", host, held,
+                               manager.current_hosts.get_slots(host))
                 return
             blacklist(host)
 

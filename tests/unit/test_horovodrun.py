@@ -173,9 +173,8 @@ def test_a_survivor_moves_down_to_the_failed_workers_local_rank_and_keeps_its_na
         survivor[1].set()
         for thread in threads:
             thread.join(30)
-        # (charged to host-a[1], which no round holds, Horovod would ignore it and the barrier never complete)
+        # Charged to host-a[1], which no round holds, Horovod would ignore it and the barrier never complete.
         assert asks == [(0, 2), (1, 2)], asks
-        assert job.driver._host_manager.is_blacklisted("host-a")  # its last worker failed
     finally:
         job.stop()
 
@@ -253,6 +252,32 @@ def test_a_host_that_lost_every_worker_is_still_blacklisted(changed):
         assert job.driver._host_manager.is_blacklisted("host-a")
     finally:
         job.stop()
+
+
+def test_a_host_whose_two_workers_fail_in_successive_rounds_is_not_blacklisted(changed):
+    """Two process failures in a row are not a lost machine: the second round held only one of the
+    host's two slots. (Under a failure every 15 s a job lost its host for good this way.)"""
+    job = started_job()
+    try:
+        a_worker_of_host_a_dies_in_a_round(job)  # host-a[1] dies; host-a[0] survives, the round holds 3
+        asks, threads = in_threads(lambda: job.rank_and_size("host-b", 0), lambda: job.rank_and_size("host-b", 1))
+        waiting_in_the_barrier(job, 2)
+        job.exits[("host-a", 0)].set()  # host-a's last worker of that round dies too
+        for thread in threads:
+            thread.join(30)
+        assert sorted(asks) == [(0, 2), (1, 2)], asks
+        assert not job.driver._host_manager.is_blacklisted("host-a")
+        asks = survivors_ask_again_from(job, [("host-b", 0), ("host-b", 1)])  # the regrow's early start
+        assert {size for _, size in asks} == {4}, asks
+    finally:
+        job.stop()
+
+
+def survivors_ask_again_from(job, slots):
+    asks, threads = early_start_asks(job, *slots)
+    for thread in threads:
+        thread.join(30)
+    return asks
 
 
 def test_the_store_says_the_current_round_and_when_a_member_of_it_failed(changed):
