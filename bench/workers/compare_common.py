@@ -25,7 +25,9 @@ for timing:
 - a *done* record after the optimizer step: ``done`` (the step index),
   ``g`` (generation), ``n`` (samples), ``t``: what timings are taken from;
 - a *commit* record (``commit_s``) after each commit or checkpoint save:
-  the seconds this rank spent in it.
+  the seconds this rank spent in it;
+- a *proc* record when the log opens: ``proc`` (the pid) and ``created``
+  (when the process began, before its imports).
 
 The ledger's functions read only start and step records.
 
@@ -40,6 +42,7 @@ import os
 import time
 
 import numpy as np
+import psutil
 import torch
 
 from bench.models import mlp
@@ -126,6 +129,8 @@ class StepLog:
         self.system = system
         self._file = open(os.path.join(out, f"steps-{os.getpid()}.jsonl"), "a", buffering=1, encoding="utf-8")
         self._stop = None
+        # When this process began (before its imports): a replacement worker's start, for "back to full size".
+        self._write({"proc": os.getpid(), "created": psutil.Process().create_time(), "t": time.time()})
 
     def start(self, gen, epoch, cursor, step, rank, size):
         self._write({"start": gen, "epoch": int(epoch), "cursor": int(cursor), "step": int(step), "rank": rank,
