@@ -21,7 +21,6 @@ allreduce completed, so its gradients were in it).
 from __future__ import annotations
 
 import os
-import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from bench import harness
@@ -45,15 +44,30 @@ def bench_bin(name: str) -> str:
     return path
 
 
+class Service(launch.Job):
+    """torchft's Lighthouse: a server the workers use, which never ends by itself; waiting for it stops it.
+
+    It comes last in :func:`launch_jobs`'s list, so ``harness.Watch.stop``
+    has waited for every replica group before it is stopped.
+    """
+
+    def wait(self, timeout_s: float) -> Tuple[int, str]:
+        self.kill()
+        with open(self.log_path, encoding="utf-8", errors="replace") as handle:
+            return 0, handle.read()
+
+
 def launch_jobs(log_dir: str, worker_args: Sequence[str], max_restarts: int, ddp: bool = False,
-                groups: int = GROUPS) -> List[launch.Job]:
-    """The Lighthouse and one torchrun agent per replica group; the Lighthouse first."""
+                groups: int = GROUPS, script: str = "compare_torchft.py") -> List[launch.Job]:
+    """One torchrun agent per replica group running ``script`` (of bench/workers/) with ``worker_args``,
+    then the Lighthouse (started first, listed last: see :class:`Service`)."""
     python, lighthouse = bench_bin("python"), bench_bin("torchft_lighthouse")
     port = harness.free_port()
     env = launch.base_env(GLOO_SOCKET_IFNAME="lo")
-    jobs = [launch.Job([lighthouse, *LIGHTHOUSE_OPTIONS, "--bind", f"[::]:{port}"], env,
-                       os.path.join(log_dir, "lighthouse.log"))]
-    script = os.path.join(harness.WORKERS, "compare_torchft.py")
+    server = Service([lighthouse, *LIGHTHOUSE_OPTIONS, "--bind", f"[::]:{port}"], env,
+                     os.path.join(log_dir, "lighthouse.log"))
+    jobs: List[launch.Job] = []
+    script = os.path.join(harness.WORKERS, script)
     for group in range(groups):
         group_env = dict(env, REPLICA_GROUP_ID=str(group), NUM_REPLICA_GROUPS=str(groups),
                          TORCHFT_LIGHTHOUSE=f"http://localhost:{port}")
@@ -61,8 +75,7 @@ def launch_jobs(log_dir: str, worker_args: Sequence[str], max_restarts: int, ddp
                "--max-restarts", str(max_restarts), "--master-port", str(harness.free_port()),
                script, *worker_args, *(["--ddp"] if ddp else [])]
         jobs.append(launch.Job(cmd, group_env, os.path.join(log_dir, f"torchft-group{group}.log")))
-    time.sleep(0.2)
-    return jobs
+    return jobs + [server]
 
 
 def history(records: List[dict]) -> List[dict]:
