@@ -115,8 +115,10 @@ def launch_jobs(system: str, log_dir: str, hosts_file: str, checkpoint: str,
     """One horovodrun (plain, ext), two torchrun agents on this machine (torchrun), or torchft's Lighthouse
     and one torchrun agent per replica group (torchft)."""
     if system.startswith("torchft"):
+        heartbeat = getattr(args, "torchft_heartbeat_timeout_ms", None)
         return peer_torchft.launch_jobs(log_dir, worker_args(log_dir, args), args.max_restarts,
-                                        ddp=system == "torchft_ddp")
+                                        ddp=system == "torchft_ddp", lighthouse_options=() if heartbeat is None
+                                        else ("--heartbeat_timeout_ms", str(heartbeat)))
     if system != "torchrun":
         script = "compare_ext.py" if system.startswith("ext") else f"compare_{system}.py"
         cmd = harness.horovodrun(os.path.join(harness.WORKERS, script), worker_args(log_dir, args),
@@ -281,6 +283,9 @@ def main() -> int:
                         help="elastic_ext with ElasticConfig.overlap_commit (its commit's allreduce in the background)")
     parser.add_argument("--max-restarts", type=int, default=10,
                         help="--max-restarts of the torchrun agents (torchrun, and each torchft replica group)")
+    parser.add_argument("--torchft-heartbeat-timeout-ms", type=int,
+                        help="the Lighthouse's --heartbeat_timeout_ms (default: its own, 5000): how long a dead "
+                             "replica group still counts as alive, which the survivors' next quorum waits out")
     parser.add_argument("--name", default="compare", help="result file stem under bench/results")
     args = parser.parse_args()
     systems = [s for s in args.systems.split(",") if s]  # default: every system but ext_horovodrun
@@ -303,6 +308,7 @@ def main() -> int:
                      "workers": WORKERS_PER_JOB, "horovod_hosts": hosts, "slots_per_host": SLOTS_PER_HOST,
                      "dataset_size": DATASET_SIZE, "torchrun_max_restarts": args.max_restarts,
                      "torchft_lighthouse": list(peer_torchft.LIGHTHOUSE_OPTIONS),
+                     "torchft_heartbeat_timeout_ms": args.torchft_heartbeat_timeout_ms,
                      "kill_jitter_s": [0, JITTER_S], "overhead_s": args.overhead_s,
                      "overlap_commit": args.overlap_commit},
         "work_dir": work}

@@ -158,6 +158,7 @@ def analyze(system: str, attempts: List[Any]) -> Dict[str, Any]:
     kept = {(r["gen"], r["step"], r["rank"]) for r in history}
     begun_steps = [r for r in records if "gen" in r and "indices" in r]
     discarded = [r for r in begun_steps if (r["gen"], r["step"], r["rank"]) not in kept]
+    kept_steps = {(r["gen"], r["step"]) for r in history}
     recovered = []
     for run in attempts:
         for path in glob.glob(os.path.join(run.log_dir, "events-*.jsonl")):
@@ -184,9 +185,9 @@ def analyze(system: str, attempts: List[Any]) -> Dict[str, Any]:
         "samples_useful": useful,
         "samples_recomputed": processed - useful,
         # Work thrown away: per-rank batches begun but not in the committed history (rolled back, or
-        # discarded by torchft's should_commit, or a healing group's), and the steps they belong to.
+        # discarded by torchft's should_commit, or a healing group's), and steps none of whose batches is.
         "batches_discarded": len(discarded),
-        "steps_discarded": len({(r["gen"], r["step"]) for r in discarded}),
+        "steps_discarded": len({(r["gen"], r["step"]) for r in discarded} - kept_steps),
         "goodput_samples_per_s": useful / (t_end - t0),
         "throughput_between_failures_samples_per_s": between["samples_per_s"],
         "step_time_between_failures_s": between["step_time_s"],

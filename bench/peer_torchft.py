@@ -58,13 +58,15 @@ class Service(launch.Job):
 
 
 def launch_jobs(log_dir: str, worker_args: Sequence[str], max_restarts: int, ddp: bool = False,
-                groups: int = GROUPS, script: str = "compare_torchft.py") -> List[launch.Job]:
+                groups: int = GROUPS, script: str = "compare_torchft.py",
+                lighthouse_options: Sequence[str] = ()) -> List[launch.Job]:
     """One torchrun agent per replica group running ``script`` (of bench/workers/) with ``worker_args``,
-    then the Lighthouse (started first, listed last: see :class:`Service`)."""
+    then the Lighthouse (started first, listed last: see :class:`Service`) with ``LIGHTHOUSE_OPTIONS`` and
+    ``lighthouse_options``."""
     python, lighthouse = bench_bin("python"), bench_bin("torchft_lighthouse")
     port = harness.free_port()
     env = launch.base_env(GLOO_SOCKET_IFNAME="lo")
-    server = Service([lighthouse, *LIGHTHOUSE_OPTIONS, "--bind", f"[::]:{port}"], env,
+    server = Service([lighthouse, *LIGHTHOUSE_OPTIONS, *lighthouse_options, "--bind", f"[::]:{port}"], env,
                      os.path.join(log_dir, "lighthouse.log"))
     jobs: List[launch.Job] = []
     script = os.path.join(harness.WORKERS, script)

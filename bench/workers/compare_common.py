@@ -42,7 +42,6 @@ import os
 import time
 
 import numpy as np
-import psutil
 import torch
 
 from bench.models import mlp
@@ -120,6 +119,16 @@ def allreduce_gradients(hvd, model, op):
         hvd.synchronize(handle)
 
 
+def started_at():
+    """Unix time this process began, to 10 ms: its age from /proc (psutil's create_time adds the boot
+    time, which the kernel gives in whole seconds, so it can be a second off against time.time())."""
+    with open("/proc/uptime", encoding="ascii") as handle:
+        uptime = float(handle.read().split()[0])
+    with open("/proc/self/stat", encoding="ascii") as handle:
+        start_ticks = int(handle.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+    return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
 class StepLog:
     """Appends ledger-format records to ``<out>/steps-<pid>.jsonl`` (line-buffered)."""
 
@@ -130,7 +139,7 @@ class StepLog:
         self._file = open(os.path.join(out, f"steps-{os.getpid()}.jsonl"), "a", buffering=1, encoding="utf-8")
         self._stop = None
         # When this process began (before its imports): a replacement worker's start, for "back to full size".
-        self._write({"proc": os.getpid(), "created": psutil.Process().create_time(), "t": time.time()})
+        self._write({"proc": os.getpid(), "created": started_at(), "t": time.time()})
 
     def start(self, gen, epoch, cursor, step, rank, size):
         self._write({"start": gen, "epoch": int(epoch), "cursor": int(cursor), "step": int(step), "rank": rank,
