@@ -159,6 +159,8 @@ def analyze(system: str, attempts: List[Any]) -> Dict[str, Any]:
     begun_steps = [r for r in records if "gen" in r and "indices" in r]
     discarded = [r for r in begun_steps if (r["gen"], r["step"], r["rank"]) not in kept]
     kept_steps = {(r["gen"], r["step"]) for r in history}
+    # A healing torchft group's batch ("part" false) is discarded, not its step.
+    discarded_steps = {(r["gen"], r["step"]) for r in discarded if r.get("part", True)} - kept_steps
     recovered = []
     for run in attempts:
         for path in glob.glob(os.path.join(run.log_dir, "events-*.jsonl")):
@@ -187,7 +189,7 @@ def analyze(system: str, attempts: List[Any]) -> Dict[str, Any]:
         # Work thrown away: per-rank batches begun but not in the committed history (rolled back, or
         # discarded by torchft's should_commit, or a healing group's), and steps none of whose batches is.
         "batches_discarded": len(discarded),
-        "steps_discarded": len({(r["gen"], r["step"]) for r in discarded} - kept_steps),
+        "steps_discarded": len(discarded_steps),
         "goodput_samples_per_s": useful / (t_end - t0),
         "throughput_between_failures_samples_per_s": between["samples_per_s"],
         "step_time_between_failures_s": between["step_time_s"],

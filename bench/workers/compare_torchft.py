@@ -122,8 +122,8 @@ while epoch < args.max_epochs and not finished:
         optimizer.zero_grad()  # starts the quorum (asynchronously)
         loss = common.local_loss(ddp, x, y, index, torch.ones(len(index)), args.global_batch) * GROUPS
         common.compute(args.compute_ms_per_sample, len(index))
-        step = manager.current_step()
         participating = manager.participating_rank() is not None and manager.is_participating()
+        step = manager.current_step()  # after the quorum: a healing group has the step of its peers now
         if manager._quorum_id != quorum:  # a new quorum: a generation of this log
             quorum = manager._quorum_id
             log.start(quorum, epoch, batch * per_group, step, GROUP, manager.num_participants())
