@@ -129,6 +129,19 @@ def started_at():
     return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
+def manager_allreduce(manager, model):
+    """torchft: every gradient in one flat buffer (as DDP's one bucket for these models) through
+    ``Manager.allreduce`` (the average over the replica groups taking part; a healing group sends zeros),
+    waited for and copied back. On an error the Manager records it and its ``should_commit`` says no."""
+    grads = [param.grad for param in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    manager.allreduce(flat).wait()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 class StepLog:
     """Appends ledger-format records to ``<out>/steps-<pid>.jsonl`` (line-buffered)."""
 

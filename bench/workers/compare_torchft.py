@@ -87,19 +87,6 @@ loader = torch.utils.data.DataLoader(range(common.DATASET_SIZE), batch_size=per_
 
 
 
-def allreduce_gradients():
-    """The gradients in one flat buffer through the Manager's fault-tolerant allreduce (an average over the
-    participating groups; zeros from a healing group), copied back. On an error the Manager records it and
-    ``should_commit`` discards the step."""
-    grads = [param.grad for param in model.parameters()]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    manager.allreduce(flat).wait()
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 epoch, batch = 0, 0
 if os.path.exists(position_path):
     with open(position_path, encoding="utf-8") as handle:
@@ -133,7 +120,7 @@ while epoch < args.max_epochs and not finished:
         log._write(record)
         loss.backward()  # with --ddp, its comm hook runs the Manager's allreduce
         if not args.ddp:
-            allreduce_gradients()
+            common.manager_allreduce(manager, model)
         started = time.perf_counter()
         optimizer.step()  # should_commit, then the optimizer's step if it agreed
         committed = manager.current_step() > step

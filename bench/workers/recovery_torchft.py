@@ -21,6 +21,7 @@ from datetime import timedelta
 import torch
 
 from bench.models import mlp
+from bench.workers.compare_common import manager_allreduce
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
@@ -50,13 +51,7 @@ log = open(os.path.join(args.out, f"steps-{os.getpid()}.jsonl"), "a", buffering=
 while not os.path.exists(os.path.join(args.out, "stop")):
     optimizer.zero_grad()
     model(torch.randn(32, 64)).pow(2).mean().backward()
-    grads = [param.grad for param in model.parameters()]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    manager.allreduce(flat).wait()
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    manager_allreduce(manager, model)
     before = manager.current_step()
     optimizer.step()
     if manager.current_step() > before:
