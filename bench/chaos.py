@@ -220,7 +220,7 @@ def main() -> int:
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--name", default="chaos")
     args = parser.parse_args()
-    args.max_restarts, args.overlap_commit = MAX_RESTARTS, False  # what compare.launch_jobs reads
+    args.max_restarts = MAX_RESTARTS  # what compare.launch_jobs reads
     systems = [s for s in args.systems.split(",") if s]
     for system in systems:
         if system not in SYSTEMS:

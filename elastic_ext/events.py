@@ -26,12 +26,12 @@ The run loop (``run.py``):
   ``commit_id``, ``rollbacks``, ``limit``, ``cause``.
 - ``resize`` (:data:`RESIZE`): hosts were added or removed, no rollback;
   ``skip_sync``, ``commit_id``.
-- ``prestart`` (:data:`PRESTART`): with ``prestart_newcomers``, a host
+- ``prestart`` (:data:`PRESTART`): under ``elastic-horovodrun``, a host
   addition at this commit starts the newcomers while training goes on;
   ``commit_id``.
 - ``newcomers_joined`` (:data:`NEWCOMERS_JOINED`): that early start ends in
   a resize at this commit (a ``resize`` event follows); ``commit_id``,
-  ``why`` (on rank 0, which polls: ``all_there``, ``timeout``,
+  ``why`` (on rank 0, which polls: ``all_there``, ``newcomer_failed``, ``timeout``,
   ``error: ...``; on the others: ``agreed``; ``removed`` on a rank left out
   of the next world, which then leaves; ``interrupted`` by a removal or
   leave), ``next_size``, ``waited_s`` (the survivors trained all that time).
@@ -76,9 +76,8 @@ Durable checkpoints (the checkpoint writer, and State on resume):
 - ``checkpoint`` (:data:`CHECKPOINT`): a checkpoint is durable;
   ``commit_id``, ``path``, ``bytes``, ``deleted``, ``not_deleted``,
   ``duration_s``.
-- ``checkpoint_skipped`` (:data:`CHECKPOINT_SKIPPED`): the previous write
-  still ran after ``checkpoint_wait_s``; ``commit_id``, ``running``,
-  ``wait_s``.
+- ``checkpoint_skipped`` (:data:`CHECKPOINT_SKIPPED`): a checkpoint was
+  due while the previous write still ran; ``commit_id``, ``running``.
 - ``checkpoint_failed`` (:data:`CHECKPOINT_FAILED`): a write failed,
   training goes on (the next commit tries again); ``commit_id``, ``error``,
   ``failures_in_a_row``.

@@ -28,6 +28,7 @@ import numpy as np
 
 from elastic_ext.errors import NumericFaultError, RollbackLimitError, error_detail
 from elastic_ext.events import LEAVE, RECOVERED, RESET, RESIZE, ROLLBACK, ROLLBACK_LIMIT
+from elastic_ext.launch.gloo_timeout import reset_timeout
 from elastic_ext.runtime.connections import CollectiveConnections
 from elastic_ext.runtime.numeric_recovery import NumericRecovery
 from elastic_ext.launch.sigterm import LEAVE_EXIT_CODE
@@ -163,18 +164,25 @@ class Recoverer:
         the function is then called again in the larger world (from the
         commit, which already holds the end of training).
 
+        First, and also when no newcomer is on its way, it waits for the last
+        commit's overlapped collective (see ``State._settle_commits``).
+
         Raises:
             HostsUpdatedInterrupt: on every rank together, when an early start is under way.
         """
+        self.state._settle_commits()
         if not self.state._early_start_under_way():
             return
         from horovod.common.exceptions import HostsUpdatedInterrupt
         self.state.commit()  # may agree the resize itself (the newcomers are there)
+        self.state._settle_commits()
         raise HostsUpdatedInterrupt(False)
 
     def reset(self) -> None:
         """Re-initialises Horovod for the next world, then the State's reset callbacks."""
         started = time.perf_counter()
+        if self.kind == "gloo":
+            reset_timeout(self.state.config, self.state.binding.size())
         self.links.before_init()
         reinit = time.perf_counter()
         self.state.binding.reset()

@@ -1,5 +1,9 @@
 """What every rank decides together at a commit, from its one collective: resize, leave, evict, stop.
 
+(One decision is a single rank's: a leaver whose grace runs out before an
+overlapped commit's leave could act leaves at its commit, see
+:func:`decide_at_commit`.)
+
 :class:`~elastic_ext.state.host_updates.HostUpdates` runs the commit's
 allreduce; :func:`decide_at_commit` acts on what it agreed, the same way on
 every rank: it stops the job when rank 0's checkpoints keep failing, evicts
@@ -57,6 +61,12 @@ def decide_at_commit(hosts: HostUpdates, straggler: StragglerWatch, binding: Bin
             liveness.ask_to_leave(term_grace_s, cause="straggler")
         events.emit(STRAGGLER, commit_id=commit_id, **fields)
         skip_sync = True if skip_sync is None else skip_sync
+    if skip_sync is None and liveness.leaving() and hosts.too_late_to_wait(liveness.leave_time_left()):
+        # An overlapped commit's leave acts at the next commit, which would come after this rank's
+        # grace. Leave now, once every rank has taken this commit's snapshot (its collective done):
+        # the others' next step fails and they roll back to this commit, one step at most.
+        hosts.settle()
+        skip_sync = True
     if skip_sync is not None:
         from horovod.common.exceptions import HostsUpdatedInterrupt
         raise HostsUpdatedInterrupt(skip_sync)

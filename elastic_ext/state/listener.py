@@ -50,6 +50,16 @@ class HorovodListener:
         """How this rank starts newcomers early at a host addition (``run`` sets it under an elastic horovodrun)."""
         self._hosts.prestart_factory = factory
 
+    def _settle_commits(self) -> None:
+        """Waits for this rank's overlapped commit collective, if one is in flight.
+
+        Before a rank leaves the training function (or resets on its own
+        account) every rank must have submitted it: a rank that shut Horovod
+        down first would fail the others' submission ("Horovod has been shut
+        down"), and they would roll back a finished job.
+        """
+        self._hosts.settle()
+
     def _early_start_under_way(self) -> bool:
         """True while newcomers started early are on their way (the same on every rank: agreed at a commit)."""
         return self._hosts.prestart is not None

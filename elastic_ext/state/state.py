@@ -63,7 +63,6 @@ class State(HorovodListener, DurableCommits):
     Args:
         framework: "torch" or "tensorflow"; guessed from the objects, or from
             which Horovod module is imported, when left out.
-        binding: explicit Horovod operations (tests); overrides ``framework``.
         adapters: extra adapters tried before the built-in ones, for this
             instance only.
         config: an :class:`ElasticConfig`; read from the environment if None.
@@ -87,10 +86,26 @@ class State(HorovodListener, DurableCommits):
         ConfigError: the framework cannot be determined.
     """
 
-    def __init__(self, *, framework: Optional[str] = None, binding: Optional[Binding] = None,
-                 adapters: Iterable[Adapter] = (), config: Optional[ElasticConfig] = None,
-                 per_rank: Iterable[str] = (), guard: Optional[NumericGuard] = None,
-                 straggler: Optional[StragglerPolicy] = None, **objects: Any) -> None:
+    def __init__(self, *, framework: Optional[str] = None, adapters: Iterable[Adapter] = (),
+                 config: Optional[ElasticConfig] = None, per_rank: Iterable[str] = (),
+                 guard: Optional[NumericGuard] = None, straggler: Optional[StragglerPolicy] = None,
+                 **objects: Any) -> None:
+        self._construct(None, framework, adapters, config, per_rank, guard, straggler, objects)
+
+    @classmethod
+    def _on(cls, binding: Binding, **kwargs: Any) -> "State":
+        """A State whose collectives go through ``binding`` instead of Horovod (the test seam
+        :func:`elastic_ext.testing.state_on`)."""
+        state = cls.__new__(cls)
+        keywords = ("framework", "adapters", "config", "per_rank", "guard", "straggler")
+        options = {k: kwargs.pop(k) for k in keywords if k in kwargs}
+        state._construct(binding, options.get("framework"), options.get("adapters", ()), options.get("config"),
+                         options.get("per_rank", ()), options.get("guard"), options.get("straggler"), kwargs)
+        return state
+
+    def _construct(self, binding: Optional[Binding], framework: Optional[str], adapters: Iterable[Adapter],
+                   config: Optional[ElasticConfig], per_rank: Iterable[str], guard: Optional[NumericGuard],
+                   straggler: Optional[StragglerPolicy], objects: Dict[str, Any]) -> None:
         s = object.__setattr__
         s(self, "_liveness", LIVENESS)
         s(self, "_config", config or ElasticConfig.from_env())
@@ -111,7 +126,7 @@ class State(HorovodListener, DurableCommits):
         s(self, "_buffers", CommitBuffers(self._config.commit_buffers))
         s(self, "_record", CommitRecord())
         s(self, "_commit_time", None)
-        s(self, "_hosts", HostUpdates(overlap=self._config.overlap_commit))
+        s(self, "_hosts", HostUpdates(overlap=getattr(binding, "allreduce_max_start", None) is not None))
         s(self, "_reset_callbacks", [])
         s(self, "_rollbacks", RollbackRecord())
         s(self, "_events", EventLog(self._config.events_path, binding.rank, binding.size))
@@ -212,7 +227,7 @@ class State(HorovodListener, DurableCommits):
                 rank together (after the commit has been made).
         """
         self._liveness.progress()
-        self._hosts.settle()  # overlap_commit: the previous commit's collective, before this snapshot
+        self._hosts.settle()  # an overlapped commit's collective, before this snapshot
         self.save()
         try:
             self.check_host_updates()
@@ -280,7 +295,7 @@ class State(HorovodListener, DurableCommits):
             self._record.participated = False
         party = _sync.Party(self._binding, self._tracked, self._buffers, self._record, self._hosts,
                             self._rollbacks, self._events, self._checkpointer)
-        _sync.sync(party, self._config.verify_sync)
+        _sync.sync(party)
 
 def reserved_names() -> FrozenSet[str]:
     """Names no tracked object may take: every public member of :class:`State`

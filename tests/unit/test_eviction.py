@@ -4,10 +4,11 @@ allreduce, the same decision on every rank, the exclude file."""
 import numpy as np
 import pytest
 
-from elastic_ext import ElasticPartitioner, State, StragglerPolicy
+from elastic_ext import ElasticPartitioner, StragglerPolicy
 from elastic_ext.policies.eviction import StragglerWatch, samples_per_step
 from elastic_ext.state.host_updates import FIELDS
 from elastic_ext.testing.solo import SoloBinding
+from elastic_ext.testing import state_on
 
 POLICY = StragglerPolicy(enabled=True, factor=3.0, window_steps=8, warmup_steps=4, min_size=1)
 
@@ -35,7 +36,7 @@ def test_off_adds_nothing_to_the_commit_allreduce():
     seen = []
     binding = SoloBinding()
     binding.allreduce_max = lambda array, name: seen.append(array.shape) or np.array(array)
-    state = State(binding=binding, step=0)
+    state = state_on(binding, step=0)
     state.commit()
     assert seen == [(FIELDS,)]  # the fixed part only
 
@@ -92,7 +93,7 @@ def test_bad_policy_values_are_named():
     with pytest.raises(ConfigError, match=r"straggler \(\{'enabled': True\}\) must be an elastic_ext.StragglerPolicy"):
         StragglerWatch({"enabled": True})
     with pytest.raises(ConfigError, match=r"straggler \(1\)"):
-        State(binding=SoloBinding(), straggler=1, step=0)
+        state_on(SoloBinding(), straggler=1, step=0)
     with pytest.raises(Exception, match=r"exclude_file \(''\)"):
         StragglerPolicy(enabled=True, exclude_file="")
 

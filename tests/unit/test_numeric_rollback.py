@@ -9,11 +9,12 @@ from elastic_ext import ConfigError, ElasticConfig, NumericGuard, State, StateEr
 from elastic_ext.policies.numeric_rollback import WINDOW_NAME
 from elastic_ext.data.sampler import ElasticPartitioner
 from elastic_ext.testing import SoloBinding
+from elastic_ext.testing import state_on
 
 
 def make_state(guard=NumericGuard(spike_k=None), **objects):
     sampler = ElasticPartitioner(40, global_batch_size=4, shuffle=False, world=lambda: (0, 1))
-    return State(binding=SoloBinding(), config=ElasticConfig(), guard=guard, sampler=sampler, step=0, **objects)
+    return state_on(SoloBinding(), config=ElasticConfig(), guard=guard, sampler=sampler, step=0, **objects)
 
 
 def nan_once_at(bad_step, seen):
@@ -93,14 +94,14 @@ def test_a_skip_no_commit_holds_is_reapplied_after_a_failed_collective():
 
 
 def test_the_guard_is_opt_in_and_bad_input_is_a_clear_error():
-    plain = State(binding=SoloBinding(), config=ElasticConfig(), step=0)
+    plain = state_on(SoloBinding(), config=ElasticConfig(), step=0)
     assert plain.guard is None and WINDOW_NAME not in plain.objects
     with pytest.raises(StateError, match="needs a guard"):
         plain.guard_step(1.0)
     with pytest.raises(ConfigError, match=r"guard \('yes'\) must be an elastic_ext.NumericGuard"):
-        State(binding=SoloBinding(), config=ElasticConfig(), guard="yes", step=0)
+        state_on(SoloBinding(), config=ElasticConfig(), guard="yes", step=0)
     with pytest.raises(StateError, match="numeric_guard_window"):
-        State(binding=SoloBinding(), config=ElasticConfig(), numeric_guard_window=1)
+        state_on(SoloBinding(), config=ElasticConfig(), numeric_guard_window=1)
     state = make_state()
     with pytest.raises(StateError, match=r"step='x'"):
         state.guard_step(1.0, step="x")

@@ -30,7 +30,7 @@ import elastic_ext  # noqa: E402
 import elastic_ext.tensorflow as etf  # noqa: E402
 from elastic_ext.testing import ledger  # noqa: E402
 from elastic_ext.errors import ConfigError, StateError  # noqa: E402
-from elastic_ext.testing import SoloBinding  # noqa: E402
+from elastic_ext.testing import SoloBinding, state_on  # noqa: E402
 
 assert keras.__version__.startswith(KERAS), keras.__version__
 tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -59,8 +59,8 @@ def build(**compile_kwargs):
     # A world of one outside horovodrun is an MPI world to Horovod, where
     # elastic_ext ends the job on a failure; the solo binding keeps in-job
     # recovery (Horovod's own ops still run, in a world of one).
-    state = elastic_ext.State(model=model, optimizer=model.optimizer, sampler=sampler, epoch=0, batch=0, step=0,
-                              binding=SoloBinding())
+    state = state_on(SoloBinding(), model=model, optimizer=model.optimizer, sampler=sampler, epoch=0, batch=0,
+                     step=0)
     return model, sampler, state
 
 

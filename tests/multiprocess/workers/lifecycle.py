@@ -38,7 +38,7 @@ from examples.digits import load_digits
 import horovod.torch as hvd
 
 from elastic_ext.testing.ledger import Ledger
-from elastic_ext.testing import CommitFaultProbe, FaultSchedule, HostFileSchedule
+from elastic_ext.testing import CommitFaultProbe, FaultSchedule, HostFileSchedule, heartbeat_period
 from elastic_ext.torch import ElasticSampler
 
 p = argparse.ArgumentParser()
@@ -60,7 +60,10 @@ p.add_argument("--slow", default="")
 p.add_argument("--guard", action="store_true")
 p.add_argument("--newcomer-delay-s", type=float, default=0.0)
 p.add_argument("--newcomer-gate", default="")
+p.add_argument("--heartbeat-period-s", type=float, default=0.0)
 args = p.parse_args()
+if args.heartbeat_period_s:
+    heartbeat_period(args.heartbeat_period_s)
 
 torch.set_num_threads(1)
 if (args.newcomer_delay_s or args.newcomer_gate) and any(
