@@ -18,7 +18,9 @@ The run loop (``run.py``):
 
 - ``rollback`` (:data:`ROLLBACK`): a collective failed and the state went
   back to the last commit; ``cause``, ``detail``, ``commit_id``,
-  ``rollbacks_in_a_row``, ``steps_rolled_back``, ``lost_work_s``.
+  ``rollbacks_in_a_row``, ``steps_rolled_back``, ``lost_work_s``,
+  ``failed_at`` (Unix time the failure reached the run loop), ``abort_s``
+  (cutting the collective connections), ``restore_s`` (the commit restored).
 - ``rollback_limit`` (:data:`ROLLBACK_LIMIT`): too many rollbacks in a row,
   the job ends with :class:`~elastic_ext.errors.RollbackLimitError`;
   ``commit_id``, ``rollbacks``, ``limit``, ``cause``.
@@ -34,10 +36,13 @@ The run loop (``run.py``):
   of the next world, which then leaves; ``interrupted`` by a removal or
   leave), ``next_size``, ``waited_s`` (the survivors trained all that time).
 - ``reset`` (:data:`RESET`): Horovod re-initialised after a rollback or a
-  resize; ``duration_s``, ``cause``.
+  resize; ``duration_s``, ``cause``, ``reinit_s`` (Horovod's shutdown and
+  init: the rendezvous with the driver's new round and the Gloo context),
+  ``callbacks_s`` (the State's reset callbacks).
 - ``recovered`` (:data:`RECOVERED`): the first sync after a rollback or
   resize is done; the fields of that ``rollback``/``resize`` plus ``size``,
-  ``generation`` and ``recovery_s``.
+  ``generation``, ``recovery_s``, ``learn_connections_s`` (the collective
+  that learns the new connections) and ``sync_s`` (``State.sync()``).
 - ``numeric_rollback`` (:data:`NUMERIC_ROLLBACK`): the numeric guard
   (``State(guard=...)``) judged a step bad, every rank went back to the last
   commit without a Horovod reset and skips that step's samples; the
