@@ -45,6 +45,7 @@ def assert_recovered_without_gloo_timeout(out, output):
     assert {r["gen"] for r in records if "gen" in r} >= {1, 2}
 
 
+@pytest.mark.exclusive  # a stall or hang timeout of 3 s
 @pytest.mark.timeout(300)
 def test_a_sigstopped_worker_is_killed_and_the_job_recovers_by_the_guardian(tmp_path):
     hang_timeout_s = 3.0
@@ -62,6 +63,7 @@ def test_a_sigstopped_worker_is_killed_and_the_job_recovers_by_the_guardian(tmp_
     analysis.assert_ranks_identical(finals)
 
 
+@pytest.mark.exclusive  # a stall or hang timeout of 3 s
 @pytest.mark.timeout(300)
 def test_a_step_that_never_ends_kills_only_the_stuck_worker(tmp_path):
     stall_timeout_s = 3.0

@@ -272,6 +272,7 @@ def run_temptations(tmp_path, slowdowns):
     temptations.check(out, code, output)
 
 
+@pytest.mark.exclusive  # a stall or hang timeout of 3 s
 @pytest.mark.timeout(300)
 def test_a_slow_rank_and_short_slowdowns_under_the_straggler_policy_kill_and_evict_nobody(tmp_path):
     # With the next test, replaces five jobs that each asserted that nothing
@@ -279,6 +280,7 @@ def test_a_slow_rank_and_short_slowdowns_under_the_straggler_policy_kill_and_evi
     run_temptations(tmp_path, slowdowns=True)
 
 
+@pytest.mark.exclusive  # a stall or hang timeout of 3 s
 @pytest.mark.timeout(300)
 def test_a_long_eval_and_a_whole_job_suspension_kill_nobody(tmp_path):
     run_temptations(tmp_path, slowdowns=False)

@@ -26,6 +26,7 @@ def synced_records(out):
     return records
 
 
+@pytest.mark.exclusive  # a stall or hang timeout of 3 s
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model", ["cnn_bn", "transformer", "keras3", "keras2"])
 def test_zoo_survives_a_sigkill_and_a_scale_up_with_identical_parameters(tmp_path, model):
