@@ -20,7 +20,7 @@ setup(
         "tensorflow": ["tensorflow-cpu>=2.15,<2.18", "tf_keras>=2.15,<2.18"],
         "aws": ["boto3>=1.28"],
         "slurm": ["python-hostlist>=1.23,<3"],
-        "test": ["pytest>=7.4", "pytest-timeout>=2.1", "hypothesis>=6.80", "psutil>=5.9",
+        "test": ["pytest>=7.4", "pytest-timeout>=2.1", "pytest-xdist>=3.5", "hypothesis>=6.80", "psutil>=5.9",
                  "moto[server,ec2,autoscaling]>=5.0,<6", "matplotlib>=3.7"],
     },
     # The same commands as host_discovery/*.py (which run from a checkout).

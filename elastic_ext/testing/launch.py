@@ -23,6 +23,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 VENV_BIN = os.path.dirname(sys.executable)
 WORKERS = os.path.join(REPO, "tests", "multiprocess", "workers")
 STATIC = os.path.join(REPO, "host_discovery", "static.py")
+# Every process of a Job inherits this variable, set to the job's own tag, so
+# that the job's processes are found at its end even when nobody saw them
+# start (Horovod runs each worker in a session of its own, and a worker whose
+# parent died is nobody's descendant any more).
+JOB_TAG_ENV = "TEST_JOB_TAG"  # not ELASTIC_EXT_*: the config refuses variables it does not know
+# How often a waiting Job lists its descendants: a full scan of /proc, which
+# on a busy machine costs milliseconds each time.
+TRACK_PERIOD_S = 1.0
 
 
 def base_env(**extra: Any) -> Dict[str, str]:
@@ -40,6 +48,12 @@ def base_env(**extra: Any) -> Dict[str, str]:
     # and with more than two ranks the ring's chunking (so the summation
     # order) follows the buffer layout: runs then differ in the last bits.
     env.setdefault("HOROVOD_FUSION_THRESHOLD", "0")
+    # Horovod's background thread wakes every HOROVOD_CYCLE_TIME ms (default 1)
+    # and coordinates with the other ranks each time, work or not: 7-13 % of a
+    # core per idle rank here, 2-3 % at 5 ms. Jobs of 4 workers on 2 cores
+    # spend much of their time waiting (for a newcomer, a detector, a peer),
+    # and a collective waits at most 5 ms more.
+    env.setdefault("HOROVOD_CYCLE_TIME", "5")
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -89,27 +103,55 @@ def kill_worker(pid: int) -> None:
             pass
 
 
+def tagged(tag: str) -> List[int]:
+    """The pids of the live processes whose environment holds ``JOB_TAG_ENV=tag``."""
+    needle = f"{JOB_TAG_ENV}={tag}".encode() + b"\0"
+    found = []
+    for pid in psutil.pids():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as handle:
+                if needle in handle.read():
+                    found.append(pid)
+        except OSError:
+            pass  # gone, or not ours to read
+    return found
+
+
 class Job:
     """A running command whose whole tree is killed on timeout or exit."""
 
     def __init__(self, cmd: Sequence[str], env: Dict[str, str], log_path: str, cwd: str = REPO) -> None:
         self.log_path = log_path
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.tag = f"{os.getpid()}-{id(self)}-{time.monotonic_ns()}"
+        self.proc = subprocess.Popen(cmd, env=dict(env, **{JOB_TAG_ENV: self.tag}), cwd=cwd, stdout=self.log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         self.descendants = set()
+        self._tracked_at = float("-inf")
 
     def track(self) -> None:
+        """Adds the job's current descendants to ``descendants``."""
+        self._tracked_at = time.monotonic()
         try:
             for child in psutil.Process(self.proc.pid).children(recursive=True):
                 self.descendants.add(child.pid)
         except psutil.NoSuchProcess:
             pass
 
+    def track_now_and_then(self) -> None:
+        """:meth:`track`, at most once every TRACK_PERIOD_S (for polling loops)."""
+        if time.monotonic() - self._tracked_at >= TRACK_PERIOD_S:
+            self.track()
+
+    def members(self) -> List[int]:
+        """The pids of the job's live processes but its root: descendants seen, and every process holding its tag."""
+        return sorted(({pid for pid in self.descendants if psutil.pid_exists(pid)} | set(tagged(self.tag)))
+                      - {self.proc.pid})
+
     def kill(self) -> None:
         """SIGKILLs the whole tree and every worker orphaned from it, and closes the log."""
         kill_tree(self.proc.pid)
-        for pid in self.descendants:
+        for pid in self.members():
             try:
                 psutil.Process(pid).kill()
             except psutil.NoSuchProcess:
@@ -120,7 +162,7 @@ class Job:
         """Waits for the end (killing the tree at ``timeout_s``); returns (exit code, output)."""
         deadline = time.monotonic() + timeout_s
         while self.proc.poll() is None and time.monotonic() < deadline:
-            self.track()
+            self.track_now_and_then()
             time.sleep(0.2)
         timed_out = self.proc.poll() is None
         self.kill()
@@ -182,5 +224,5 @@ def third_host() -> str:
     return others[0]
 
 
-__all__ = ["REPO", "VENV_BIN", "WORKERS", "STATIC", "base_env", "kill_tree", "script_process", "kill_worker", "Job",
+__all__ = ["REPO", "VENV_BIN", "WORKERS", "STATIC", "JOB_TAG_ENV", "base_env", "tagged", "kill_tree", "script_process", "kill_worker", "Job",
            "run", "write_hosts", "elastic_cmd", "under_elastic_ext_driver", "static_cmd", "third_host"]

@@ -51,14 +51,20 @@ def kill_whole_job(job, when, timeout_s):
     deadline = time.monotonic() + timeout_s
     try:
         while not when():
-            job.track()
-            tail = open(job.log_path).read()[-5000:]
-            assert job.proc.poll() is None, f"the job ended before it could be killed:\n{tail}"
-            assert time.monotonic() < deadline, f"not ready to be killed after {timeout_s}s:\n{tail}"
+            job.track_now_and_then()
+            if job.proc.poll() is not None or time.monotonic() >= deadline:
+                tail = open(job.log_path).read()[-5000:]
+                assert job.proc.poll() is None, f"the job ended before it could be killed:\n{tail}"
+                raise AssertionError(f"not ready to be killed after {timeout_s}s:\n{tail}")
             time.sleep(0.05)
         job.track()
         driver = psutil.Process(job.proc.pid)
-        workers = [psutil.Process(pid) for pid in job.descendants if psutil.pid_exists(pid)]
+        workers = []
+        for pid in job.members():
+            try:
+                workers.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                pass  # ended since it was listed
         for proc in [driver] + workers:
             try:
                 proc.kill()

@@ -7,6 +7,12 @@ and lets a SIGTERMed worker leave at its next commit without a rollback.
 That a slow worker is never mistaken for a dead one is checked, with the
 other things a healthy job does that look like failures, by
 test_lifecycle.py::test_a_slow_rank_and_short_slowdowns_under_the_straggler_policy_kill_and_evict_nobody.
+
+Two workers, one per pseudo-host: what is tested happens in the failing
+worker and its peer. That the failure then reaches every survivor at once,
+not after Gloo's timeout, needs peers that are not the victim's ring
+neighbours: the 4-worker jobs of test_lifecycle.py (the abort) and
+test_torch_elastic.py check it.
 """
 
 import json
@@ -19,12 +25,13 @@ from tests.multiprocess import analysis, launch
 
 DIGITS = 1797
 COMMIT_EVERY = 4
-HOSTS = ["localhost:2", "127.0.0.1:2"]
+HOSTS = ["localhost:1", "127.0.0.1:1"]
 
 
 def run_job(tmp_path, *worker_args, env=None):
-    """One job of train_torch.py on HOSTS (4 workers, 2 to 4), one epoch, to its end; returns (out, output)."""
-    return launch.run_job(tmp_path, "train_torch.py", *worker_args, hosts=HOSTS, commit_every=COMMIT_EVERY, env=env)
+    """One job of train_torch.py on HOSTS (2 workers, 1 to 2), one epoch, to its end; returns (out, output)."""
+    return launch.run_job(tmp_path, "train_torch.py", *worker_args, hosts=HOSTS, np_=2, min_np=1, max_np=2,
+                          commit_every=COMMIT_EVERY, env=env)
 
 
 def fired(out):
@@ -45,10 +52,11 @@ def assert_recovered_without_gloo_timeout(out, output):
     assert {r["gen"] for r in records if "gen" in r} >= {1, 2}
 
 
+@pytest.mark.exclusive  # a stall or hang timeout of 3 s
 @pytest.mark.timeout(300)
 def test_a_sigstopped_worker_is_killed_and_the_job_recovers_by_the_guardian(tmp_path):
     hang_timeout_s = 3.0
-    out, output = run_job(tmp_path, "--faults", "3:10:stop", env={"ELASTIC_EXT_HANG_TIMEOUT_S": str(hang_timeout_s)})
+    out, output = run_job(tmp_path, "--faults", "1:10:stop", env={"ELASTIC_EXT_HANG_TIMEOUT_S": str(hang_timeout_s)})
     kills = [line for line in output.splitlines() if "sent no heartbeat" in line]
     assert len(kills) == 1, f"the guardian must kill exactly the stopped worker: {kills}"
     assert f"sent no heartbeat for {hang_timeout_s:.1f}s" in kills[0], kills[0]
@@ -57,15 +65,14 @@ def test_a_sigstopped_worker_is_killed_and_the_job_recovers_by_the_guardian(tmp_
     events = analysis.read_events(str(out / "events.jsonl"))
     assert [e for e in events if e["event"] == "rollback"]
     analysis.assert_exactly_once(out, DIGITS, 1)
-    finals = analysis.load_finals(out)
-    assert sorted(finals) == [0, 1]
-    analysis.assert_ranks_identical(finals)
+    assert sorted(analysis.load_finals(out)) == [0]
 
 
+@pytest.mark.exclusive  # a stall or hang timeout of 3 s
 @pytest.mark.timeout(300)
 def test_a_step_that_never_ends_kills_only_the_stuck_worker(tmp_path):
     stall_timeout_s = 3.0
-    out, output = run_job(tmp_path, "--faults", "3:10:hang", env={"ELASTIC_EXT_STALL_TIMEOUT_S": str(stall_timeout_s)})
+    out, output = run_job(tmp_path, "--faults", "1:10:hang", env={"ELASTIC_EXT_STALL_TIMEOUT_S": str(stall_timeout_s)})
     events = analysis.read_events(str(out / "events.jsonl"))
     stalls = [e for e in events if e["event"] == "stall"]
     assert len(stalls) == 1, "exactly the stuck worker must declare itself stuck"
@@ -74,12 +81,12 @@ def test_a_step_that_never_ends_kills_only_the_stuck_worker(tmp_path):
     assert "sent no heartbeat" not in output, "the stuck worker must kill itself, not wait for the guardian"
     assert_recovered_without_gloo_timeout(out, output)
     analysis.assert_exactly_once(out, DIGITS, 1)
-    analysis.assert_ranks_identical(analysis.load_finals(out))
+    assert sorted(analysis.load_finals(out)) == [0]
 
 
 @pytest.mark.timeout(300)
 def test_sigterm_leaves_at_the_next_commit_without_rollback(tmp_path):
-    out, _ = run_job(tmp_path, "--faults", "3:10:term")
+    out, _ = run_job(tmp_path, "--faults", "1:10:term")
     events = analysis.read_events(str(out / "events.jsonl"))
     kinds = [e["event"] for e in events]
     assert "rollback" not in kinds, "a SIGTERMed worker must not cause a rollback"
@@ -90,5 +97,5 @@ def test_sigterm_leaves_at_the_next_commit_without_rollback(tmp_path):
     assert report["lost_steps"] == 0, "no step may be thrown away"
     starts = ledger.starts(records)
     assert starts[2][2] == 12, "the job must resume where the leaver committed"
-    assert {r["size"] for r in records if r.get("gen") == 2} == {2}
-    analysis.assert_ranks_identical(analysis.load_finals(out))
+    assert {r["size"] for r in records if r.get("gen") == 2} == {1}
+    assert sorted(analysis.load_finals(out)) == [0]

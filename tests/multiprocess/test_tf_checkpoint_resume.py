@@ -5,13 +5,17 @@ uninterrupted run with the same world-size schedule ends, every sample once.
 
 The TF counterpart of test_checkpoint_resume.py (which kills a PyTorch job);
 this one grows on the restart (2 workers, then 3), so the resumed optimizer is
-built and filled from a checkpoint on workers that never trained before.
+built and filled from a checkpoint on workers that never trained before. The
+reference is one job that grows from 2 to 3 workers at the commit the failed
+job resumed from: restarting from storage must give the bits that going on
+in memory gives.
 """
 
 import pytest
 
 from elastic_ext.checkpoint import CheckpointStore
-from tests.multiprocess import analysis
+from elastic_ext.testing import ledger
+from tests.multiprocess import analysis, launch
 from tests.multiprocess import test_checkpoint_resume as torch_job
 
 # The PyTorch test's job (its environment, epochs, commits, and its kill at the
@@ -52,13 +56,22 @@ def test_tf_job_killed_entirely_resumes_on_more_workers_bitwise_and_exactly_once
     analysis.assert_ranks_identical(finals)
     analysis.assert_exactly_once(str(failed), DIGITS, EPOCHS)
 
-    # 3. Reference: the same world sizes at the same steps without a failure. Two
-    # workers stop cleanly after the checkpoint of the same commit; three resume.
+    # 3. Reference: the same world sizes at the same steps without a failure, in one job: two
+    # workers until the commit the failed job resumed from, where a third joins (TensorFlow's
+    # commit collective blocks: the resize acts at the commit that sees the new host).
     reference = tmp_path / "reference"
     reference.mkdir()
-    run_to_end(reference, "first", FIRST_HOSTS, 2, "--stop-after-commit", str(resume_from))
-    assert analysis.durable_commit_ids(reference / "ckpt")[0] == resume_from
-    run_to_end(reference, "second", SECOND_HOSTS, 3)
+    hosts = str(reference / "hosts")
+    launch.write_hosts(hosts, FIRST_HOSTS)
+    cmd = launch.elastic_cmd(2, 2, 3, hosts, WORKER, "--out", str(reference), "--keras", "3", "--epochs", str(EPOCHS),
+                             "--commit-every", str(torch_job.COMMIT_EVERY),
+                             "--resize-at", f"{resume_from * torch_job.COMMIT_EVERY}:{hosts}:{','.join(SECOND_HOSTS)}")
+    code, output = launch.run(cmd, launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(reference / "events.jsonl")),
+                              str(reference / "horovodrun.log"), 300)
+    assert code == 0, output[-5000:]
+    records = ledger.read(str(reference))
+    assert analysis.sizes_by_generation(records) == [[2], [3]], analysis.sizes_by_generation(records)
+    assert ledger.starts(records)[2][2] == resume_from * torch_job.COMMIT_EVERY, ledger.starts(records)
     ref_finals = analysis.load_finals(str(reference))
     assert sorted(ref_finals) == [0, 1, 2]
     analysis.assert_exactly_once(str(reference), DIGITS, EPOCHS)

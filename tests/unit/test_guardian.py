@@ -11,6 +11,10 @@ import time
 import psutil
 import pytest
 
+# Heartbeats every 0.2 s against timeouts of a second or two: under pytest-xdist
+# this module runs alone on the machine (tests/conftest.py).
+pytestmark = pytest.mark.exclusive
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # A stand-in for a worker: starts its guardian like elastic_ext.runtime.watchdog does,

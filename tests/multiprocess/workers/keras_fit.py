@@ -5,6 +5,8 @@ steps Keras actually trained on), final-<rank>.npz with weights and optimizer
 variables, faults "RANK:STEP:HOW" fired at the start of global step STEP,
 and --resize-at host-file rewrites at a commit. --side-callbacks adds
 ModelCheckpoint and TensorBoard on rank 0 next to the elastic callback.
+--grad-checks compares, once training is over, elastic_ext's gradient API
+with Horovod's in the job's last world (keras_grads.py).
 
 Soft failures: --guard (State(guard=NumericGuard())), --nan "RANK:STEP" (that
 rank's loss is NaN at that global step, once), --straggler
@@ -27,6 +29,8 @@ p.add_argument("--commit-every", type=int, default=4)
 p.add_argument("--faults", default="")
 p.add_argument("--resize-at", default="")
 p.add_argument("--side-callbacks", action="store_true")
+p.add_argument("--grad-checks", action="store_true",
+               help="at the end, compare the gradient API with Horovod's (keras_grads.py) on every rank")
 p.add_argument("--lr-per-worker", type=float, default=0.0, help="learning rate = this * world size, set on reset")
 p.add_argument("--guard", action="store_true")
 p.add_argument("--nan", default="")
@@ -160,3 +164,6 @@ variables.update({f"opt/{i:03d}": np.asarray(v.numpy()) for i, v in enumerate(op
 variables["lr"] = np.asarray(float(np.asarray(model.optimizer.learning_rate)))
 np.savez(os.path.join(args.out, f"final-{hvd.rank()}.npz"), **variables)
 book.end(state.step, hvd.rank(), hvd.size())
+if args.grad_checks:
+    import keras_grads  # noqa: E402  (next to this script)
+    keras_grads.check(args.out, keras)

@@ -1,162 +1,142 @@
-"""Test worker: elastic_ext's DistributedGradientTape / DistributedOptimizer against Horovod's.
+"""Gradient API checks: elastic_ext's DistributedGradientTape / DistributedOptimizer against Horovod's.
 
-Run with 2 ranks under horovodrun. Every rank trains on different data (its
-rank picks the rows), so an unreduced gradient would differ between ranks.
-Writes ``<out>/grads-<rank>.json``: per comparison, whether the two results
-are bitwise equal and their largest absolute difference.
+Run by keras_fit.py --grad-checks on every rank at the end of its job (a
+world of 2 or more: each rank trains on rows of its own, so an unreduced
+gradient would differ between ranks). Writes ``<out>/grads-<rank>.json``:
+per comparison, whether the two results are bitwise equal and their largest
+absolute difference.
 
---keras 2 (tf_keras): against Horovod's own wrappers, which work there.
---keras 3: Horovod's wrappers fail on Keras 3 variables (#4290); the
+Keras 2 (tf_keras): against Horovod's own wrappers, which work there.
+Keras 3: Horovod's wrappers fail on Keras 3 variables (#4290); the
 reference is the per-tensor ``hvd.allreduce`` a Horovod user writes by hand.
 """
 
-import argparse
 import hashlib
 import json
 import os
 
-p = argparse.ArgumentParser()
-p.add_argument("--out", required=True)
-p.add_argument("--keras", choices=["2", "3"], required=True)
-args = p.parse_args()
-if args.keras == "2":
-    os.environ["TF_USE_LEGACY_KERAS"] = "1"
+import numpy as np
+import tensorflow as tf
+from examples.digits import load_digits
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from examples.digits import load_digits  # noqa: E402
+import horovod.tensorflow as hvd
 
-if args.keras == "2":
-    import tf_keras as keras  # noqa: E402
-else:
-    import keras  # noqa: E402
-
-import horovod.tensorflow as hvd  # noqa: E402
-
-import elastic_ext.tensorflow as etf  # noqa: E402
-
-assert keras.__version__.startswith(args.keras), keras.__version__
-tf.config.threading.set_inter_op_parallelism_threads(1)
-tf.config.threading.set_intra_op_parallelism_threads(1)
-hvd.init()
-rank = hvd.rank()
-digits = load_digits()
-rows = np.arange(rank * 96, rank * 96 + 96)  # different data on every rank
-X = tf.constant(digits.data[rows] / 16.0, dtype=tf.float32)
-Y = tf.constant(digits.target[rows], dtype=tf.int64)
-TOKENS = tf.constant((digits.data[rows, :8]).astype(np.int64))  # embedding input: sparse gradients
-results = {}
+import elastic_ext.tensorflow as etf
 
 
-def model_fn():
-    keras.utils.set_random_seed(0)
-    tokens = keras.Input((8,), dtype="int64")
-    pixels = keras.Input((64,))
-    embedded = keras.layers.Flatten()(keras.layers.Embedding(17, 3)(tokens))
-    hidden = keras.layers.Dense(16, activation="relu")(keras.layers.Concatenate()([pixels, embedded]))
-    return keras.Model([tokens, pixels], keras.layers.Dense(10)(hidden))
+def check(out, keras):
+    """Runs every comparison with ``keras`` (tf_keras or Keras 3, the module) and writes this rank's results."""
+    version = keras.__version__[0]
+    rank = hvd.rank()
+    digits = load_digits()
+    rows = np.arange(rank * 96, rank * 96 + 96)  # different data on every rank
+    X = tf.constant(digits.data[rows] / 16.0, dtype=tf.float32)
+    Y = tf.constant(digits.target[rows], dtype=tf.int64)
+    TOKENS = tf.constant((digits.data[rows, :8]).astype(np.int64))  # embedding input: sparse gradients
+    results = {}
 
+    def model_fn():
+        keras.utils.set_random_seed(0)
+        tokens = keras.Input((8,), dtype="int64")
+        pixels = keras.Input((64,))
+        embedded = keras.layers.Flatten()(keras.layers.Embedding(17, 3)(tokens))
+        hidden = keras.layers.Dense(16, activation="relu")(keras.layers.Concatenate()([pixels, embedded]))
+        return keras.Model([tokens, pixels], keras.layers.Dense(10)(hidden))
 
-loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
+    def compare(name, ours, reference):
+        ours = [np.asarray(tf.convert_to_tensor(g)) for g in ours]
+        reference = [np.asarray(tf.convert_to_tensor(g)) for g in reference]
+        assert len(ours) == len(reference), name
+        bitwise = all(a.shape == b.shape and a.tobytes() == b.tobytes() for a, b in zip(ours, reference))
+        diff = max(float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) for a, b in zip(ours, reference))
+        results[name] = {"bitwise": bitwise, "max_abs_diff": diff,
+                         "checksum": float(sum(np.abs(a).sum() for a in ours))}
 
-def compare(name, ours, reference):
-    ours = [np.asarray(tf.convert_to_tensor(g)) for g in ours]
-    reference = [np.asarray(tf.convert_to_tensor(g)) for g in reference]
-    assert len(ours) == len(reference), name
-    bitwise = all(a.shape == b.shape and a.tobytes() == b.tobytes() for a, b in zip(ours, reference))
-    diff = max(float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) for a, b in zip(ours, reference))
-    results[name] = {"bitwise": bitwise, "max_abs_diff": diff,
-                     "checksum": float(sum(np.abs(a).sum() for a in ours))}
+    def tape_gradients(model, wrap, **kwargs):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(Y, model([TOKENS, X], training=True))
+        tape = wrap(tape, **kwargs)
+        return tape.gradient(loss, model.trainable_variables)
 
+    def local_gradients(model):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(Y, model([TOKENS, X], training=True))
+        return tape.gradient(loss, model.trainable_variables)
 
-def tape_gradients(model, wrap, **kwargs):
-    with tf.GradientTape() as tape:
-        loss = loss_fn(Y, model([TOKENS, X], training=True))
-    tape = wrap(tape, **kwargs)
-    return tape.gradient(loss, model.trainable_variables)
+    def by_hand(grads, op=hvd.Average):
+        return [hvd.allreduce(g, op=op) for g in grads]
 
-
-def local_gradients(model):
-    with tf.GradientTape() as tape:
-        loss = loss_fn(Y, model([TOKENS, X], training=True))
-    return tape.gradient(loss, model.trainable_variables)
-
-
-def by_hand(grads, op=hvd.Average):
-    return [hvd.allreduce(g, op=op) for g in grads]
-
-
-model = model_fn()
-variants = {
-    "tape_average": {},
-    "tape_sum": {"op": hvd.Sum},
-    # Horovod refuses scale factors on sparse gradients: densify them here.
-    "tape_predivide": {"gradient_predivide_factor": 2.0, "sparse_as_dense": True},
-    "tape_groups": {"groups": 2},
-    "tape_sparse_as_dense": {"sparse_as_dense": True},
-}
-for name, kwargs in variants.items():
-    ours = tape_gradients(model, etf.DistributedGradientTape, **kwargs)
-    if args.keras == "2":
-        reference = tape_gradients(model, hvd.DistributedGradientTape, **kwargs)
-    else:
-        local = local_gradients(model)
-        if kwargs.get("sparse_as_dense"):
-            local = [tf.convert_to_tensor(g) for g in local]
-        if "gradient_predivide_factor" in kwargs:
-            factor = kwargs["gradient_predivide_factor"]
-            reference = [hvd.allreduce(g, op=hvd.Average, prescale_factor=1.0 / factor, postscale_factor=factor)
-                         for g in local]
+    model = model_fn()
+    variants = {
+        "tape_average": {},
+        "tape_sum": {"op": hvd.Sum},
+        # Horovod refuses scale factors on sparse gradients: densify them here.
+        "tape_predivide": {"gradient_predivide_factor": 2.0, "sparse_as_dense": True},
+        "tape_groups": {"groups": 2},
+        "tape_sparse_as_dense": {"sparse_as_dense": True},
+    }
+    for name, kwargs in variants.items():
+        ours = tape_gradients(model, etf.DistributedGradientTape, **kwargs)
+        if version == "2":
+            reference = tape_gradients(model, hvd.DistributedGradientTape, **kwargs)
         else:
-            reference = by_hand(local, kwargs.get("op", hvd.Average))
-    compare(name, ours, reference)
+            local = local_gradients(model)
+            if kwargs.get("sparse_as_dense"):
+                local = [tf.convert_to_tensor(g) for g in local]
+            if "gradient_predivide_factor" in kwargs:
+                factor = kwargs["gradient_predivide_factor"]
+                reference = [hvd.allreduce(g, op=hvd.Average, prescale_factor=1.0 / factor, postscale_factor=factor)
+                             for g in local]
+            else:
+                reference = by_hand(local, kwargs.get("op", hvd.Average))
+        compare(name, ours, reference)
 
-# A local source: its gradient stays local, divided by the size (Horovod's rule).
-with tf.GradientTape() as tape:
-    loss = loss_fn(Y, model([TOKENS, X], training=True))
-tape = etf.DistributedGradientTape(tape)
-local_var = model.trainable_variables[-1]
-tape.register_local_source(local_var)
-ours = tape.gradient(loss, model.trainable_variables)
-local = local_gradients(model)
-expected = by_hand(local[:-1]) + [local[-1] / hvd.size()]
-compare("tape_local_source", ours, expected)
-if args.keras == "2":
+    # A local source: its gradient stays local, divided by the size (Horovod's rule).
     with tf.GradientTape() as tape:
         loss = loss_fn(Y, model([TOKENS, X], training=True))
-    tape = hvd.DistributedGradientTape(tape)
+    tape = etf.DistributedGradientTape(tape)
+    local_var = model.trainable_variables[-1]
     tape.register_local_source(local_var)
-    compare("tape_local_source_vs_horovod", ours, tape.gradient(loss, model.trainable_variables))
+    ours = tape.gradient(loss, model.trainable_variables)
+    local = local_gradients(model)
+    expected = by_hand(local[:-1]) + [local[-1] / hvd.size()]
+    compare("tape_local_source", ours, expected)
+    if version == "2":
+        with tf.GradientTape() as tape:
+            loss = loss_fn(Y, model([TOKENS, X], training=True))
+        tape = hvd.DistributedGradientTape(tape)
+        tape.register_local_source(local_var)
+        compare("tape_local_source_vs_horovod", ours, tape.gradient(loss, model.trainable_variables))
 
+    def fit_weights(wrap_optimizer):
+        fitted = model_fn()
+        fitted.compile(optimizer=wrap_optimizer(keras.optimizers.Adam(0.01)), loss=loss_fn, jit_compile=False)
+        data = tf.data.Dataset.from_tensor_slices(((TOKENS, X), Y)).batch(32)
+        fitted.fit(data, epochs=2, verbose=0, shuffle=False)
+        return fitted.get_weights()
 
-def fit_weights(wrap_optimizer):
-    fitted = model_fn()
-    fitted.compile(optimizer=wrap_optimizer(keras.optimizers.Adam(0.01)), loss=loss_fn, jit_compile=False)
-    data = tf.data.Dataset.from_tensor_slices(((TOKENS, X), Y)).batch(32)
-    fitted.fit(data, epochs=2, verbose=0, shuffle=False)
-    return fitted.get_weights()
+    ours = fit_weights(etf.DistributedOptimizer)
+    if version == "2":
+        import horovod.tensorflow.keras as hvd_keras
+        compare("fit_optimizer_vs_horovod", ours, fit_weights(hvd_keras.DistributedOptimizer))
+    else:
+        # The same steps by hand: the tape's loss, allreduce each gradient, apply.
+        manual = model_fn()
+        optimizer = keras.optimizers.Adam(0.01)
+        data = tf.data.Dataset.from_tensor_slices(((TOKENS, X), Y)).batch(32)
+        for _ in range(2):
+            for (tokens, pixels), labels in data:
+                with tf.GradientTape() as tape:
+                    loss = loss_fn(labels, manual([tokens, pixels], training=True))
+                grads = by_hand(tape.gradient(loss, manual.trainable_variables))
+                optimizer.apply_gradients(zip(grads, manual.trainable_variables))
+        compare("fit_optimizer_vs_by_hand", ours, manual.get_weights())
+    # Unreduced training must differ: proves the comparisons above see the reduction.
+    compare("fit_without_reduction", fit_weights(lambda opt: opt), ours)
+    # Ranks agree with each other: written out, compared by the test.
+    results["fit_weights_sha256"] = hashlib.sha256(b"".join(np.asarray(w).tobytes() for w in ours)).hexdigest()
+    with open(os.path.join(out, f"grads-{rank}.json"), "w") as handle:
+        json.dump(results, handle)
 
-
-ours = fit_weights(etf.DistributedOptimizer)
-if args.keras == "2":
-    import horovod.tensorflow.keras as hvd_keras  # noqa: E402
-    compare("fit_optimizer_vs_horovod", ours, fit_weights(hvd_keras.DistributedOptimizer))
-else:
-    # The same steps by hand: the tape's loss, allreduce each gradient, apply.
-    manual = model_fn()
-    optimizer = keras.optimizers.Adam(0.01)
-    data = tf.data.Dataset.from_tensor_slices(((TOKENS, X), Y)).batch(32)
-    for _ in range(2):
-        for (tokens, pixels), labels in data:
-            with tf.GradientTape() as tape:
-                loss = loss_fn(labels, manual([tokens, pixels], training=True))
-            grads = by_hand(tape.gradient(loss, manual.trainable_variables))
-            optimizer.apply_gradients(zip(grads, manual.trainable_variables))
-    compare("fit_optimizer_vs_by_hand", ours, manual.get_weights())
-# Unreduced training must differ: proves the comparisons above see the reduction.
-compare("fit_without_reduction", fit_weights(lambda opt: opt), ours)
-# Ranks agree with each other: written out, compared by the test.
-results["fit_weights_sha256"] = hashlib.sha256(b"".join(np.asarray(w).tobytes() for w in ours)).hexdigest()
-with open(os.path.join(args.out, f"grads-{rank}.json"), "w") as handle:
-    json.dump(results, handle)

@@ -1,8 +1,7 @@
 """Test worker for Horovod's elastic scenarios, with elastic_ext's State and run.
 
-Three flavours of the same job (--flavour): a PyTorch loop, a TF2 loop with
-``elastic_ext.tensorflow.DistributedGradientTape`` on a Keras 3 model, and
-Keras 3 ``model.fit`` with ``ElasticCallback``. Each trains --epochs epochs of
+Two flavours of the same job (--flavour): a PyTorch loop, and Keras 3
+``model.fit`` with ``ElasticCallback``. Each trains --epochs epochs of
 --batches batches on digits, commits every --commit-every batches and at
 every epoch end, and rank 0 appends one JSON line per finished epoch to
 --logfile: epoch, rank, start_rank (the rank this process had at its start),
@@ -23,7 +22,7 @@ import signal
 import time
 
 p = argparse.ArgumentParser()
-p.add_argument("--flavour", choices=["torch", "tf", "keras"], required=True)
+p.add_argument("--flavour", choices=["torch", "keras"], required=True)
 p.add_argument("--logfile", required=True)
 p.add_argument("--out", required=True)
 p.add_argument("--epochs", type=int, default=3)
@@ -113,37 +112,6 @@ if args.flavour == "torch":
                 optimizer.zero_grad()
                 torch.nn.functional.cross_entropy(model(X[indices]), Y[indices]).backward()
                 optimizer.step()
-                sampler.record_step()
-                state.batch += 1
-                state.step += 1
-                if state.batch % args.commit_every == 0:
-                    state.commit()
-            log_epoch(state, state.epoch)
-            state.epoch += 1
-            state.batch = 0
-            state.commit()
-
-elif args.flavour == "tf":
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(10)])
-    optimizer = keras.optimizers.SGD(0.05)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    X, Y = tf.constant(features), tf.constant(labels)
-    state = elastic_ext.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0, batch=0, step=0)
-
-    @elastic_ext.run
-    def train(state):
-        book.start(state.generation, sampler.epoch, sampler.cursor, state.step, hvd.rank(), hvd.size())
-        while state.epoch < args.epochs:
-            sampler.set_epoch(state.epoch)
-            for indices, pad in etf.index_dataset(sampler):
-                maybe_exit(state, state.epoch, state.batch)
-                record(state, sampler.epoch, sampler.cursor, indices.numpy(), pad.numpy())
-                with tf.GradientTape() as tape:
-                    loss = loss_fn(tf.gather(Y, indices), model(tf.gather(X, indices), training=True))
-                tape = etf.DistributedGradientTape(tape)
-                grads = tape.gradient(loss, model.trainable_variables)
-                optimizer.apply_gradients(zip(grads, model.trainable_variables))
                 sampler.record_step()
                 state.batch += 1
                 state.step += 1

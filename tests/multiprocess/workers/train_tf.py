@@ -2,12 +2,14 @@
 Keras 2 (tf_keras, --keras 2) or Keras 3 (--keras 3).
 
 Same outputs and fault flags as train_torch.py: a sample ledger, final-<rank>.npz
-with weights and optimizer variables, and faults "RANK:STEP:HOW[:WHERE]".
+with weights and optimizer variables, and faults "RANK:STEP:HOW[:WHERE]" (WHERE:
+step or commit). The gradients are reduced by elastic_ext's
+DistributedGradientTape, so the tape goes through every join, leave and
+rollback of the jobs that run this worker.
 """
 
 import argparse
 import os
-import threading
 import time
 
 p = argparse.ArgumentParser()
@@ -36,6 +38,7 @@ import horovod.tensorflow as hvd  # noqa: E402
 
 import elastic_ext  # noqa: E402
 from elastic_ext.testing.ledger import Ledger  # noqa: E402
+import elastic_ext.tensorflow as etf  # noqa: E402
 from elastic_ext.tensorflow import ElasticSampler, index_dataset  # noqa: E402
 from elastic_ext.testing import CommitFaultProbe, FaultSchedule, HostFileSchedule  # noqa: E402
 
@@ -60,23 +63,14 @@ loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction
 commit_probe = CommitFaultProbe(faults, hvd.rank)
 
 
-def allreduce_gradients(step, grads):
-    if faults.due(hvd.rank(), step, "allreduce"):
-        # Die 0.3 s into the allreduce: the others enter it 1 s late, so the
-        # victim is surely inside the collective, waiting, when it is killed.
-        threading.Timer(0.3, faults.maybe_fire, (hvd.rank(), step, "allreduce")).start()
-    elif any(f.step == step and f.where == "allreduce" for f in faults.faults):
-        time.sleep(1.0)
-    return [hvd.allreduce(g, op=hvd.Sum, name=f"grad_{i}") for i, g in enumerate(grads)]
-
-
-def train_step(step, indices, pad):
+def train_step(indices, pad):
     keep = tf.cast(tf.logical_not(pad), tf.float32)
     x, y = tf.gather(X, indices), tf.gather(Y, indices)
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(loss_fn(y, model(x)) * keep) / args.global_batch
-    grads = tape.gradient(loss, model.trainable_variables)
-    grads = allreduce_gradients(step, grads)
+    # elastic_ext's tape, summing: the loss is already divided by the global batch,
+    # so the update is the global mean whatever the world size.
+    grads = etf.DistributedGradientTape(tape, op=hvd.Sum).gradient(loss, model.trainable_variables)
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
 
@@ -93,7 +87,7 @@ def train(state):
             faults.maybe_fire(hvd.rank(), state.step, where="step")
             book.step(state.generation, sampler.epoch, sampler.cursor, state.step, hvd.rank(), hvd.size(),
                       indices.numpy()[~pad.numpy()], int(pad.numpy().sum()))
-            train_step(state.step, indices, pad)
+            train_step(indices, pad)
             if args.step_sleep_s:
                 time.sleep(args.step_sleep_s)
             sampler.record_step()

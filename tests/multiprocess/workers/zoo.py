@@ -2,9 +2,9 @@
 on the UCI digits (8x8 images).
 
 --model picks one:
-  cnn_bn       torch: Conv2d + BatchNorm2d + dropout, SGD with momentum, OneCycleLR
-  transformer  torch: a small Transformer encoder (LayerNorm, dropout), AdamW,
-               GradScaler (disabled on CPU, tracked all the same)
+  torch        a Conv2d + BatchNorm2d + dropout branch beside a small Transformer
+               encoder (LayerNorm, dropout), AdamW, OneCycleLR, GradScaler
+               (disabled on CPU, tracked all the same), the global RNG tracked
   keras3       TF with Keras 3: Conv2D + BatchNormalization + Dropout, SGD with
                momentum, the training step inside @tf.function
   keras2       the same with Keras 2 (tf_keras, TF_USE_LEGACY_KERAS=1)
@@ -28,7 +28,7 @@ import zlib
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
-p.add_argument("--model", choices=["cnn_bn", "transformer", "keras3", "keras2"], required=True)
+p.add_argument("--model", choices=["torch", "keras3", "keras2"], required=True)
 p.add_argument("--epochs", type=int, default=1)
 p.add_argument("--global-batch", type=int, default=64)
 p.add_argument("--commit-every", type=int, default=4)
@@ -111,41 +111,36 @@ def torch_job():
     nn = torch.nn
     sampler = ElasticSampler(len(X), global_batch_size=args.global_batch, seed=1, policy="pad")
     total_steps = args.epochs * -(-len(X) // args.global_batch) + 1  # steps of the pad policy, whatever the size
-    scaler = None
-    if args.model == "cnn_bn":
-        model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
-                              nn.Dropout(0.2), nn.Flatten(), nn.Linear(8 * 4 * 4, 10))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
-        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.2, total_steps=total_steps)
-    else:
-        class Encoder(nn.Module):
-            """Rows of the image as 8 tokens of 8 features."""
 
-            def __init__(self):
-                super().__init__()
-                self.embed = nn.Linear(8, 16)
-                self.position = nn.Parameter(torch.zeros(1, 8, 16))
-                layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.1, batch_first=True)
-                self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
-                self.norm = nn.LayerNorm(16)
-                self.head = nn.Linear(16, 10)
+    class Hybrid(nn.Module):
+        """A BatchNorm CNN and a small Transformer encoder (the image's rows as 8 tokens) side by side."""
 
-            def forward(self, x):
-                tokens = self.embed(x.view(x.shape[0], 8, 8)) + self.position
-                return self.head(self.norm(self.encoder(tokens)).mean(dim=1))
+        def __init__(self):
+            super().__init__()
+            self.cnn = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                                     nn.Dropout(0.2), nn.Flatten(), nn.Linear(8 * 4 * 4, 10))
+            self.embed = nn.Linear(8, 16)
+            self.position = nn.Parameter(torch.zeros(1, 8, 16))
+            layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.1, batch_first=True)
+            self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+            self.norm = nn.LayerNorm(16)
+            self.head = nn.Linear(16, 10)
 
-        model = Encoder()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-        scheduler = None
-        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        def forward(self, x):
+            tokens = self.embed(x.view(x.shape[0], 8, 8)) + self.position
+            return self.cnn(x) + self.head(self.norm(self.encoder(tokens)).mean(dim=1))
+
+    model = Hybrid()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.01, total_steps=total_steps)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
     torch.manual_seed(1000 + hvd.rank())  # dropout: a stream per rank, as without elastic
     faults = FaultSchedule.parse(args.faults, os.path.join(args.out, "faults"))
     resizes = HostFileSchedule(args.resize_at)
     probe = CommitFaultProbe(faults, hvd.rank)
-    extra = {"scheduler": scheduler} if scheduler is not None else {"scaler": scaler}
     state = elastic_ext.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0,
                               rng=elastic_ext.GlobalRNG(), metric=np.zeros(2), per_rank=("metric",),
-                              commit_probe=probe, adapters=[probe], **extra)
+                              commit_probe=probe, adapters=[probe], scheduler=scheduler, scaler=scaler)
     buffers = {name for name, _ in model.named_buffers()}
 
     def synced_record(state):
@@ -160,19 +155,15 @@ def torch_job():
         losses = torch.nn.functional.cross_entropy(model(X[index]), Y[index], reduction="none")
         loss = (losses * keep).sum() / args.global_batch
         optimizer.zero_grad()
-        (scaler.scale(loss) if scaler is not None else loss).backward()
+        scaler.scale(loss).backward()
         handles = [hvd.allreduce_async_(q.grad, name=f"grad.{i}", op=hvd.Sum)
                    for i, q in enumerate(model.parameters())]
         faults.maybe_fire(hvd.rank(), state.step, where="allreduce")
         for handle in handles:
             hvd.synchronize(handle)
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
         state.metric += [float(loss.detach()), 1.0]
 
     def finals():
@@ -180,8 +171,7 @@ def torch_job():
         for pid, st in optimizer.state_dict()["state"].items():
             for k, v in st.items():
                 arrays[f"opt/{pid}/{k}"] = v.numpy() if torch.is_tensor(v) else np.asarray(v)
-        if scheduler is not None:
-            arrays["lr"] = np.asarray(scheduler.get_last_lr())
+        arrays["lr"] = np.asarray(scheduler.get_last_lr())
         return arrays
 
     loop(state, hvd, sampler, lambda s: sampler.batches(), step_fn, synced_record, finals, faults, resizes, probe)
