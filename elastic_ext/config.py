@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 from elastic_ext.errors import ConfigError
 
@@ -53,6 +53,16 @@ def _parse_float(name: str, text: str) -> float:
 
 def _parse_path(name: str, text: str) -> str:
     return text
+
+
+def _parse_every(name: str, text: str) -> Union[int, str]:
+    """An integer, or "auto" (``checkpoint_every``)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ConfigError(f"{name} ({text!r}) must be an integer or 'auto'") from None
 
 
 # How a variable's text becomes a field's value, by the type of the field's default (None: a path).
@@ -106,7 +116,9 @@ class ElasticConfig:
             :mod:`elastic_ext.checkpoint`); a fresh job resumes from the
             newest valid one. ``None`` turns durable checkpoints off.
         checkpoint_every: write a checkpoint every this many commits (by
-            commit id).
+            commit id); ``"auto"``: as often as Young's rule says from the
+            measured cost of a write and the failures the job has seen
+            (:mod:`elastic_ext.checkpoint.cadence`).
         checkpoint_keep_last: keep the newest this many checkpoints.
         checkpoint_keep_every: also keep every checkpoint whose commit id is
             a multiple of this; 0 keeps no extra ones.
@@ -172,7 +184,7 @@ class ElasticConfig:
     overlap_commit: bool = False
     prestart_newcomers: bool = True
     checkpoint_dir: Optional[str] = None
-    checkpoint_every: int = 1
+    checkpoint_every: Union[int, str] = dataclasses.field(default=1, metadata={"parse": _parse_every})
     checkpoint_keep_last: int = 3
     checkpoint_keep_every: int = 0
     checkpoint_wait_s: float = 0.0
@@ -211,7 +223,10 @@ class ElasticConfig:
         if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str)
                                                 or not self.checkpoint_dir.strip()):
             raise ConfigError(f"checkpoint_dir ({self.checkpoint_dir!r}) must be a non-empty path or None")
-        for name, low in (("checkpoint_every", 1), ("checkpoint_keep_last", 1), ("checkpoint_keep_every", 0),
+        every = self.checkpoint_every
+        if every != "auto" and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+            raise ConfigError(f"checkpoint_every ({every!r}) must be an integer >= 1 or 'auto'")
+        for name, low in (("checkpoint_keep_last", 1), ("checkpoint_keep_every", 0),
                           ("checkpoint_failure_limit", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -237,7 +252,7 @@ class ElasticConfig:
             text = env.get(name)
             if text is None or (field.default is None and not text.strip()):
                 continue  # an empty path means "not set", as if the variable were absent
-            values[field.name] = _PARSERS[type(field.default)](name, text)
+            values[field.name] = field.metadata.get("parse", _PARSERS.get(type(field.default)))(name, text)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
@@ -269,3 +284,36 @@ def horovod_rendezvous(environ: Optional[Mapping[str, str]] = None) -> Optional[
     if not addr or not port:
         return None
     return addr, _parse_int(ENV_HOROVOD_RENDEZVOUS_PORT, port)
+
+
+# --- preemption notices (elastic_ext.launch.notices) ------------------------------------------------------------
+# Which metadata service a worker watches for preemption notices, read by the launcher's entry module. Unset: the
+# cloud is detected from the machine's DMI data (docs/preemption.md). "off"; a cloud ("aws", "gcp", "azure"); or
+# "CLOUD=URL" to ask that cloud's documented paths under another base URL (IMDS over IPv6, the tests' local
+# server, where "{host}" stands for the worker's host name); several, separated by commas, are all watched.
+ENV_NOTICE_ENDPOINT = "ELASTIC_EXT_NOTICE_ENDPOINT"
+NOTICE_CLOUDS = ("aws", "gcp", "azure")
+
+
+def notice_endpoints(environ: Optional[Mapping[str, str]] = None) -> Optional[list]:
+    """``ELASTIC_EXT_NOTICE_ENDPOINT`` as [(cloud, base URL or None), ...] ([] for "off"); None when unset.
+
+    Raises:
+        ConfigError: an entry names no known cloud, or its URL is not http(s).
+    """
+    env = os.environ if environ is None else environ
+    text = env.get(ENV_NOTICE_ENDPOINT, "").strip()
+    if not text:
+        return None
+    if text.lower() == "off":
+        return []
+    endpoints = []
+    for item in text.split(","):
+        cloud, sep, url = item.strip().partition("=")
+        cloud, url = cloud.strip().lower(), url.strip()
+        if cloud not in NOTICE_CLOUDS or (sep and not url.startswith(("http://", "https://"))):
+            raise ConfigError(f"{ENV_NOTICE_ENDPOINT} ({text!r}): {item.strip()!r} must be one of "
+                              f"{list(NOTICE_CLOUDS)} or CLOUD=URL with an http(s) URL, e.g. "
+                              "'aws=http://[fd00:ec2::254]'; or the whole value 'off'")
+        endpoints.append((cloud, url.rstrip("/") if sep else None))
+    return endpoints

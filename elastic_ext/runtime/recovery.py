@@ -113,6 +113,7 @@ class Recoverer:
         if self.cut_links:
             self.links.abort(str(exc))
         count = state.rollbacks.note(state.commit_id)
+        state._note_failure()  # checkpoint_every="auto" follows the failures seen
         lost_s, step_now = state.seconds_since_commit, self.steps_now(state)
         if count > config.rollback_limit:
             state.events.emit(ROLLBACK_LIMIT, commit_id=state.commit_id, rollbacks=count,
@@ -186,7 +187,8 @@ def leave(state: "State", liveness: Liveness, kind: str, cause: str) -> None:
     if kind == "mpi":
         # Every rank waits for rank 0's write: mpirun kills the others as soon as one exits.
         state.binding.allreduce_max(np.zeros(1, dtype=np.int64), "elastic_ext.leave")
-    state.events.emit(LEAVE, commit_id=state.commit_id, cause=cause, durable_commit_id=durable)
+    notice = {"notice": liveness.leave_notice} if liveness.leave_notice and cause == liveness.leave_cause else {}
+    state.events.emit(LEAVE, commit_id=state.commit_id, cause=cause, durable_commit_id=durable, **notice)
     if kind == "gloo":
         _shut_down_with_the_others(state.binding, max(1.0, min(10.0, (liveness.leave_time_left() or 0.0))))
     logging.shutdown()
