@@ -208,7 +208,7 @@ def _install_signal(config: ElasticConfig, liveness: Liveness, environ: Mapping[
             signal.getsignal(NOTICE_SIGNAL) is not signal.SIG_DFL:
         return
     notice = signal_notice(environ)
-    signal.signal(NOTICE_SIGNAL, lambda signum, frame: act(notice, config, liveness, environ, report=False))
+    signal.signal(NOTICE_SIGNAL, lambda signum, frame: act(notice, config, liveness, environ))
 
 
 def _accept_job_notices(config: ElasticConfig, liveness: Liveness) -> None:
