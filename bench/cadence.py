@@ -1,4 +1,4 @@
-"""Training lost and time to finish under one schedule of job deaths: ``checkpoint_every="auto"`` against fixed cadences.
+"""Training lost and time to finish under one schedule of job deaths: ``checkpoint_every="auto"`` vs fixed cadences.
 
 Run from the repository root: ``.venv/bin/python -m bench.cadence``.
 

@@ -103,7 +103,7 @@ class Cadence:
         self._excess = 0.0
 
     def on_write_done(self, duration_s: float) -> Optional[Dict[str, Any]]:
-        """A write finished after ``duration_s``; returns the ``checkpoint_cadence`` event's fields if ``every`` changed."""
+        """A write finished after ``duration_s``; the ``checkpoint_cadence`` event's fields if ``every`` changed."""
         self.write_s = _average(self.write_s, duration_s)
         if self._excess is not None:
             self.write_cost_s = _average(self.write_cost_s, max(0.0, self._excess))

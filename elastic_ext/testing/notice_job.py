@@ -181,8 +181,8 @@ def _batch_pid(job_id: str) -> int:
     """The PID of the batch script's process (the ``exec``-ed launcher): on this machine, by its job id."""
     for proc in psutil.process_iter(["cmdline", "environ"]):
         try:
-            environ = proc.info["environ"] or {}
-            if environ.get("SLURM_JOB_ID") == job_id and "elastic_ext.launch.horovodrun" in (proc.info["cmdline"] or []):
+            environ, cmdline = proc.info["environ"] or {}, proc.info["cmdline"] or []
+            if environ.get("SLURM_JOB_ID") == job_id and "elastic_ext.launch.horovodrun" in cmdline:
                 return proc.pid
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
