@@ -25,11 +25,12 @@ interval", CACM 17(9), 1974)::
   accordingly, and one early failure that makes ``M`` too short costs
   little (writes are then as frequent as the lower bound allows, the
   waste grows as ``(sqrt(k) + 1/sqrt(k)) / 2`` for ``M`` ``k`` times too short).
-- Bounds: ``tau`` at least one write's duration plus one commit interval (a
-  write never waits for the previous one, and every write is followed by a
-  commit without one, which measures ``C``) and at most
-  :data:`MAX_INTERVAL_S`; in commits, ``every = round(tau / interval)``, at
-  least :data:`MIN_EVERY`.
+- Bounds: ``tau`` at least one write's duration plus one commit interval
+  and at most :data:`MAX_INTERVAL_S`; in commits, ``every = round(tau /
+  interval)``, at least :data:`MIN_EVERY`. A checkpoint is never due while
+  the previous write runs (no skipped checkpoint, no commit waits), nor
+  before one commit interval without a write has passed since it (the
+  baseline ``C`` is measured against).
 
 Before ``C`` is known a checkpoint is due every :data:`MIN_EVERY` commits.
 ``every`` is recomputed after each write and each failure; a
@@ -72,6 +73,7 @@ class Cadence:
         self.write_s: Optional[float] = None         # a write's duration
         self._last_commit: Optional[float] = None
         self._excess: Optional[float] = 0.0          # the running write's cost so far (None: not measurable)
+        self._idle_since_write = 0                   # commit intervals without a write since the last one began
 
     @property
     def training_s(self) -> float:
@@ -89,6 +91,8 @@ class Cadence:
         if last is None:
             return
         interval = now - last
+        if not writing:
+            self._idle_since_write += 1
         if self.interval_s is not None and interval > OUTLIER * self.interval_s:
             self._excess = None if writing else self._excess   # a reset or a pause in it: no cost sample
             return
@@ -101,6 +105,7 @@ class Cadence:
 
     def on_write_started(self) -> None:
         self._excess = 0.0
+        self._idle_since_write = 0
 
     def on_write_done(self, duration_s: float) -> Optional[Dict[str, Any]]:
         """A write finished after ``duration_s``; the ``checkpoint_cadence`` event's fields if ``every`` changed."""
@@ -136,7 +141,8 @@ class Cadence:
                 "failures": self.failures, "training_s": self.training_s}
 
     def due(self, commit_id: int, last_written: Optional[int]) -> bool:
-        return last_written is None or commit_id - last_written >= self.every
+        """``every`` commits since the last write, one interval of them without a write (C's baseline)."""
+        return last_written is None or (commit_id - last_written >= self.every and self._idle_since_write >= 1)
 
     def to_manifest(self) -> Dict[str, float]:
         """What a checkpoint keeps of the tally (the ``cadence`` field of its manifest)."""

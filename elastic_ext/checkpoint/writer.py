@@ -113,6 +113,8 @@ class Checkpointer:
     def due(self, commit_id: int) -> bool:
         """True if commit ``commit_id`` should be checkpointed (every N-th, or one was skipped)."""
         if self.cadence is not None:
+            if self._thread is not None and self._thread.is_alive():
+                return False  # the cadence waits for a running write rather than skip or owe a checkpoint
             regular = self.cadence.due(commit_id, self.last_written)
         else:
             regular = commit_id % self._config.checkpoint_every == 0

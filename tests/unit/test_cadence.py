@@ -78,10 +78,17 @@ def test_a_costly_write_is_bounded_above():
     assert policy.every == round(MAX_INTERVAL_S / 1.0)
 
 
-def test_before_the_cost_is_known_a_checkpoint_is_due_every_min_every_commits():
-    policy = Cadence(Clock())
-    assert policy.every == MIN_EVERY
-    assert policy.due(1, None) and not policy.due(2, 1) and policy.due(3, 1)
+def test_before_the_cost_is_known_a_checkpoint_is_due_every_min_every_commits_after_one_without_a_write():
+    clock = Clock()
+    policy = Cadence(clock)
+    assert policy.every == MIN_EVERY and policy.due(1, None)
+    policy.on_write_started()                      # commit 1 writes
+    commits(policy, clock, [1.0], writing=True)    # commit 2
+    assert not policy.due(2, 1)
+    commits(policy, clock, [1.0], writing=True)    # commit 3: the write still ran in the interval
+    assert not policy.due(3, 1), "no commit interval without a write yet: no baseline"
+    commits(policy, clock, [1.0])                  # commit 4
+    assert policy.due(4, 1)
     assert policy.on_failure() is None, "no cost, no interval: nothing changes"
 
 
