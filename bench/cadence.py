@@ -45,9 +45,8 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     from bench.models import mlp
-    from elastic_ext import State
     from elastic_ext.config import ElasticConfig
-    from elastic_ext.testing import SoloBinding
+    from elastic_ext.testing import SoloBinding, state_on
 
     torch.set_num_threads(args.threads)
     model = mlp([args.width] * (args.layers + 1))
@@ -55,7 +54,7 @@ def child(args: argparse.Namespace) -> None:
     every = args.every if args.every == "auto" else int(args.every)
     config = ElasticConfig(checkpoint_dir=os.path.join(args.dir, "ckpt"), checkpoint_every=every,
                            checkpoint_keep_last=2, events_path=os.path.join(args.dir, "events.jsonl"))
-    state = State(binding=SoloBinding(), config=config, model=model, optimizer=optimizer, step=0)
+    state = state_on(SoloBinding(), config=config, model=model, optimizer=optimizer, step=0)
     state.sync()  # the newest checkpoint, if any
     x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(1))
     with open(os.path.join(args.dir, "steps.jsonl"), "a", encoding="utf-8") as log:

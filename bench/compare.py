@@ -107,8 +107,7 @@ def launch_jobs(system: str, log_dir: str, hosts_file: str, checkpoint: str,
         if system == "ext":
             cmd = launch.under_elastic_ext_driver(cmd)  # elastic-horovodrun, the same arguments
         env = launch.base_env(HOROVOD_FUSION_THRESHOLD=harness.HOROVOD_DEFAULT_FUSION,
-                              ELASTIC_EXT_EVENTS_PATH=os.path.join(log_dir, "events-{rank}.jsonl"),
-                              **({"ELASTIC_EXT_OVERLAP_COMMIT": "1"} if args.overlap_commit else {}))
+                              ELASTIC_EXT_EVENTS_PATH=os.path.join(log_dir, "events-{rank}.jsonl"))
         return [launch.Job(cmd, env, os.path.join(log_dir, "horovodrun.log"))]
     port = harness.free_port()
     # With the rendezvous TCP store shared with the workers (the default), the workers of the
@@ -255,8 +254,6 @@ def main() -> int:
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--overhead-s", type=float, default=12.0,
                         help="seconds of each failure-free job (two per system, in the order A B C C B A); 0: none")
-    parser.add_argument("--overlap-commit", action="store_true",
-                        help="elastic_ext with ElasticConfig.overlap_commit (its commit's allreduce in the background)")
     parser.add_argument("--name", default="compare", help="result file stem under bench/results")
     args = parser.parse_args()
     systems = [s for s in args.systems.split(",") if s]  # default: every system but ext_horovodrun
@@ -278,8 +275,7 @@ def main() -> int:
                      "compute_ms_per_sample": args.compute_ms_per_sample, "global_batch": args.global_batch,
                      "workers": WORKERS_PER_JOB, "horovod_hosts": hosts, "slots_per_host": SLOTS_PER_HOST,
                      "dataset_size": DATASET_SIZE, "torchrun_max_restarts": TORCHRUN_MAX_RESTARTS,
-                     "kill_jitter_s": [0, JITTER_S], "overhead_s": args.overhead_s,
-                     "overlap_commit": args.overlap_commit},
+                     "kill_jitter_s": [0, JITTER_S], "overhead_s": args.overhead_s},
         "work_dir": work}
     results: Dict[str, Dict[str, Any]] = {}
     for system in systems:

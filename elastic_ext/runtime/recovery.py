@@ -28,9 +28,11 @@ import numpy as np
 
 from elastic_ext.errors import NumericFaultError, RollbackLimitError, error_detail
 from elastic_ext.events import LEAVE, RECOVERED, RESET, RESIZE, ROLLBACK, ROLLBACK_LIMIT
+from elastic_ext.launch.gloo_timeout import reset_timeout
 from elastic_ext.runtime.connections import CollectiveConnections
 from elastic_ext.runtime.numeric_recovery import NumericRecovery
 from elastic_ext.launch.sigterm import LEAVE_EXIT_CODE
+from elastic_ext.policies.eviction import exclude_host, host_name
 from elastic_ext.liveness import Liveness
 
 if TYPE_CHECKING:
@@ -159,18 +161,25 @@ class Recoverer:
         the function is then called again in the larger world (from the
         commit, which already holds the end of training).
 
+        First, and also when no newcomer is on its way, it waits for the last
+        commit's overlapped collective (see ``State._settle_commits``).
+
         Raises:
             HostsUpdatedInterrupt: on every rank together, when an early start is under way.
         """
+        self.state._settle_commits()
         if not self.state._early_start_under_way():
             return
         from horovod.common.exceptions import HostsUpdatedInterrupt
         self.state.commit()  # may agree the resize itself (the newcomers are there)
+        self.state._settle_commits()
         raise HostsUpdatedInterrupt(False)
 
     def reset(self) -> None:
         """Re-initialises Horovod for the next world, then the State's reset callbacks."""
         started = time.perf_counter()
+        if self.kind == "gloo":
+            reset_timeout(self.state.config, self.state.binding.size())
         self.links.before_init()
         self.state.binding.reset()
         self.links.after_init()
@@ -188,6 +197,8 @@ def leave(state: "State", liveness: Liveness, kind: str, cause: str) -> None:
         # Every rank waits for rank 0's write: mpirun kills the others as soon as one exits.
         state.binding.allreduce_max(np.zeros(1, dtype=np.int64), "elastic_ext.leave")
     notice = {"notice": liveness.leave_notice} if liveness.leave_notice and cause == liveness.leave_cause else {}
+    if notice:  # the driver drops the host for this job; the exclude file keeps it out of a restarted one too
+        exclude_host(state.config.exclude_file, host_name(), f"{notice['notice']['source']} preemption notice")
     state.events.emit(LEAVE, commit_id=state.commit_id, cause=cause, durable_commit_id=durable, **notice)
     if kind == "gloo":
         _shut_down_with_the_others(state.binding, max(1.0, min(10.0, (liveness.leave_time_left() or 0.0))))

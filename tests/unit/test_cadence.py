@@ -6,12 +6,11 @@ import math
 import pytest
 import torch
 
-from elastic_ext import State
 from elastic_ext.checkpoint import CheckpointStore, checkpoint_name, read_checkpoint
 from elastic_ext.checkpoint.cadence import MAX_INTERVAL_S, MIN_EVERY, PRIOR_MTBF_S, Cadence
 from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import ConfigError
-from elastic_ext.testing import SoloBinding
+from elastic_ext.testing import SoloBinding, state_on
 
 
 class Clock:
@@ -130,8 +129,8 @@ def job(directory, seed=0):
     torch.manual_seed(seed)
     model = torch.nn.Linear(8, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    state = State(binding=SoloBinding(), config=ElasticConfig(checkpoint_dir=str(directory), checkpoint_every="auto"),
-                  model=model, optimizer=optimizer, step=0)
+    state = state_on(SoloBinding(), config=ElasticConfig(checkpoint_dir=str(directory), checkpoint_every="auto"),
+                     model=model, optimizer=optimizer, step=0)
     state.sync()
     return state
 
