@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 from elastic_ext.errors import ConfigError
 
@@ -27,9 +27,13 @@ ENV_LAUNCHER = "ELASTIC_EXT_LAUNCHER"  # set by elastic-horovodrun for its worke
 # Set by horovodrun for every elastic worker: where its rendezvous server listens.
 ENV_HOROVOD_RENDEZVOUS_ADDR = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
 ENV_HOROVOD_RENDEZVOUS_PORT = "HOROVOD_GLOO_RENDEZVOUS_PORT"
-# Variables of this prefix that are not settings: the launcher's to its workers, and tools/setup.sh's cache.
+# Where workers ask for preemption notices (docs/preemption.md; unset: the cloud the firmware names).
+ENV_NOTICE_ENDPOINT = "ELASTIC_EXT_NOTICE_ENDPOINT"
+NOTICE_CLOUDS = ("aws", "gcp", "azure")
+# Variables of this prefix that are not settings: the launcher's to its workers, tools/setup.sh's cache, and the
+# notices' endpoint (a test seam, and the rare machine whose endpoint is elsewhere).
 NOT_SETTINGS = frozenset({ENV_RESTART_IN_PLACE, ENV_RESTARTED_IN_PLACE, ENV_LAUNCHER, ENV_MIN_NP,
-                          "ELASTIC_EXT_CACHE"})
+                          "ELASTIC_EXT_CACHE", ENV_NOTICE_ENDPOINT})
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -44,11 +48,11 @@ def _parse_bool(name: str, text: str) -> bool:
     raise ConfigError(f"{name} ({text!r}) must be one of {sorted(_TRUE | _FALSE)}")
 
 
-def _parse_int(name: str, text: str) -> int:
+def _parse_int(name: str, text: str, expected: str = "an integer") -> int:
     try:
         return int(text.strip())
     except ValueError:
-        raise ConfigError(f"{name} ({text!r}) must be an integer") from None
+        raise ConfigError(f"{name} ({text!r}) must be {expected}") from None
 
 
 def _parse_float(name: str, text: str) -> float:
@@ -60,6 +64,11 @@ def _parse_float(name: str, text: str) -> float:
 
 def _parse_path(name: str, text: str) -> str:
     return text
+
+
+def _parse_every(name: str, text: str) -> Union[int, str]:
+    """An integer, or "auto" (``checkpoint_every``)."""
+    return "auto" if text.strip().lower() == "auto" else _parse_int(name, text, "an integer or 'auto'")
 
 
 # How a variable's text becomes a field's value, by the type of the field's default (None: a path).
@@ -92,7 +101,9 @@ class ElasticConfig:
             :mod:`elastic_ext.checkpoint`); a fresh job resumes from the
             newest valid one. ``None`` turns durable checkpoints off.
         checkpoint_every: write a checkpoint every this many commits (by
-            commit id).
+            commit id); ``"auto"``: as often as Young's rule says from the
+            measured cost of a write and the failures the job has seen
+            (:mod:`elastic_ext.checkpoint.cadence`).
         checkpoint_keep_last: keep the newest this many checkpoints.
         checkpoint_failure_limit: after this many checkpoint writes failed
             in a row (a full disk, lost storage credentials, a bad path),
@@ -161,7 +172,7 @@ class ElasticConfig:
     events_path: Optional[str] = None
     commit_buffers: int = 1
     checkpoint_dir: Optional[str] = None
-    checkpoint_every: int = 1
+    checkpoint_every: Union[int, str] = dataclasses.field(default=1, metadata={"parse": _parse_every})
     checkpoint_keep_last: int = 3
     checkpoint_failure_limit: int = 5
     replica_check_every: int = 10
@@ -201,7 +212,10 @@ class ElasticConfig:
         if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str)
                                                 or not self.checkpoint_dir.strip()):
             raise ConfigError(f"checkpoint_dir ({self.checkpoint_dir!r}) must be a non-empty path or None")
-        for name, low in (("checkpoint_every", 1), ("checkpoint_keep_last", 1), ("checkpoint_failure_limit", 1)):
+        every = self.checkpoint_every
+        if every != "auto" and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+            raise ConfigError(f"checkpoint_every ({every!r}) must be an integer >= 1 or 'auto'")
+        for name, low in (("checkpoint_keep_last", 1), ("checkpoint_failure_limit", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"{name} ({value!r}) must be an integer >= {low}")
@@ -225,7 +239,7 @@ class ElasticConfig:
             text = env.get(name)
             if text is None or (field.default is None and not text.strip()):
                 continue  # an empty path means "not set", as if the variable were absent
-            values[field.name] = _PARSERS[type(field.default)](name, text)
+            values[field.name] = field.metadata.get("parse", _PARSERS.get(type(field.default)))(name, text)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
@@ -264,3 +278,20 @@ def launch_min_np(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
     env = os.environ if environ is None else environ
     text = env.get(ENV_MIN_NP, "").strip()
     return _parse_int(ENV_MIN_NP, text) if text else None
+
+
+def notice_endpoints(environ: Optional[Mapping[str, str]] = None) -> Optional[list]:
+    """``ELASTIC_EXT_NOTICE_ENDPOINT`` ("off", or CLOUD or CLOUD=URL, comma-separated) as [(cloud, base URL or
+    None), ...] ([] for "off"); None when unset. Raises ConfigError naming an unknown cloud or a non-http(s) URL."""
+    env = os.environ if environ is None else environ
+    text = env.get(ENV_NOTICE_ENDPOINT, "").strip()
+    if not text or text.lower() == "off":
+        return [] if text else None
+    endpoints = []
+    for item in text.split(","):
+        cloud, sep, url = (part.strip() for part in item.partition("="))
+        if cloud.lower() not in NOTICE_CLOUDS or (sep and not url.startswith(("http://", "https://"))):
+            raise ConfigError(f"{ENV_NOTICE_ENDPOINT} ({text!r}): {item.strip()!r} must be one of "
+                              f"{list(NOTICE_CLOUDS)} or CLOUD=URL, URL http(s), e.g. 'aws=http://[fd00:ec2::254]'")
+        endpoints.append((cloud.lower(), url.rstrip("/") if sep else None))
+    return endpoints

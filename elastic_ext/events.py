@@ -58,7 +58,9 @@ The run loop (``run.py``):
   seconds (the job was suspended); the stall clock restarted.
 - ``leave`` (:data:`LEAVE`): a SIGTERMed worker, or every rank under MPI,
   leaves at a commit; ``commit_id``, ``cause``, ``durable_commit_id`` (the
-  newest checkpoint rank 0 made durable first).
+  newest checkpoint rank 0 made durable first); after a preemption notice
+  (``cause`` ``"preemption"``, :mod:`elastic_ext.launch.notices`) also
+  ``notice``: its ``source``, ``kind``, ``detail`` and ``seen`` (Unix time).
 - ``straggler`` (:data:`STRAGGLER`): every rank, when the commit's table
   shows one rank slow for long enough (:mod:`elastic_ext.policies.eviction`);
   ``commit_id``, ``evicted_rank``, ``step``, ``ratio``, ``slow_since``,
@@ -97,6 +99,12 @@ Durable checkpoints (the checkpoint writer, and State on resume):
 - ``checkpoint_resumed`` (:data:`CHECKPOINT_RESUMED`): a new job started
   from a checkpoint; ``commit_id``, ``path``, ``world_size``,
   ``data_cursor``.
+- ``checkpoint_cadence`` (:data:`CHECKPOINT_CADENCE`): with
+  ``checkpoint_every="auto"``, rank 0 changed the cadence
+  (:mod:`elastic_ext.checkpoint.cadence`); ``every`` (commits),
+  ``interval_s``, ``reason`` (``write``, ``failure``), ``write_cost_s``,
+  ``write_s``, ``commit_interval_s``, ``mtbf_s``, ``failures``,
+  ``training_s``, ``commit_id``.
 """
 
 from __future__ import annotations
@@ -127,6 +135,7 @@ CHECKPOINT_SKIPPED = "checkpoint_skipped"
 CHECKPOINT_FAILED = "checkpoint_failed"
 CHECKPOINT_FAILING = "checkpoint_failing"
 CHECKPOINT_RESUMED = "checkpoint_resumed"
+CHECKPOINT_CADENCE = "checkpoint_cadence"
 NUMERIC_ROLLBACK = "numeric_rollback"
 STRAGGLER = "straggler"
 REPLICA_MISMATCH = "replica_mismatch"
@@ -136,7 +145,8 @@ RESTARTED_IN_PLACE = "restarted_in_place"
 #: Every event name elastic_ext emits (the module docstring says what each means).
 ALL_EVENTS = (SYNC, ROLLBACK, ROLLBACK_LIMIT, RESIZE, PRESTART, NEWCOMERS_JOINED, RESET, RECOVERED,
               FINISH, STALL, SUSPENDED, LEAVE, CHECKPOINT, CHECKPOINT_SKIPPED, CHECKPOINT_FAILED, CHECKPOINT_FAILING,
-              CHECKPOINT_RESUMED, NUMERIC_ROLLBACK, STRAGGLER, REPLICA_MISMATCH, JOB_RESTART, RESTARTED_IN_PLACE)
+              CHECKPOINT_RESUMED, CHECKPOINT_CADENCE, NUMERIC_ROLLBACK, STRAGGLER, REPLICA_MISMATCH, JOB_RESTART,
+              RESTARTED_IN_PLACE)
 
 
 class EventLog:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
-from typing import ContextManager, Iterator, List, Optional
+from typing import Any, ContextManager, Dict, Iterator, List, Optional
 
 
 class Liveness:
@@ -34,6 +34,7 @@ class Liveness:
         self._in_training = threading.Event()
         self._leave_deadline: Optional[float] = None
         self.leave_cause = "sigterm"
+        self.leave_notice: Optional[Dict[str, Any]] = None  # the preemption notice that asked, for the event
 
     def progress(self) -> None:
         """Marks that training moved forward."""
@@ -82,10 +83,11 @@ class Liveness:
         """True once this worker was asked to leave (SIGTERM) and has not left yet."""
         return self._leaving.is_set()
 
-    def ask_to_leave(self, grace_s: float, cause: str = "sigterm") -> None:
-        """Records a request to leave at the next commit, within ``grace_s`` (``cause``: for the event)."""
+    def ask_to_leave(self, grace_s: float, cause: str = "sigterm", notice: Optional[Dict[str, Any]] = None) -> None:
+        """Records a request to leave at the next commit, within ``grace_s`` (``cause`` and ``notice``: for the event)."""
         self._leave_deadline = time.monotonic() + grace_s
         self.leave_cause = cause
+        self.leave_notice = notice
         self._leaving.set()
 
     def leave_time_left(self) -> Optional[float]:

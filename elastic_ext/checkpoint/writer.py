@@ -27,8 +27,9 @@ from elastic_ext.checkpoint.format import Loaded
 from elastic_ext.checkpoint.store import CheckpointStore
 from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import CheckpointError, error_detail
-from elastic_ext.events import (CHECKPOINT, CHECKPOINT_FAILED, CHECKPOINT_FAILING, CHECKPOINT_RESUMED,
-                                CHECKPOINT_SKIPPED, EventLog)
+from elastic_ext.checkpoint.cadence import Cadence
+from elastic_ext.events import (CHECKPOINT, CHECKPOINT_CADENCE, CHECKPOINT_FAILED, CHECKPOINT_FAILING,
+                                CHECKPOINT_RESUMED, CHECKPOINT_SKIPPED, EventLog)
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,10 @@ class Checkpointer:
     (warning and a ``checkpoint_skipped`` event) and the next commit is
     checkpointed instead: a commit never waits on storage. Only a forced
     write (a leave, a resize) waits for the running one first.
+
+    With ``checkpoint_every="auto"`` a :class:`~elastic_ext.checkpoint.cadence.Cadence`
+    decides when a checkpoint is due, from what rank 0 measures here (the
+    commits' intervals with and without a write) and the failures seen.
 
     A failed write is retried at the next commit. After
     ``checkpoint_failure_limit`` failures in a row, :meth:`failing` says
@@ -65,6 +70,9 @@ class Checkpointer:
         self.last_written: Optional[int] = None
         self.failures_in_a_row = 0
         self._last_error: Optional[str] = None
+        self.cadence: Optional[Cadence] = Cadence() if config.checkpoint_every == "auto" else None
+        self._wrote_since_commit = False                 # a write ran since the last observed commit
+        self._duration_s = 0.0                           # the last write's duration
         atexit.register(_wait_at_exit, weakref.ref(self))
 
     def _collect(self) -> None:
@@ -77,6 +85,8 @@ class Checkpointer:
         if error is None:
             self.last_written = max(commit_id, self.last_written or 0)
             self.failures_in_a_row = 0
+            if self.cadence is not None:
+                self._cadence_event(self.cadence.on_write_done(self._duration_s), commit_id)
             return
         self._owed = True  # the next commit tries again rather than waiting a whole interval
         self.failures_in_a_row += 1
@@ -100,8 +110,33 @@ class Checkpointer:
 
     def due(self, commit_id: int) -> bool:
         """True if commit ``commit_id`` should be checkpointed (every N-th, or one was skipped)."""
-        return ((commit_id % self._config.checkpoint_every == 0 or self._owed)
-                and commit_id != self.last_written)
+        if self.cadence is not None:
+            if self._thread is not None and self._thread.is_alive():
+                return False  # the cadence waits for a running write rather than skip or owe a checkpoint
+            regular = self.cadence.due(commit_id, self.last_written)
+        else:
+            regular = commit_id % self._config.checkpoint_every == 0
+        return (regular or self._owed) and commit_id != self.last_written
+
+    def observe_commit(self) -> None:
+        """Rank 0, at each commit before :meth:`due`: the interval since the previous one, for the cadence."""
+        if self.cadence is None:
+            return
+        running = self._thread is not None and self._thread.is_alive()
+        self.cadence.on_commit(self._wrote_since_commit or running)
+        self._wrote_since_commit = running
+
+    def note_failure(self) -> None:
+        """A rollback: the cadence counts it (every rank; only rank 0's decides)."""
+        if self.cadence is not None:
+            self._cadence_event(self.cadence.on_failure(), None)
+
+    def _cadence_event(self, fields: Optional[Dict[str, Any]], commit_id: Optional[int]) -> None:
+        if fields is not None:
+            logger.info("checkpoint cadence: every %d commits (%.0fs; write cost %.3fs, mean time between "
+                        "failures %.0fs)", fields["every"], fields["interval_s"], fields["write_cost_s"],
+                        fields["mtbf_s"])
+            self._events.emit(CHECKPOINT_CADENCE, commit_id=commit_id, **fields)
 
     def on_commit(self, commit_id: int, names: Iterable[str], info: Dict[str, Any], force: bool = False) -> None:
         """Starts the background write of the last commit's entries ``names`` if one is due.
@@ -126,6 +161,10 @@ class Checkpointer:
         self._owed = False
         lease = self._buffers.lease(names)
         self._result_id = commit_id
+        if self.cadence is not None:
+            info = {**info, "cadence": self.cadence.to_manifest()}  # a restarted job goes on counting
+            self.cadence.on_write_started()
+            self._wrote_since_commit = True
         self._thread = threading.Thread(target=self._write, args=(commit_id, lease, dict(info)),
                                         name=f"elastic_ext-checkpoint-{commit_id}", daemon=True)
         self._thread.start()
@@ -147,8 +186,9 @@ class Checkpointer:
         # failed, which would change the cadence (a full write at every commit).
         deleted = self.store.apply_retention(commit_id, self._config.checkpoint_keep_last)
         nbytes = sum(int(a.nbytes) for e in lease.entries.values() for a in e.arrays.values())
+        self._duration_s = time.perf_counter() - started
         self._events.emit(CHECKPOINT, commit_id=commit_id, path=path, bytes=nbytes, deleted=deleted,
-                          not_deleted=list(self.store.not_deleted), duration_s=time.perf_counter() - started)
+                          not_deleted=list(self.store.not_deleted), duration_s=self._duration_s)
         self._result = (commit_id, None)
 
     def wait(self, timeout_s: Optional[float] = None) -> bool:
@@ -189,6 +229,8 @@ class Checkpointer:
         self._events.emit(CHECKPOINT_RESUMED, commit_id=loaded.commit_id, path=loaded.path,
                           world_size=loaded.manifest.get("world_size"),
                           data_cursor=loaded.manifest.get("data_cursor"))
+        if self.cadence is not None:
+            self._cadence_event(self.cadence.resumed(loaded.manifest.get("cadence")), loaded.commit_id)
 
 
 def _wait_at_exit(ref: "weakref.ref[Checkpointer]") -> None:

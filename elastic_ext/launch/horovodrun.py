@@ -11,7 +11,9 @@ elastic mode it is Horovod's ``ElasticDriver`` with the changes of
 :mod:`elastic_ext.launch.driver` (a failure's next round holds only the
 survivors, and the failed slot's new worker joins while they train; a host
 is blacklisted only when it lost every worker; the rounds are published to
-the workers; a replaced worker's late exit is not charged to its successor).
+the workers; a replaced worker's late exit is not charged to its successor),
+and with :mod:`elastic_ext.launch.noticed_hosts` (a host with a preemption
+notice leaves discovery; SIGUSR1, Slurm's ``--signal``, reaches every worker).
 
 The workers restart in place (:mod:`elastic_ext.launch.keeper`) when the
 job has durable checkpoints (``ELASTIC_EXT_CHECKPOINT_DIR``): a restarted
@@ -26,7 +28,7 @@ import sys
 from typing import Any, List, MutableMapping, Optional
 
 from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_LAUNCHER, ENV_MIN_NP, ENV_RESTART_IN_PLACE
-from elastic_ext.launch import driver
+from elastic_ext.launch import driver, noticed_hosts
 
 
 def restart_in_place_when_checkpointing(environ: MutableMapping[str, str]) -> bool:
@@ -92,6 +94,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     """The console script ``elastic-horovodrun``: ``horovodrun``'s arguments, the launcher's behaviour."""
     restart_in_place_when_checkpointing(os.environ)
     driver.install()
+    noticed_hosts.install()  # preemption notices: noticed hosts leave discovery; Slurm's signal reaches every worker
     _through_the_worker_entry()
     from horovod.runner.launch import run_commandline
     sys.argv = ["horovodrun", *(sys.argv[1:] if argv is None else argv)]

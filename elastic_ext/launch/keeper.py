@@ -47,10 +47,11 @@ Those restarts have their own, larger limit,
 every start would otherwise cost a round and a restart of every other
 worker forever (``--reset-limit`` bounds it on Horovod's side).
 
-The keeper ignores SIGTERM, SIGINT and SIGHUP: the driver's shutdown and a
-scheduler's preemption signal the whole process tree, and the child handles
-them (a SIGTERM is a leave at the next commit). The child dies with its
-keeper (``PR_SET_PDEATHSIG``).
+The keeper ignores SIGTERM, SIGINT, SIGHUP and SIGUSR1: the driver's
+shutdown and a scheduler's preemption signal the whole process tree, and
+the child handles them (a SIGTERM, or a SIGUSR1 preemption notice, is a
+leave at the next commit). The child dies with its keeper
+(``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ from elastic_ext.config import ENV_RESTARTED_IN_PLACE, elastic_horovodrun, resta
 
 MAX_RESTARTS_WITHOUT_JOINING = 2
 MAX_LOST_ROUNDS_WITHOUT_JOINING = 8
-IGNORED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+IGNORED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 PR_SET_PDEATHSIG = 1
 
 # Where the child is, in bytes the keeper reads after the child's end.

@@ -13,7 +13,9 @@ needs at that moment and what ``import elastic_ext`` therefore never does:
 3. Gloo's timeout for the first ``hvd.init()`` (:mod:`elastic_ext.launch.gloo_timeout`),
    the same as the survivors' resets wait;
 4. SIGTERM means "leave at the first commit" (:mod:`elastic_ext.launch.sigterm`),
-   also while the script builds its model and the job re-forms.
+   also while the script builds its model and the job re-forms;
+5. a preemption notice (the cloud's metadata endpoint, Slurm's signal) means
+   the same (:mod:`elastic_ext.launch.notices`).
 
 Then it runs the script as ``__main__`` in this interpreter, with
 ``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS`` would set them.
@@ -31,13 +33,14 @@ USAGE = "usage: python -m elastic_ext.launch.worker (SCRIPT | -m MODULE) [ARGS..
 
 
 def prepare() -> None:
-    """Steps 1 to 4 of the module docstring, in that order (the keeper forks before anything else runs)."""
-    from elastic_ext.launch import gloo_timeout, keeper, newcomer, sigterm
+    """Steps 1 to 5 of the module docstring, in that order (the keeper forks before anything else runs)."""
+    from elastic_ext.launch import gloo_timeout, keeper, newcomer, notices, sigterm
 
     keeper.install()
     newcomer.install()
     gloo_timeout.first_rendezvous_timeout()
     sigterm.install_early_sigterm()
+    notices.install()
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -32,6 +32,7 @@ from elastic_ext.launch.gloo_timeout import reset_timeout
 from elastic_ext.runtime.connections import CollectiveConnections
 from elastic_ext.runtime.numeric_recovery import NumericRecovery
 from elastic_ext.launch.sigterm import LEAVE_EXIT_CODE
+from elastic_ext.policies.eviction import exclude_host, host_name
 from elastic_ext.liveness import Liveness
 
 if TYPE_CHECKING:
@@ -118,6 +119,7 @@ class Recoverer:
             self.links.abort(str(exc))
         aborted = time.perf_counter()
         count = state.rollbacks.note(state.commit_id)
+        state._note_failure()  # checkpoint_every="auto" follows the failures seen
         lost_s, step_now = state.seconds_since_commit, self.steps_now(state)
         if count > config.rollback_limit:
             state.events.emit(ROLLBACK_LIMIT, commit_id=state.commit_id, rollbacks=count,
@@ -204,7 +206,10 @@ def leave(state: "State", liveness: Liveness, kind: str, cause: str) -> None:
     if kind == "mpi":
         # Every rank waits for rank 0's write: mpirun kills the others as soon as one exits.
         state.binding.allreduce_max(np.zeros(1, dtype=np.int64), "elastic_ext.leave")
-    state.events.emit(LEAVE, commit_id=state.commit_id, cause=cause, durable_commit_id=durable)
+    notice = {"notice": liveness.leave_notice} if liveness.leave_notice and cause == liveness.leave_cause else {}
+    if notice:  # the driver drops the host for this job; the exclude file keeps it out of a restarted one too
+        exclude_host(state.config.exclude_file, host_name(), f"{notice['notice']['source']} preemption notice")
+    state.events.emit(LEAVE, commit_id=state.commit_id, cause=cause, durable_commit_id=durable, **notice)
     if kind == "gloo":
         _shut_down_with_the_others(state.binding, max(1.0, min(10.0, (liveness.leave_time_left() or 0.0))))
     logging.shutdown()

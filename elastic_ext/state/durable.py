@@ -38,13 +38,22 @@ class DurableCommits:
     def _checkpoint_commit(self, force: bool = False) -> None:
         """Rank 0 hands the agreed commit's synced buffers to the background writer."""
         writer = self._checkpointer
-        if writer is None or self._safe_rank() != 0 or not (force or writer.due(self.commit_id)):
+        if writer is None or self._safe_rank() != 0:
+            return
+        if not force:
+            writer.observe_commit()  # checkpoint_every="auto" measures the commits' intervals
+        if not (force or writer.due(self.commit_id)):
             return
         names = self._tracked.synced(self._buffers.entries)
         info = {"world_size": self._binding.size(), "written_by_rank": 0, "generation": self.generation,
                 "commit_time": self._commit_time, "data_cursor": self._tracked.cursors(self._buffers.entries),
                 "adapters": {name: self._tracked.adapter(name).name for name in names}}
         writer.on_commit(self.commit_id, names, info, force=force)
+
+    def _note_failure(self) -> None:
+        """A rollback: the cadence of ``checkpoint_every="auto"`` counts the failures the job has seen."""
+        if self._checkpointer is not None:
+            self._checkpointer.note_failure()
 
     def _checkpoints_failing(self) -> Optional[str]:
         """On rank 0, what failed once its writes failed ``checkpoint_failure_limit`` times in a row; else None."""

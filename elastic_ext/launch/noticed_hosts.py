@@ -1,0 +1,162 @@
+"""The driver's side of preemption notices: a host with a notice leaves discovery; Slurm's signal reaches every worker.
+
+``elastic-horovodrun`` installs this in its driver (:func:`install`):
+
+1. **A host with a notice is dropped from discovery for good.** A worker
+   whose host has a notice (:mod:`elastic_ext.launch.notices`) writes the
+   host's name into the driver's rendezvous store (scope
+   :data:`~elastic_ext.launch.notices.NOTICE_SCOPE`); the driver records it
+   and leaves it out of every host list its discovery returns, whichever
+   script (``host_discovery/*.py``, a user's own, fixed hosts) produced it.
+   Otherwise a host whose workers left would still be listed until the
+   cloud takes it: Horovod would start new workers on it (when only some of
+   its workers had left) or take it back after a blacklist cooldown. The
+   store itself is cleared at every round; the record is kept here. No
+   shared file system is needed, as an exclude file would.
+2. **Slurm's signal for the whole job.** ``sbatch --signal=B:USR1@SECONDS``
+   signals the batch script, which ``exec elastic-horovodrun ...`` makes this
+   driver; its workers on other nodes, started over ssh, are in no job step.
+   On :data:`~elastic_ext.launch.notices.NOTICE_SIGNAL` the driver sends a
+   :class:`~elastic_ext.launch.notices.JobNotice` to every worker through
+   Horovod's notification service (authenticated with each worker's key),
+   and to each worker that registers its service later (one that was
+   still starting): every worker leaves at the next commit, rank 0 first
+   makes it durable. With no worker left, Horovod's driver ends the job
+   ("failure count == N"); a requeued job resumes from that commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import urllib.parse
+from typing import Any, Dict, Set
+
+from elastic_ext.launch.notices import NOTICE_SCOPE, NOTICE_SIGNAL, JobNotice, signal_notice
+
+logger = logging.getLogger(__name__)
+
+MAX_HOST_LEN = 253
+
+noticed: Set[str] = set()              # hosts with a notice, dropped from discovery for the job's life
+_originals: Dict[Any, Any] = {}        # (class, name) -> what install() replaced
+_drivers: list = []                    # the driver of this process, once Horovod created it
+_job_notices: list = []                # the JobNotice of this job, once the signal came
+
+
+def note(host: str) -> bool:
+    """Records that ``host`` has a notice; False (logged) for a name no discovery could have listed.
+
+    The name only ever filters discovered hosts (it is never started or run), so anything else passes.
+    """
+    if not host or len(host) > MAX_HOST_LEN or any(c.isspace() or c == ":" for c in host):
+        logger.error("elastic_ext: ignoring a preemption notice for host %r: not a host name", host[:MAX_HOST_LEN])
+        return False
+    if host not in noticed:
+        noticed.add(host)
+        logger.warning("elastic_ext: host %s has a preemption notice: its workers leave at their next commit, "
+                       "and discovery leaves it out from now on", host)
+    return True
+
+
+class WithoutNoticed:
+    """A Horovod discovery whose answers leave out the hosts with a notice."""
+
+    def __init__(self, discovery: Any) -> None:
+        self.discovery = discovery
+
+    def find_available_hosts_and_slots(self) -> Dict[str, int]:
+        found = self.discovery.find_available_hosts_and_slots()
+        return {host: slots for host, slots in found.items() if host not in noticed}
+
+
+def _send(client: Any, job_notice: JobNotice, host: str, local_rank: int) -> bool:
+    try:
+        client._send(job_notice)
+        return True
+    except Exception as exc:  # noqa: BLE001 - a worker that is gone already: the others still get it
+        logger.warning("elastic_ext: could not pass the notice to %s[%s]: %s", host, local_rank, exc)
+        return False
+
+
+def notify_every_worker(driver: Any, job_notice: JobNotice) -> int:
+    """Sends ``job_notice`` to every worker that registered its notification service; returns how many took it."""
+    clients = list(getattr(driver, "_worker_clients", {}).items())
+    return sum(_send(client, job_notice, host, local_rank) for (host, local_rank), client in clients)
+
+
+def on_signal(signum: int, frame: Any) -> None:
+    """The driver's handler of NOTICE_SIGNAL: every worker leaves at its next commit."""
+    notice = signal_notice()
+    logger.warning("elastic_ext: %s received (%s notice): every worker leaves at its next commit", 
+                   signal.Signals(signum).name, notice.source)
+
+    job_notice = JobNotice(notice.source, notice.kind, notice.detail)
+    _job_notices[:] = [job_notice]  # workers that register from now on get it when they do
+
+    def relay() -> None:
+        if _drivers:
+            taken = notify_every_worker(_drivers[0], job_notice)
+            logger.warning("elastic_ext: %d workers took the notice", taken)
+
+    threading.Thread(target=relay, name="elastic_ext-job-notice", daemon=True).start()
+
+
+def install() -> None:
+    """Installs both parts of the module docstring in this (the driver's) process; idempotent."""
+    if _originals:
+        return
+    from horovod.runner.elastic.discovery import HostManager
+    from horovod.runner.elastic.driver import ElasticDriver
+    from horovod.runner.http.http_server import KVStoreHandler
+
+    original_put = KVStoreHandler._put_value
+    original_update = HostManager.update_available_hosts
+    original_init = ElasticDriver.__init__
+    original_register = ElasticDriver.register_worker_server
+
+    def put_value(self: Any, scope: str, key: str, value: bytes) -> None:
+        if scope == NOTICE_SCOPE:
+            note(urllib.parse.unquote(key))
+        original_put(self, scope, key, value)
+
+    def update_available_hosts(self: Any) -> Any:
+        if not isinstance(self._discovery, WithoutNoticed):
+            self._discovery = WithoutNoticed(self._discovery)
+        return original_update(self)
+
+    def driver_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        _drivers[:] = [self]
+
+    def register_worker_server(self: Any, host: str, slot: int, addresses: Any, secret_key: Any) -> None:
+        original_register(self, host, slot, addresses, secret_key)
+        if _job_notices:  # a worker that was starting when the signal came
+            client = self._worker_clients[(host, slot)]
+            threading.Thread(target=_send, args=(client, _job_notices[0], host, slot), daemon=True,
+                             name="elastic_ext-job-notice-late").start()
+
+    for cls, name, replacement in ((KVStoreHandler, "_put_value", put_value),
+                                   (HostManager, "update_available_hosts", update_available_hosts),
+                                   (ElasticDriver, "__init__", driver_init),
+                                   (ElasticDriver, "register_worker_server", register_worker_server)):
+        _originals[(cls, name)] = getattr(cls, name)
+        setattr(cls, name, replacement)
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(NOTICE_SIGNAL) is signal.SIG_DFL:
+        signal.signal(NOTICE_SIGNAL, on_signal)
+
+
+def uninstall() -> None:
+    """Gives Horovod its own behaviour back and forgets the notices (tests run both in one process)."""
+    for (cls, name), original in _originals.items():
+        setattr(cls, name, original)
+    _originals.clear()
+    noticed.clear()
+    _drivers.clear()
+    _job_notices.clear()
+    if signal.getsignal(NOTICE_SIGNAL) is on_signal:
+        signal.signal(NOTICE_SIGNAL, signal.SIG_DFL)
+
+
+__all__ = ["noticed", "note", "WithoutNoticed", "notify_every_worker", "on_signal", "install", "uninstall"]
