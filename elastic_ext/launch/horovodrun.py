@@ -56,6 +56,7 @@ import sys
 from typing import Any, List, MutableMapping, Optional
 
 from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_LAUNCHER, ENV_RESTART_IN_PLACE, restart_in_place
+from elastic_ext.launch import ssh_keepalive
 from elastic_ext.launch.round_watch import ASSIGNED, CURRENT, SCOPE, failed_key
 
 _originals: dict = {}  # what install() replaced: (class, name) -> the original
@@ -212,6 +213,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     """The console script ``elastic-horovodrun``: ``horovodrun``'s arguments, the launcher's behaviour."""
     restart_in_place_by_default(os.environ)
     install()
+    ssh_keepalive.install()
     _through_the_worker_entry()
     from horovod.runner.launch import run_commandline
     sys.argv = ["horovodrun", *(sys.argv[1:] if argv is None else argv)]
