@@ -16,12 +16,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-JOB_TIERS = (os.path.join(REPO, "tests", "multiprocess"), os.path.join(REPO, "tests", "discovery"))
+JOB_TIERS = tuple(os.path.join(REPO, "tests", tier) for tier in ("multiprocess", "discovery", "multihost"))
 
 
 @pytest.fixture(autouse=True)
 def no_guardian_unless_hangs_are_tested(request, monkeypatch):
-    """Jobs of tests/multiprocess and tests/discovery start no guardian per worker.
+    """Jobs of tests/multiprocess, tests/discovery and tests/multihost start no guardian per worker.
 
     The guardian (one more Python process per worker) is there for hangs;
     the tests of hangs set ``ELASTIC_EXT_HANG_TIMEOUT_S`` themselves, and a

@@ -35,6 +35,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -231,10 +232,15 @@ class Cluster:
         _run("ip", "-n", ns, "link", "set", "lo", "up")
         etc = os.path.join(NETNS_ETC, ns)
         os.makedirs(etc)
+        # The hosts share the machine's host name (one UTS namespace); on each host it resolves to that
+        # host's own address, as a real host's name does: Horovod 0.28.1 builds its process sets' Gloo
+        # contexts on that address, not on --network-interfaces.
+        me = socket.gethostname()
         with open("/etc/hosts") as handle:
-            machine = handle.read()
+            machine = [line for line in handle.read().splitlines() if me not in line.split("#")[0].split()[1:]]
         names = "".join(f"{h.address} {h.name}\n" for h in self.hosts)
-        self._write(os.path.join(etc, "hosts"), f"{machine.rstrip()}\n{HOSTS_MARK}\n{names}")
+        self._write(os.path.join(etc, "hosts"),
+                    "\n".join(machine) + f"\n{HOSTS_MARK}\n{names}{host.address} {me}\n")
         home = os.path.join(self.state, ns)
         os.makedirs(home)
         self._keygen(os.path.join(home, "host_key"))
