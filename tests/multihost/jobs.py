@@ -12,6 +12,8 @@ import os
 import sys
 import time
 
+import psutil
+
 from elastic_ext.testing import ledger
 from tests.multiprocess import analysis, launch
 
@@ -77,6 +79,24 @@ def first_step_after(out, t):
     fresh = {r["start"] for r in records if "start" in r and r["t"] > t}
     times = [r["t"] for r in records if "gen" in r and r["gen"] in fresh and r["t"] > t]
     return min(times) if times else None
+
+
+def workers_on(cluster, host, script="train_torch.py"):
+    """The processes running the job's script on ``host`` (a keeper's child, not the keeper), by PID.
+
+    Horovod hands out ranks in an order of its own (a set's), so tests pick
+    their victims by host, not by rank.
+    """
+    started = []
+    for pid in cluster.processes(host):
+        try:
+            proc = psutil.Process(pid)
+            if any(arg.endswith(script) for arg in proc.cmdline()) and \
+                    proc.parent().cmdline() != proc.cmdline():  # the process Horovod started (maybe a keeper)
+                started.append(launch.script_process(proc).pid)
+        except psutil.NoSuchProcess:
+            continue
+    return sorted(started)
 
 
 def finish(job, timeout_s=WAIT_S * 2):
