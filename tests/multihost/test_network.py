@@ -30,7 +30,7 @@ EPOCHS = 2
 SLOW_UNTIL_STEP = 8
 PARTITION_STEP = 12
 REJOIN_STEP = 32
-COOLDOWN_RANGE = ("5", "10")  # Horovod's blacklist cooldown, s: the healed host is offered again 10 s after
+COOLDOWN_RANGE = ("3", "6")  # Horovod's blacklist cooldown, s: the healed host is offered again 6 s after
 DELAY_MS, LOSS_PERCENT = 50, 1
 
 
