@@ -3,9 +3,10 @@
 Horovod's driver runs a remote worker as ``ssh HOST 'cd ...; env ... python ...'``
 and learns of the worker's end from that ssh's end. A host that dies
 without a TCP reset (power lost, a kernel panic, a cut cable, a network
-partition) leaves that ssh waiting forever: an idle TCP connection never
-times out, so the driver never records the failure and never re-forms the
-job. With ``ServerAliveInterval`` and ``ServerAliveCountMax`` the ssh client
+partition) leaves that ssh waiting: an idle TCP connection does not time
+out, and ssh's own ``TCPKeepAlive`` waits for the kernel's keepalive (two
+hours and more by default), so the driver does not record the failure
+nor re-form the job for that long. With ``ServerAliveInterval`` and ``ServerAliveCountMax`` the ssh client
 asks the host for an answer after :data:`ALIVE_INTERVAL_S` of silence and
 gives up (exit 255) after :data:`ALIVE_COUNT_MAX` unanswered asks: the
 driver sees the worker fail :data:`DETECTION_S` at most after its host went
