@@ -10,7 +10,7 @@ hosts, not ranks. The phases, in order:
 2. once a later generation reached step 12, every process of eeh2 but its
    sshd is killed (a crashed machine whose connections reset): the job
    rolls back again and goes on without eeh2, which stays out;
-3. at step 32 rank 0 adds eeh3 to the host file: its worker joins.
+3. at step 20 rank 0 adds eeh3 to the host file: its worker joins.
 
 Every sample is seen exactly once over the committed history, no
 generation resumed more than one commit back, and every rank ends with
@@ -28,7 +28,7 @@ from tests.multiprocess import analysis, launch
 
 KILL_STEP = 6
 HOST_KILL_STEP = 12
-ADD_STEP = 32
+ADD_STEP = 20
 EPOCHS = 2
 
 
