@@ -22,8 +22,9 @@ The stall a durable checkpoint *adds* is ``durable_commit_s - plain_commit_s``;
 the headline ratio divides it by ``torch_save_s``. The ratio of the whole
 durable commit (snapshot included) to ``torch_save_s`` is reported as well.
 Before each measured commit the previous write is awaited (outside the
-timing): the regime where writes keep up with the checkpoint interval. Writes
-that do not keep up are bounded by ``checkpoint_wait_s`` instead.
+timing): the regime where writes keep up with the checkpoint interval (a
+write that does not keep up skips the next due checkpoint instead of
+stalling the commit).
 
 Writes ``bench/results/checkpoint.json`` and prints a table.
 """
@@ -44,10 +45,10 @@ import torch
 
 from bench import harness
 from bench.models import mlp
-from elastic_ext import State
 from elastic_ext.checkpoint import write_checkpoint
 from elastic_ext.config import ElasticConfig
 from elastic_ext.testing import SoloBinding
+from elastic_ext.testing import state_on
 
 def build(width: int) -> tuple:
     model = mlp([width, width, width])
@@ -84,8 +85,6 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the training steps (2: every "
                         "core of this machine trains, as on a busy node)")
-    parser.add_argument("--nice", type=int, default=ElasticConfig().checkpoint_nice,
-                        help="ElasticConfig.checkpoint_nice of the background write (0: full priority)")
     parser.add_argument("--max-steps", type=int, default=200, help="training steps run while one write goes on; "
                         "the rest of a longer write is waited for and counted as lost")
     parser.add_argument("--name", default="checkpoint", help="result file stem under bench/results")
@@ -104,11 +103,10 @@ def main() -> None:
         v.numel() * v.element_size() for st in optimizer.state_dict()["state"].values() for v in st.values()
         if torch.is_tensor(v))
 
-    plain = State(binding=SoloBinding(), config=ElasticConfig(), model=model, optimizer=optimizer, step=0)
-    durable = State(binding=SoloBinding(), config=ElasticConfig(checkpoint_dir=ckpt_dir, checkpoint_every=1,
-                                                               checkpoint_keep_last=2, checkpoint_wait_s=0.0,
-                                                               checkpoint_nice=args.nice),
-                    model=model, optimizer=optimizer, step=0)
+    plain = state_on(SoloBinding(), config=ElasticConfig(), model=model, optimizer=optimizer, step=0)
+    durable = state_on(SoloBinding(), config=ElasticConfig(checkpoint_dir=ckpt_dir, checkpoint_every=1,
+                                                           checkpoint_keep_last=2),
+                       model=model, optimizer=optimizer, step=0)
     plain.sync()
     durable.sync()
     # Warm-up: buffers allocated and faulted in, files exist, caches warm.
@@ -164,7 +162,6 @@ def main() -> None:
         "benchmark": "checkpoint",
         "what": "training stall of State.commit with an asynchronous durable checkpoint vs synchronous torch.save",
         "parameters": params, "state_bytes": state_bytes, "reps": args.reps, "torch_threads": args.threads,
-        "checkpoint_nice": args.nice,
         "machine": dict(machine, load_average_at_end=list(os.getloadavg())),
         "samples": rows,
         "summary": {k: harness.summary(v) for k, v in rows.items() if v},
@@ -205,7 +202,7 @@ def chart(name: str, result: Dict[str, Any]) -> str:
     summary = result["summary"]
     torch_save = summary["torch_save_s"]["median"]
     return harness.bar_chart(name, f"{result['state_bytes'] / 2**20:.0f} MiB, {result['torch_threads']} training "
-                             f"thread(s), checkpoint_nice {result.get('checkpoint_nice', 0)}", [{
+                             "thread(s)", [{
                                  "ylabel": "seconds (median)",
                                  "labels": ["torch.save", "elastic_ext stall", "elastic_ext lost training"],
                                  "values": [torch_save, summary["durable_commit_s"]["median"],

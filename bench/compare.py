@@ -1,4 +1,4 @@
-"""Side by side under the same failures: plain Horovod elastic, torchrun, elastic_ext.
+"""Side by side under the same failures: plain Horovod elastic, torchrun, torchft, elastic_ext.
 
 One run, the same model, data, global batch and failure schedule for every system:
 
@@ -11,7 +11,16 @@ One run, the same model, data, global batch and failure schedule for every syste
   with the defaults: bench/workers/compare_ext.py;
 - ``ext_horovodrun`` (only when asked for): the same worker under plain
   ``horovodrun``, which gives up what the launcher does (a failed worker's
-  host mate leaves with it; no early start of newcomers).
+  host mate leaves with it; no early start of newcomers);
+- ``torchft``: torchft 0.2.0, four replica groups of one worker, its
+  Lighthouse on localhost, ``Manager`` + ``torchft.Optimizer`` +
+  ``ProcessGroupGloo``, the gradients through ``Manager.allreduce``; a killed
+  group's agent starts it again and it heals from a peer's live state
+  (bench/peer_torchft.py, bench/workers/compare_torchft.py; needs ``bash
+  tools/setup_bench.sh``);
+- ``torchft_ddp`` (only when asked for): the same with
+  ``torchft.DistributedDataParallel`` as torchft's train_ddp.py, whose
+  survivors die when a peer is killed during the allreduce (see the worker).
 
 Each worker trains the digits MLP of examples/pytorch_elastic.py on 4
 workers (global batch 64, commit or checkpoint every ``--commit-every`` steps
@@ -30,6 +39,8 @@ sleep before the allreduce, since the MLP itself takes a millisecond).
 - torchrun: two agents on this machine, ``--nnodes 1:2 --nproc-per-node 2
   --rdzv-backend c10d --rdzv-endpoint localhost:PORT --max-restarts 10``;
   a failure restarts all 4 workers, which load the last checkpoint.
+- torchft: the survivors go on at 3 groups once the Lighthouse has formed a
+  quorum without the dead one; the replacement joins a later quorum.
 
 Failure schedule (the same for all): ``--uptime-s`` seconds plus a seeded
 jitter of 0 to 2 s (the same draws for every system, so that failures fall
@@ -73,15 +84,17 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from bench import harness
+from bench import harness, peer_torchft
 from bench.compare_report import DATASET_SIZE, LABELS, WORKERS_PER_JOB, analyze, failure_free, plot_ratios, \
     plot_timeline, print_table, ratios
 from bench.workers import compare_common
 from elastic_ext.testing import launch
 
-SYSTEMS = ("plain", "torchrun", "ext", "ext_horovodrun")
+SYSTEMS = ("plain", "torchrun", "ext", "ext_horovodrun", "torchft", "torchft_ddp")
+# Under plain horovodrun a failed worker's host is blacklisted: the job regrows onto a spare host the driver adds.
+# The others start a new worker in the failed slot themselves.
+REGROWS_ON_SPARE_HOST = ("plain", "ext_horovodrun")
 SLOTS_PER_HOST = 2
-TORCHRUN_MAX_RESTARTS = 10
 ATTEMPTS = 2  # a job that dies is relaunched once for the failures left
 START_TIMEOUT_S = 180.0
 RESUME_TIMEOUT_S = 150.0
@@ -99,7 +112,13 @@ def worker_args(log_dir: str, args: argparse.Namespace) -> List[str]:
 
 def launch_jobs(system: str, log_dir: str, hosts_file: str, checkpoint: str,
                 args: argparse.Namespace) -> List[launch.Job]:
-    """One horovodrun (plain, ext) or two torchrun agents on this machine (torchrun)."""
+    """One horovodrun (plain, ext), two torchrun agents on this machine (torchrun), or torchft's Lighthouse
+    and one torchrun agent per replica group (torchft)."""
+    if system.startswith("torchft"):
+        heartbeat = getattr(args, "torchft_heartbeat_timeout_ms", None)
+        return peer_torchft.launch_jobs(log_dir, worker_args(log_dir, args), args.max_restarts,
+                                        ddp=system == "torchft_ddp", lighthouse_options=() if heartbeat is None
+                                        else ("--heartbeat_timeout_ms", str(heartbeat)))
     if system != "torchrun":
         script = "compare_ext.py" if system.startswith("ext") else f"compare_{system}.py"
         cmd = harness.horovodrun(os.path.join(harness.WORKERS, script), worker_args(log_dir, args),
@@ -107,8 +126,7 @@ def launch_jobs(system: str, log_dir: str, hosts_file: str, checkpoint: str,
         if system == "ext":
             cmd = launch.under_elastic_ext_driver(cmd)  # elastic-horovodrun, the same arguments
         env = launch.base_env(HOROVOD_FUSION_THRESHOLD=harness.HOROVOD_DEFAULT_FUSION,
-                              ELASTIC_EXT_EVENTS_PATH=os.path.join(log_dir, "events-{rank}.jsonl"),
-                              **({"ELASTIC_EXT_OVERLAP_COMMIT": "1"} if args.overlap_commit else {}))
+                              ELASTIC_EXT_EVENTS_PATH=os.path.join(log_dir, "events-{rank}.jsonl"))
         return [launch.Job(cmd, env, os.path.join(log_dir, "horovodrun.log"))]
     port = harness.free_port()
     # With the rendezvous TCP store shared with the workers (the default), the workers of the
@@ -120,7 +138,7 @@ def launch_jobs(system: str, log_dir: str, hosts_file: str, checkpoint: str,
     for agent in range(2):
         cmd = [os.path.join(launch.VENV_BIN, "torchrun"), "--nnodes", "1:2", "--nproc-per-node", "2",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
-               "--rdzv-id", f"compare-{os.getpid()}-{port}", "--max-restarts", str(TORCHRUN_MAX_RESTARTS),
+               "--rdzv-id", f"compare-{os.getpid()}-{port}", "--max-restarts", str(args.max_restarts),
                os.path.join(harness.WORKERS, "compare_torchrun.py"), *worker_args(log_dir, args),
                "--checkpoint", checkpoint]
         jobs.append(launch.Job(cmd, env, os.path.join(log_dir, f"torchrun-agent{agent}.log")))
@@ -160,7 +178,7 @@ def run_attempt(system: str, log_dir: str, hosts: List[str], failures: int, chec
 
     After each SIGKILL it waits for the first step after it; for Horovod jobs
     it then adds a spare pseudo-host to the host file (capacity coming back)
-    and waits until the job has 4 workers again. ``first_failure`` numbers
+    and waits until the job has 4 workers again (the other systems regrow by themselves). ``first_failure`` numbers
     the failures (it picks their jitters); ``uptime_s`` overrides the
     setting of that name.
     """
@@ -194,7 +212,12 @@ def run_attempt(system: str, log_dir: str, hosts: List[str], failures: int, chec
             break
         failure["resumed_at"] = back["t"]
         full = back
-        if back["size"] < WORKERS_PER_JOB:
+        if back["size"] < WORKERS_PER_JOB and system not in REGROWS_ON_SPARE_HOST:
+            full = run.expect(lambda r: "done" in r and r["size"] == WORKERS_PER_JOB and r["t"] > back["t"],
+                              RESUME_TIMEOUT_S, "4 workers again")
+            if full is None:
+                break
+        elif back["size"] < WORKERS_PER_JOB:
             if not spares:
                 run.problems.append("no spare host left to grow back to 4 workers")
                 break
@@ -255,8 +278,11 @@ def main() -> int:
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--overhead-s", type=float, default=12.0,
                         help="seconds of each failure-free job (two per system, in the order A B C C B A); 0: none")
-    parser.add_argument("--overlap-commit", action="store_true",
-                        help="elastic_ext with ElasticConfig.overlap_commit (its commit's allreduce in the background)")
+    parser.add_argument("--max-restarts", type=int, default=10,
+                        help="--max-restarts of the torchrun agents (torchrun, and each torchft replica group)")
+    parser.add_argument("--torchft-heartbeat-timeout-ms", type=int,
+                        help="the Lighthouse's --heartbeat_timeout_ms (default: its own, 5000): how long a dead "
+                             "replica group still counts as alive, which the survivors' next quorum waits out")
     parser.add_argument("--name", default="compare", help="result file stem under bench/results")
     args = parser.parse_args()
     systems = [s for s in args.systems.split(",") if s]  # default: every system but ext_horovodrun
@@ -277,9 +303,10 @@ def main() -> int:
         "settings": {"failures": args.failures, "uptime_s": args.uptime_s, "commit_every": args.commit_every,
                      "compute_ms_per_sample": args.compute_ms_per_sample, "global_batch": args.global_batch,
                      "workers": WORKERS_PER_JOB, "horovod_hosts": hosts, "slots_per_host": SLOTS_PER_HOST,
-                     "dataset_size": DATASET_SIZE, "torchrun_max_restarts": TORCHRUN_MAX_RESTARTS,
-                     "kill_jitter_s": [0, JITTER_S], "overhead_s": args.overhead_s,
-                     "overlap_commit": args.overlap_commit},
+                     "dataset_size": DATASET_SIZE, "torchrun_max_restarts": args.max_restarts,
+                     "torchft_lighthouse": list(peer_torchft.LIGHTHOUSE_OPTIONS),
+                     "torchft_heartbeat_timeout_ms": args.torchft_heartbeat_timeout_ms,
+                     "kill_jitter_s": [0, JITTER_S], "overhead_s": args.overhead_s},
         "work_dir": work}
     results: Dict[str, Dict[str, Any]] = {}
     for system in systems:

@@ -3,9 +3,12 @@
 What bench/compare.py measures, computed from what its workers wrote (the
 step log format is in bench/workers/compare_common.py) and from the driver's
 own record of each attempt (``failures``, ``first_full``, ``problems``):
-time to resume and back to full size per failure, steps lost, goodput over
-the committed history, throughput at full size, commit cost, and the
-exactly-once audit of the committed history.
+time to resume and back to full size per failure (from the SIGKILL, and
+from the start of the first process begun after it: the replacement),
+steps lost, steps and per-rank batches discarded, goodput over the
+committed history, throughput at full size, commit cost, and the
+exactly-once audit of the committed history (torchft's committed history is
+read by bench/peer_torchft.py: it commits or discards each step on its own).
 """
 
 from __future__ import annotations
@@ -16,13 +19,13 @@ import os
 import statistics
 from typing import Any, Dict, List, Optional
 
-from bench import harness
+from bench import harness, peer_torchft
 from bench.harness import median
 from bench.workers.compare_common import DATASET_SIZE
 from elastic_ext.testing import ledger
 
 LABELS = {"plain": "plain Horovod", "torchrun": "torchrun", "ext": "elastic_ext",
-          "ext_horovodrun": "elastic_ext, plain horovodrun"}
+          "ext_horovodrun": "elastic_ext, plain horovodrun", "torchft": "torchft", "torchft_ddp": "torchft, DDP"}
 WORKERS_PER_JOB = 4
 WARMUP_S = 1.0  # throughput stretches start this long after the job is at 4 workers
 GEN_STRIDE = 10 ** 19  # generation ids of attempt a become a * GEN_STRIDE + id (ids are < 2**63)
@@ -49,14 +52,14 @@ def combined_records(attempts: List[Any]) -> List[dict]:
     return records
 
 
-def audit(records: List[dict], epochs: int) -> Dict[str, Any]:
+def audit(records: List[dict], epochs: int, history: Optional[List[dict]] = None) -> Dict[str, Any]:
     """``ledger.audit`` of the first ``epochs`` (complete) epochs, in the fields compare.json keeps.
 
     Returns ``{"epochs": [{"epoch", "processed", "duplicated", "missing"}],
     "duplicated", "missing"}``: samples seen twice and never in the committed
     history, per epoch and in all.
     """
-    checked = ledger.audit(records, DATASET_SIZE, epochs)
+    checked = ledger.audit(records, DATASET_SIZE, epochs, history)
     rows = [{key: row[key] for key in ("epoch", "processed", "duplicated", "missing")} for row in checked["epochs"]]
     return {"epochs": rows, "duplicated": sum(r["duplicated"] for r in rows),
             "missing": sum(r["missing"] for r in rows)}
@@ -121,6 +124,11 @@ def analyze(system: str, attempts: List[Any]) -> Dict[str, Any]:
                 full = next((r for r in after if r["size"] == WORKERS_PER_JOB), None)
                 if full is not None:
                     item.update(full_size_s=full["t"] - f["killed_at"], full_at_s=full["t"] - t0)
+            created = [r["created"] for r in records if "proc" in r and r["created"] > f["killed_at"]]
+            if created and "full_at_s" in item:
+                # The first process begun after the SIGKILL: the replacement (torchrun: every restarted worker).
+                item.update(replacement_started_s=min(created) - f["killed_at"],
+                            full_size_after_replacement_s=item["full_at_s"] + t0 - min(created))
             if "host_added_at" in f:
                 item.update(host_added=f["host_added"], host_added_at_s=f["host_added_at"] - t0)
                 if "full_at" in f:
@@ -136,14 +144,23 @@ def analyze(system: str, attempts: List[Any]) -> Dict[str, Any]:
     resumes = [f["resume_s"] for f in survived if "resume_s" in f]
     fulls = [f["full_size_s"] for f in survived if "full_size_s" in f]
     lost = [f["steps_lost"] for f in survived if "steps_lost" in f]
+    after_replacement = [f["full_size_after_replacement_s"] for f in survived if "full_size_after_replacement_s" in f]
     between = throughput(steps, stretches)
 
     commits = [r["commit_s"] for r in records if "commit_s" in r and r["rank"] == 0]
-    history = ledger.committed_history(records)
+    torchft = system.startswith("torchft")
+    history = peer_torchft.history(records) if torchft else ledger.committed_history(records)
     useful = sum(len(r["indices"]) for r in history)
     processed = sum(r["n"] for r in steps)
-    last_epoch = max(r["epoch"] for r in history)
-    checked = audit(records, last_epoch)  # complete epochs only
+    # Complete epochs only (torchft: its replica groups walk their shards each at its own pace).
+    last_epoch = peer_torchft.complete_epochs(history) if torchft else max(r["epoch"] for r in history)
+    checked = audit(records, last_epoch, history)
+    kept = {(r["gen"], r["step"], r["rank"]) for r in history}
+    begun_steps = [r for r in records if "gen" in r and "indices" in r]
+    discarded = [r for r in begun_steps if (r["gen"], r["step"], r["rank"]) not in kept]
+    kept_steps = {(r["gen"], r["step"]) for r in history}
+    # A healing torchft group's batch ("part" false) is discarded, not its step.
+    discarded_steps = {(r["gen"], r["step"]) for r in discarded if r.get("part", True)} - kept_steps
     recovered = []
     for run in attempts:
         for path in glob.glob(os.path.join(run.log_dir, "events-*.jsonl")):
@@ -160,6 +177,8 @@ def analyze(system: str, attempts: List[Any]) -> Dict[str, Any]:
         "steps_lost_to_job_deaths": sum(f.get("steps_lost", 0) for f in failures if f["job_died"]),
         "resume_s": resumes, "resume_median_s": median(resumes), "resume_worst_s": max(resumes) if resumes else None,
         "full_size_s": fulls, "full_size_median_s": median(fulls), "full_size_worst_s": max(fulls) if fulls else None,
+        "full_size_after_replacement_s": after_replacement,
+        "full_size_after_replacement_median_s": median(after_replacement),
         "regrow_stall_median_s": median([f["regrow_stall_s"] for f in survived if "regrow_stall_s" in f]),
         "steps_lost": lost, "steps_lost_mean": statistics.mean(lost) if lost else None,
         "startup_s": attempts[0].first_full - attempts[0].launched if attempts[0].first_full else None,
@@ -167,6 +186,10 @@ def analyze(system: str, attempts: List[Any]) -> Dict[str, Any]:
         "samples_processed": processed,
         "samples_useful": useful,
         "samples_recomputed": processed - useful,
+        # Work thrown away: per-rank batches begun but not in the committed history (rolled back, or
+        # discarded by torchft's should_commit, or a healing group's), and steps none of whose batches is.
+        "batches_discarded": len(discarded),
+        "steps_discarded": len(discarded_steps),
         "goodput_samples_per_s": useful / (t_end - t0),
         "throughput_between_failures_samples_per_s": between["samples_per_s"],
         "step_time_between_failures_s": between["step_time_s"],
@@ -293,9 +316,12 @@ def plot_ratios(table: Dict[str, Dict[str, Optional[float]]], name: str) -> None
 
 TABLE_ROWS = [("time to resume, median (s)", "resume_median_s", 1), ("time to resume, worst (s)", "resume_worst_s", 1),
               ("back to 4 workers, median (s)", "full_size_median_s", 1),
+              ("  same, from the replacement's start (s)", "full_size_after_replacement_median_s", 1),
               ("no step during the regrowth, median (s)", "regrow_stall_median_s", 1),
               ("steps lost per failure (mean)", "steps_lost_mean", 1),
               ("steps lost to job deaths", "steps_lost_to_job_deaths", 1),
+              ("steps discarded (all failures)", "steps_discarded", 1),
+              ("per-rank batches discarded", "batches_discarded", 1),
               ("goodput (samples/s)", "goodput_samples_per_s", 1),
               ("throughput w/o failures (samples/s)", "throughput_samples_per_s", 1),
               ("  same, between failures (samples/s)", "throughput_between_failures_samples_per_s", 1),

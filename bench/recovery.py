@@ -1,5 +1,5 @@
 """Time from a worker's SIGKILL to the first completed step after recovery:
-plain Horovod elastic against elastic_ext, side by side in one run.
+plain Horovod elastic, elastic_ext and torchft, side by side in one run.
 
 4 workers on two pseudo-hosts (localhost and 127.0.0.1, 2 slots each). In
 each job, rank 3 SIGKILLs itself at step 10; Horovod blacklists its host and
@@ -25,6 +25,23 @@ beside ``step_s_after``, rank 0's median step interval at the new size
 
     .venv/bin/python -m bench.recovery --systems ext --models mlp,big --failures 10
 
+elastic_ext's recoveries are also broken down (``BREAKDOWN``), on the
+survivor whose ``recovered`` event comes last, from the fields of its
+``rollback``, ``reset`` and ``recovered`` events and the worker's timing of
+``hvd.shutdown``/``hvd.init``: ``detection`` (SIGKILL to the failure
+reaching the run loop), ``abort`` (cutting the Gloo connections),
+``restore`` (the commit), ``shutdown`` (Horovod's), ``init`` (``hvd.init``:
+the rendezvous with the driver's new round and the Gloo context),
+``callbacks`` (the State's reset callbacks), ``learn_connections`` and
+``sync`` (``State.sync()``), ``first_step``, and ``other`` (what is left of
+the recovery: bookkeeping between those).
+
+``--systems torchft`` (after ``bash tools/setup_bench.sh``) runs the same
+loop in torchft (bench/workers/recovery_torchft.py: four replica groups, its
+Lighthouse, ``Manager.allreduce``); group 3 kills itself at step 10, its agent
+starts it again, and the job ends once the replacement has healed and trained
+at 4 groups (``full_size_s``: SIGKILL to that step).
+
 With several models each (system, model) pair is a series, all interleaved in
 one run. ``--report-from WORK_DIR`` computes the results again from an
 earlier run's job directories (``<system>-<model>-<index>``) without
@@ -42,11 +59,39 @@ import os
 import tempfile
 import time
 
-from bench import harness
+from bench import harness, peer_torchft
 from elastic_ext.events import read_events
 from elastic_ext.testing import launch
 
 PARTS = ("detect_s", "recover_s", "first_step_s", "step_s_after")
+BREAKDOWN = ("detection_s", "abort_s", "restore_s", "shutdown_s", "init_s", "callbacks_s", "learn_connections_s",
+             "sync_s", "first_step_s", "other_s")
+TORCHFT_STEPS_AFTER_FULL = 6  # steps at 4 groups after the replacement healed, then the job ends
+TORCHFT_TIMEOUT_S = 240.0
+
+
+def run_torchft(index, work, model):
+    """One torchft job (see the module docstring); the same figures as run_once."""
+    out = os.path.join(work, f"torchft-{model}-{index:02d}")
+    os.makedirs(out)
+    launch.write_hosts(os.path.join(out, "hosts"), [])  # read_job's time origin, as for the Horovod jobs
+    started = time.time()
+    watch = harness.Watch(peer_torchft.launch_jobs(out, ["--out", out, "--model", model], max_restarts=3,
+                                                   script="recovery_torchft.py"), out)
+    kill_path = os.path.join(out, "kills.jsonl")
+    deadline = started + TORCHFT_TIMEOUT_S
+    while time.time() < deadline and not os.path.exists(kill_path):
+        watch.idle_until(time.time() + 0.5)
+    if os.path.exists(kill_path):
+        killed = os.path.getmtime(kill_path)
+        full, _ = watch.wait_for(lambda r: r["t"] > killed and r["size"] == 4, max(1.0, deadline - time.time()))
+        if full is not None:
+            watch.wait_for(lambda r: r["t"] > killed and r["size"] == 4 and r["step"] >= full["step"]
+                           + TORCHFT_STEPS_AFTER_FULL, max(1.0, deadline - time.time()))
+    launch.write_hosts(os.path.join(out, "stop"), ["stop"])
+    codes = watch.stop(30)
+    return {"exit_code": codes[0][0], "wall_s": time.time() - started,
+            **measure(out, started)}
 
 
 def run_once(system, index, work, model="mlp"):
@@ -89,17 +134,27 @@ def read_steps(out):
 
 def measure(out, started):
     """One finished job's figures; ``started``: where its timeline's seconds count from."""
+    if not os.path.exists(os.path.join(out, "kills.jsonl")):  # the job never reached its failure
+        return {"recovery_s": None, "recovery_bytes_broadcast": None, "full_size_s": None, "timeline": [],
+                "kill_at": None, **{part: None for part in PARTS + BREAKDOWN}}
     with open(os.path.join(out, "kills.jsonl"), encoding="utf-8") as handle:
         kill = json.loads(handle.readline())
     steps = sorted(read_steps(out), key=lambda r: r["t"])
-    after = [s for s in steps if s["t"] > kill["t"] and s["size"] < 4]
+    torchft = os.path.basename(out).startswith("torchft-")
+    # Horovod: the survivors' steps at 2 workers (a rollback may repeat step numbers). torchft never rolls
+    # back and its replacement may be back before the survivors' quorum: any later step.
+    after = [s for s in steps if s["t"] > kill["t"] and (s["step"] > kill["step"] if torchft else s["size"] < 4)]
+    full = next((s for s in after if s["size"] == 4), None)
     # elastic_ext only (plain Horovod writes no events).
-    events = [e for e in read_events(os.path.join(out, "events.jsonl")) if e["time"] > kill["t"]]
+    events_path = os.path.join(out, "events.jsonl")
+    events = [e for e in read_events(events_path) if e["time"] > kill["t"]] if os.path.exists(events_path) else []
     # The state bytes the recovery's sync broadcast (0: the survivors held the commit).
     syncs = [e for e in events if e["event"] == "sync"]
     return {"recovery_s": after[0]["t"] - kill["t"] if after else None,
             "recovery_bytes_broadcast": max((e.get("bytes", 0) for e in syncs), default=None),
+            "full_size_s": full["t"] - kill["t"] if full else None,
             **split_recovery(kill["t"], after, events),
+            **breakdown(kill["t"], after, events, read_calls(out)),
             "timeline": [[s["t"] - started, s["size"]] for s in steps if s["rank"] == 0],
             "kill_at": kill["t"] - started}
 
@@ -117,6 +172,36 @@ def split_recovery(kill_t, after, events):
             "step_s_after": harness.median([b - a for a, b in zip(times, times[1:])])}
 
 
+def read_calls(out):
+    """The worker's timing of hvd.init / hvd.shutdown calls (recovery_worker.py)."""
+    return [record for path in glob.glob(os.path.join(out, "calls-*.jsonl")) for record in read_jsonl(path)]
+
+
+def breakdown(kill_t, after, events, calls):
+    """elastic_ext's recovery in consecutive parts (``BREAKDOWN``), on the survivor whose ``recovered``
+    event came last; every part None when an event or field is missing (plain Horovod, torchft)."""
+    empty = {part: None for part in BREAKDOWN}
+    recovered = [e for e in events if e["event"] == "recovered" and "sync_s" in e]
+    if not recovered or not after:
+        return empty
+    last = max(recovered, key=lambda e: e["time"])
+    pid = last["pid"]
+    rollback = next((e for e in events if e["event"] == "rollback" and e.get("pid") == pid and "failed_at" in e), None)
+    reset = next((e for e in events if e["event"] == "reset" and e.get("pid") == pid and "reinit_s" in e), None)
+    mine = sorted((c for c in calls if c["pid"] == pid and c["start"] > kill_t), key=lambda c: c["start"])
+    shutdown = next((c for c in mine if c["call"] == "shutdown"), None)
+    init = next((c for c in mine if c["call"] == "init"), None)
+    if rollback is None or reset is None or shutdown is None or init is None:
+        return empty
+    parts = {"detection_s": rollback["failed_at"] - kill_t, "abort_s": rollback["abort_s"],
+             "restore_s": rollback["restore_s"], "shutdown_s": shutdown["end"] - shutdown["start"],
+             "init_s": init["end"] - init["start"], "callbacks_s": reset["callbacks_s"],
+             "learn_connections_s": last["learn_connections_s"], "sync_s": last["sync_s"],
+             "first_step_s": after[0]["t"] - last["time"]}
+    parts["other_s"] = after[0]["t"] - kill_t - sum(parts.values())
+    return parts
+
+
 def last_event(events, name, pids):
     return max((e["time"] for e in events if e["event"] == name and e.get("pid") in pids), default=None)
 
@@ -132,8 +217,13 @@ def summarize(system, runs):
             "recovery_bytes_broadcast": [r.get("recovery_bytes_broadcast") for r in runs],
             "exit_codes": [r["exit_code"] for r in runs], "timeline": runs[0]["timeline"],
             "kill_at": runs[0]["kill_at"],
+            "full_size_s": [r.get("full_size_s") for r in runs],
+            "median_full_size_s": harness.median([r["full_size_s"] for r in runs if r.get("full_size_s") is not None]),
             **{part: [r[part] for r in runs] for part in PARTS},
-            **{f"median_{part}": harness.median([r[part] for r in runs if r[part] is not None]) for part in PARTS}}
+            **{f"median_{part}": harness.median([r[part] for r in runs if r[part] is not None]) for part in PARTS},
+            "breakdown": {part: [r.get(part) for r in runs] for part in BREAKDOWN},
+            "median_breakdown": {part: harness.median([r[part] for r in runs if r.get(part) is not None])
+                                 for part in BREAKDOWN}}
 
 
 def describe(run):
@@ -173,7 +263,8 @@ def launch_all(series, failures, work, label):
     runs = {pair: [] for pair in series}
     for index in range(failures):
         for system, model in series:
-            runs[system, model].append(run_once(system, index, work, model))
+            run = run_torchft(index, work, model) if system == "torchft" else run_once(system, index, work, model)
+            runs[system, model].append(run)
             print(f"{label(system, model)} #{index}: {describe(runs[system, model][-1])}", flush=True)
     return runs
 
@@ -194,9 +285,14 @@ def read_all(series, work, label):
 
 def print_summary(results):
     print(harness.table(["system", "failures", "recovered", "median s", "worst s", "detect s", "recover s",
-                         "first step s", "step s after"],
+                         "first step s", "step s after", "back to 4 s"],
                         [[r["system"], r["failures"], r["recovered"], r["median_s"], r["worst_s"],
-                          *(r[f"median_{part}"] for part in PARTS)] for r in results]))
+                          *(r[f"median_{part}"] for part in PARTS), r["median_full_size_s"]] for r in results]))
+    shown = [r for r in results if any(v is not None for v in r["median_breakdown"].values())]
+    if shown:
+        print("recovery breakdown (medians, s):")
+        print(harness.table(["system"] + [part[:-2] for part in BREAKDOWN],
+                            [[r["system"], *r["median_breakdown"].values()] for r in shown]))
 
 
 def main():
@@ -214,6 +310,11 @@ def main():
     for model in models:
         if model not in ("mlp", "cnn_bn", "big"):
             parser.error(f"model {model!r} must be one of mlp, cnn_bn, big")
+        if model == "cnn_bn" and "torchft" in systems:
+            parser.error("the torchft worker has no cnn_bn model (mlp, big)")
+    for system in systems:
+        if system not in ("plain", "ext", "torchft"):
+            parser.error(f"system {system!r} must be one of plain, ext, torchft")
     series = [(system, model) for model in models for system in systems]
 
     def label(system, model):

@@ -140,8 +140,7 @@ def soak(out: str, count: int, seed: int, gap_s=(5.0, 9.0), timeout_s: float = 1
                           ELASTIC_EXT_CHECKPOINT_KEEP_LAST=3, ELASTIC_EXT_HANG_TIMEOUT_S=10,
                           ELASTIC_EXT_TERM_GRACE_S=20, ELASTIC_EXT_ROLLBACK_LIMIT=20)
     env.pop("HOROVOD_FUSION_THRESHOLD", None)  # Horovod's default: fused allreduces
-    if restart_in_place:  # workers with keepers, under elastic_ext's driver (see elastic_ext.launch.horovodrun)
-        env["ELASTIC_EXT_RESTART_IN_PLACE"] = "1"
+    if restart_in_place:  # workers with keepers (the job has checkpoints), under elastic-horovodrun
         cmd = launch.under_elastic_ext_driver(cmd)
     if rendezvous_timeout_s:
         env["ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S"] = str(rendezvous_timeout_s)
@@ -291,7 +290,7 @@ def main(argv=None) -> int:
     parser.add_argument("--driver-log-level", default="", choices=["", "INFO", "DEBUG"],
                         help="horovodrun --log-level: the driver's rounds (who recorded READY or FAILURE) in the log")
     parser.add_argument("--no-restart-in-place", action="store_true",
-                        help="plain horovodrun and workers without a keeper (ELASTIC_EXT_RESTART_IN_PLACE off)")
+                        help="plain horovodrun, whose workers have no keeper")
     parser.add_argument("--rendezvous-timeout-s", type=float, default=0.0,
                         help="ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S for the job (0: elastic_ext's default, 120 s)")
     parser.add_argument("--report-from", default="",

@@ -103,6 +103,16 @@ def allreduce_max_start(binding: Binding, array: np.ndarray, name: str) -> Calla
     return lambda: result
 
 
+def allgather_start(binding: Binding, array: np.ndarray, name: str) -> Optional[Callable[[], np.ndarray]]:
+    """Starts an allgather in Horovod's background thread; the returned call waits for the result.
+
+    None when the binding cannot run one in the background (only PyTorch's
+    can): the caller then runs :meth:`Binding.allgather` itself, blocking.
+    """
+    start = getattr(binding, "allgather_start", None)
+    return start(array, name) if start is not None else None
+
+
 def broadcast_json(binding: Binding, value: Any, root_rank: int, name: str) -> Any:
     """Broadcasts a JSON-compatible value from ``root_rank`` (no pickle)."""
     payload = np.frombuffer(json.dumps(value).encode("utf-8"), dtype=np.uint8)

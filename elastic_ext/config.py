@@ -13,16 +13,23 @@ from typing import Any, Mapping, Optional
 from elastic_ext.errors import ConfigError
 
 ENV_PREFIX = "ELASTIC_EXT_"
+HEARTBEAT_PERIOD_S = 0.5            # how often a worker tells its guardian (and its stall check) that it runs
+MIN_HANG_TIMEOUT_S = 4 * HEARTBEAT_PERIOD_S
 ENV_EVENTS_PATH = "ELASTIC_EXT_EVENTS_PATH"
 ENV_CHECKPOINT_DIR = "ELASTIC_EXT_CHECKPOINT_DIR"
 ENV_HOROVOD_GLOO_TIMEOUT = "HOROVOD_GLOO_TIMEOUT_SECONDS"
-# Read by the launcher and its workers' entry module, before any ElasticConfig (elastic_ext.launch.keeper).
+# Set by the launcher for its workers, read before any ElasticConfig exists (not settings):
+# whether they restart in place (elastic_ext.launch.keeper), and horovodrun's --min-np.
 ENV_RESTART_IN_PLACE = "ELASTIC_EXT_RESTART_IN_PLACE"
+ENV_MIN_NP = "ELASTIC_EXT_MIN_NP"
 ENV_RESTARTED_IN_PLACE = "ELASTIC_EXT_RESTARTED_IN_PLACE"  # set by the keeper: 0 for its first child, k after k restarts
 ENV_LAUNCHER = "ELASTIC_EXT_LAUNCHER"  # set by elastic-horovodrun for its workers: their entry module ran
 # Set by horovodrun for every elastic worker: where its rendezvous server listens.
 ENV_HOROVOD_RENDEZVOUS_ADDR = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
 ENV_HOROVOD_RENDEZVOUS_PORT = "HOROVOD_GLOO_RENDEZVOUS_PORT"
+# Variables of this prefix that are not settings: the launcher's to its workers, and tools/setup.sh's cache.
+NOT_SETTINGS = frozenset({ENV_RESTART_IN_PLACE, ENV_RESTARTED_IN_PLACE, ENV_LAUNCHER, ENV_MIN_NP,
+                          "ELASTIC_EXT_CACHE"})
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -70,37 +77,16 @@ class ElasticConfig:
 
     Attributes:
         rollback_limit: how many rollbacks in a row may happen without a new
-            commit in between before the job ends with ``RollbackLimitError``.
+            commit in between before the job ends with ``RollbackLimitError``;
+            numeric rollbacks (the guard) are counted apart, against the same limit.
         events_path: file that receives one JSON object per line for every
             recovery event; ``{rank}`` in the path is replaced by the rank at
             start-up. ``None`` logs events without writing a file.
-        verify_sync: compare a checksum of the committed state across the
-            ranks that hold the same commit id during ``sync()``; a mismatch
-            raises ``StateDivergenceError``.
         commit_buffers: 1 keeps one host copy of the state and copies into it
             in place after validating every object (an interrupted copy marks
             the commit torn: it is never restored from); 2 copies into a spare
             buffer and swaps, so even an interrupted copy leaves the previous
             commit intact, at the price of a second host copy.
-        overlap_commit: run a commit's one collective (host updates, leaves,
-            straggler table, commit-id check) in Horovod's background thread
-            while training goes on, and read it at the next commit: no commit
-            waits for a collective, and a resize, leave or eviction acts one
-            commit later (a leave then needs two commits within
-            ``term_grace_s``). Only PyTorch runs it in the background; other
-            frameworks run it blocking, as without this option.
-        prestart_newcomers: at a host addition, keep training while Horovod's
-            driver starts the newcomers, and resize at the first commit
-            after every newcomer has built its model and reached
-            ``@elastic_ext.run`` (see :mod:`elastic_ext.launch.prestart`):
-            survivors no longer stand idle while newcomers import the
-            framework and build the model. On by default; it takes effect
-            under ``elastic-horovodrun`` only, whose entry module starts a
-            newcomer in a world of one (under plain ``horovodrun`` the job
-            resets at once, as Horovod does). A newcomer that does not
-            announce itself is waited for at most ``rendezvous_timeout_s``
-            (120 s if that is 0) while the survivors train. Such a scale-up
-            counts twice against ``horovodrun --reset-limit``.
         checkpoint_dir: directory (or fsspec URL) for durable checkpoints of
             the committed state, written in the background by rank 0 (see
             :mod:`elastic_ext.checkpoint`); a fresh job resumes from the
@@ -108,12 +94,6 @@ class ElasticConfig:
         checkpoint_every: write a checkpoint every this many commits (by
             commit id).
         checkpoint_keep_last: keep the newest this many checkpoints.
-        checkpoint_keep_every: also keep every checkpoint whose commit id is
-            a multiple of this; 0 keeps no extra ones.
-        checkpoint_wait_s: the longest a commit waits for the previous
-            checkpoint write to finish when the next one is due; if it is
-            still running then, this commit's checkpoint is skipped (logged)
-            and the next commit is checkpointed instead.
         checkpoint_failure_limit: after this many checkpoint writes failed
             in a row (a full disk, lost storage credentials, a bad path),
             every rank stops at the next commit with ``CheckpointError``
@@ -121,44 +101,56 @@ class ElasticConfig:
             from; a ``checkpoint_failing`` event says so first. Every failed
             write is retried at the next commit, so a brief storage outage
             of fewer writes than this costs nothing.
-        checkpoint_nice: the niceness (0 to 19) of the background write's
-            thread. The write needs about 0.55 s of CPU per GB (checksum,
-            copy into the page cache); where every core trains, that time
-            is lost to training whatever the priority. At 19 it is spread
-            as a ~1 % slowdown over the many steps the write then takes
-            (about 20 times longer on a busy node, so fewer checkpoints
-            keep up) instead of a few steps slowed by half: steadier step
-            times. A write started for a leave (``force``) runs at the
-            training's own priority. 0 (the default) keeps that priority.
-        heartbeat_period_s: how often the worker tells its guardian process
-            that it is alive.
-        hang_timeout_s: a worker whose heartbeat stops this long (SIGSTOP, a
-            process frozen in native code) is SIGKILLed by its guardian, which
-            turns a hang into an ordinary failure. 0 turns the guardian off.
-        stall_timeout_s: a worker whose training makes no progress (no commit,
-            no ``record_step``) for this long while it is *not* waiting in a
-            Horovod collective is the one holding everybody up: it kills
-            itself. Waiting ranks never fire, so a slow but healthy worker is
-            never declared dead as long as one of its steps takes less than
-            this. 0 turns it off. An open ``elastic_ext.phase(...)`` (evaluation,
-            validation) and a suspension of the whole process (the heartbeat
-            thread sees its own clock jump) are never counted as idle time.
-        first_step_timeout_s: the stall limit before the first step of each
-            training span completes (the first step compiles, warms caches,
-            or waits for newcomers); 0 means no stall check until then.
+        replica_check_every: every this many commits (by commit id), each
+            rank's digest of what must agree across ranks rides on the
+            commit's collective; ranks whose committed state differs from a
+            strict majority's (silent data corruption) take the majority's,
+            and a host wrong twice within a day leaves (see
+            :mod:`elastic_ext.state.replica`). With no strict majority (two
+            ranks, a tie) the job stops with ``StateDivergenceError``. 0
+            turns it off.
+        exclude_file: a file of host names that the discovery script keeps
+            out of the job (``host_discovery/static.py --exclude-file``); a
+            rank evicted as a straggler or whose host committed a corrupt
+            replica twice appends its host. None: no file.
+        hang_timeout_s: a worker that sent its guardian process no heartbeat
+            for this long *and* ran for less than 2 % of that time on
+            the CPU (stopped by SIGSTOP, blocked in the kernel, deadlocked in
+            native code) is SIGKILLed by its guardian, which turns a hang
+            into an ordinary failure. A C call that holds the GIL and
+            computes for an hour keeps the CPU busy: not a hang. 0 turns the
+            guardian off.
+        stall_timeout_s: a worker whose main thread, for this long, neither
+            made progress (commit, ``record_step``, :func:`elastic_ext.progress`),
+            nor waited in a Horovod collective, nor had a
+            :func:`elastic_ext.phase` open, nor moved (its innermost frame
+            stayed where it was) nor ran on the CPU is the one holding
+            everybody up (a deadlock, a read that never returns): it kills
+            itself. An evaluation of an hour outside ``phase()`` moves and
+            computes, a compilation computes: neither is a stall. A
+            suspension of the whole process (the heartbeat thread sees its
+            own clock jump) is not idle time. 0 turns it off.
         term_grace_s: after SIGTERM, how long a worker keeps training to reach
             the next commit and leave without a rollback; after that it exits.
-        rendezvous_timeout_s: how long the ranks re-forming a job after a
-            failure or resize wait for the others (newcomers start Python,
-            import the framework and build the model first). ``run`` sets
-            Horovod's ``HOROVOD_GLOO_TIMEOUT_SECONDS`` to it before each
-            reset, and the launcher's entry module (from ``ELASTIC_EXT_*``
-            variables) before a newcomer's first ``hvd.init()``, unless
-            that variable was set already; Horovod's own 30 s
-            killed every waiting rank (and the job) when a newcomer took
-            longer. Gloo uses the same value as its collective timeout, the
-            last resort for a peer that is alive but unreachable; failures
-            and hangs are caught well before it. 0 leaves Horovod's value.
+        rendezvous_timeout_s: how long workers wait for peers that are still
+            starting (Python, the framework, the model): the survivors of an
+            early start wait this long for its newcomers to announce
+            themselves (while they train), and an ``hvd.init()`` that may
+            meet freshly started workers (the job's first; every reset under
+            plain ``horovodrun``; one that must refill the job to
+            ``--min-np``) uses it as Gloo's timeout. Horovod's own 30 s
+            killed every waiting rank when a newcomer took longer. 0 leaves
+            Horovod's value.
+        collective_timeout_s: Gloo's timeout for the resets under
+            ``elastic-horovodrun`` whose round holds only running workers
+            (every reset but one that must refill the job to ``--min-np``):
+            how long a collective waits for a peer that does not answer. A
+            healthy peer's Horovod thread answers every few milliseconds,
+            also while its training evaluates or computes for an hour, so
+            only a peer that is gone or unreachable (a network partition)
+            ever reaches it; it then costs this long instead of
+            ``rendezvous_timeout_s``. Until the job's first reset, Gloo uses
+            ``rendezvous_timeout_s``. 0 leaves Horovod's value.
 
     Raises:
         ConfigError: a value is out of range or an environment variable does
@@ -167,23 +159,18 @@ class ElasticConfig:
 
     rollback_limit: int = 5
     events_path: Optional[str] = None
-    verify_sync: bool = True
     commit_buffers: int = 1
-    overlap_commit: bool = False
-    prestart_newcomers: bool = True
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 1
     checkpoint_keep_last: int = 3
-    checkpoint_keep_every: int = 0
-    checkpoint_wait_s: float = 0.0
-    checkpoint_nice: int = 0
     checkpoint_failure_limit: int = 5
-    heartbeat_period_s: float = 0.5
+    replica_check_every: int = 10
+    exclude_file: Optional[str] = None
     hang_timeout_s: float = 10.0
     stall_timeout_s: float = 600.0
     term_grace_s: float = 30.0
-    first_step_timeout_s: float = 1800.0
     rendezvous_timeout_s: float = 120.0
+    collective_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.rollback_limit, int) or self.rollback_limit < 0:
@@ -193,35 +180,31 @@ class ElasticConfig:
         if self.events_path is not None and not str(self.events_path).strip():
             raise ConfigError(f"events_path ({self.events_path!r}) must be a non-empty path or None")
         self._validate_checkpoint()
+        every = self.replica_check_every
+        if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+            raise ConfigError(f"replica_check_every ({every!r}) must be an integer >= 0 (0: off)")
+        if self.exclude_file is not None and (not isinstance(self.exclude_file, str) or not self.exclude_file.strip()):
+            raise ConfigError(f"exclude_file ({self.exclude_file!r}) must be a non-empty path or None")
         self._validate_detection()
 
     def _validate_detection(self) -> None:
-        for name in ("heartbeat_period_s", "hang_timeout_s", "stall_timeout_s", "term_grace_s",
-                     "first_step_timeout_s", "rendezvous_timeout_s"):
+        for name in ("hang_timeout_s", "stall_timeout_s", "term_grace_s", "rendezvous_timeout_s",
+                     "collective_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
                 raise ConfigError(f"{name} ({value!r}) must be a finite number >= 0")
-        if self.heartbeat_period_s <= 0:
-            raise ConfigError(f"heartbeat_period_s ({self.heartbeat_period_s!r}) must be > 0")
-        if self.hang_timeout_s and self.hang_timeout_s < 4 * self.heartbeat_period_s:
-            raise ConfigError(f"hang_timeout_s ({self.hang_timeout_s!r}) must be 0 (off) or at least 4 x "
-                              f"heartbeat_period_s ({self.heartbeat_period_s!r}), or a busy machine looks hung")
+        if self.hang_timeout_s and self.hang_timeout_s < MIN_HANG_TIMEOUT_S:
+            raise ConfigError(f"hang_timeout_s ({self.hang_timeout_s!r}) must be 0 (off) or at least "
+                              f"{MIN_HANG_TIMEOUT_S} (4 heartbeats), or a busy machine looks hung")
 
     def _validate_checkpoint(self) -> None:
         if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str)
                                                 or not self.checkpoint_dir.strip()):
             raise ConfigError(f"checkpoint_dir ({self.checkpoint_dir!r}) must be a non-empty path or None")
-        for name, low in (("checkpoint_every", 1), ("checkpoint_keep_last", 1), ("checkpoint_keep_every", 0),
-                          ("checkpoint_failure_limit", 1)):
+        for name, low in (("checkpoint_every", 1), ("checkpoint_keep_last", 1), ("checkpoint_failure_limit", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"{name} ({value!r}) must be an integer >= {low}")
-        wait = self.checkpoint_wait_s
-        if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 <= wait < float("inf"):
-            raise ConfigError(f"checkpoint_wait_s ({wait!r}) must be a finite number >= 0")
-        nice = self.checkpoint_nice
-        if not isinstance(nice, int) or isinstance(nice, bool) or not 0 <= nice <= 19:
-            raise ConfigError(f"checkpoint_nice ({nice!r}) must be an integer from 0 to 19")
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides: Any) -> "ElasticConfig":
@@ -231,6 +214,11 @@ class ElasticConfig:
         unknown = set(overrides) - known
         if unknown:
             raise ConfigError(f"unknown ElasticConfig fields {sorted(unknown)}; expected some of {sorted(known)}")
+        stray = sorted(name for name in env if name.startswith(ENV_PREFIX) and name not in NOT_SETTINGS
+                       and name[len(ENV_PREFIX):].lower() not in known)
+        if stray:  # a removed setting, or a typo: it would change nothing, silently
+            raise ConfigError(f"{stray[0]} is not a setting (ElasticConfig has {sorted(map(env_name, known))}); "
+                              "unset it")
         values: dict = {}
         for field in dataclasses.fields(cls):
             name = env_name(field.name)
@@ -256,7 +244,7 @@ def launched(environ: Optional[Mapping[str, str]] = None) -> bool:
 
 
 def restart_in_place(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """``ELASTIC_EXT_RESTART_IN_PLACE`` (default off); raises ConfigError naming a bad value."""
+    """``ELASTIC_EXT_RESTART_IN_PLACE``, which the launcher sets (default off); raises ConfigError naming a bad value."""
     env = os.environ if environ is None else environ
     text = env.get(ENV_RESTART_IN_PLACE, "")
     return bool(text.strip()) and _parse_bool(ENV_RESTART_IN_PLACE, text)
@@ -269,3 +257,10 @@ def horovod_rendezvous(environ: Optional[Mapping[str, str]] = None) -> Optional[
     if not addr or not port:
         return None
     return addr, _parse_int(ENV_HOROVOD_RENDEZVOUS_PORT, port)
+
+
+def launch_min_np(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """``horovodrun --min-np`` of the job, as the launcher passes it to its workers; None if unknown."""
+    env = os.environ if environ is None else environ
+    text = env.get(ENV_MIN_NP, "").strip()
+    return _parse_int(ENV_MIN_NP, text) if text else None

@@ -94,7 +94,7 @@ class NumericFaultError(ElasticExtError):
 
 
 class NumericRollbackLimitError(RollbackLimitError):
-    """More numeric rollbacks in a row than ``NumericGuard.max_rollbacks`` without a new commit.
+    """More numeric rollbacks in a row than ``ElasticConfig.rollback_limit`` without a new commit.
 
     The training itself is broken (diverged, a learning rate too high, a
     poisoned dataset), not one batch: skipping more steps would only lose data.

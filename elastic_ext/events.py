@@ -18,33 +18,38 @@ The run loop (``run.py``):
 
 - ``rollback`` (:data:`ROLLBACK`): a collective failed and the state went
   back to the last commit; ``cause``, ``detail``, ``commit_id``,
-  ``rollbacks_in_a_row``, ``steps_rolled_back``, ``lost_work_s``.
+  ``rollbacks_in_a_row``, ``steps_rolled_back``, ``lost_work_s``,
+  ``failed_at`` (Unix time the failure reached the run loop), ``abort_s``
+  (cutting the collective connections), ``restore_s`` (the commit restored).
 - ``rollback_limit`` (:data:`ROLLBACK_LIMIT`): too many rollbacks in a row,
   the job ends with :class:`~elastic_ext.errors.RollbackLimitError`;
   ``commit_id``, ``rollbacks``, ``limit``, ``cause``.
 - ``resize`` (:data:`RESIZE`): hosts were added or removed, no rollback;
   ``skip_sync``, ``commit_id``.
-- ``prestart`` (:data:`PRESTART`): with ``prestart_newcomers``, a host
+- ``prestart`` (:data:`PRESTART`): under ``elastic-horovodrun``, a host
   addition at this commit starts the newcomers while training goes on;
   ``commit_id``.
 - ``newcomers_joined`` (:data:`NEWCOMERS_JOINED`): that early start ends in
   a resize at this commit (a ``resize`` event follows); ``commit_id``,
-  ``why`` (on rank 0, which polls: ``all_there``, ``timeout``,
+  ``why`` (on rank 0, which polls: ``all_there``, ``newcomer_failed``, ``timeout``,
   ``error: ...``; on the others: ``agreed``; ``removed`` on a rank left out
   of the next world, which then leaves; ``interrupted`` by a removal or
   leave), ``next_size``, ``waited_s`` (the survivors trained all that time).
 - ``reset`` (:data:`RESET`): Horovod re-initialised after a rollback or a
-  resize; ``duration_s``, ``cause``.
+  resize; ``duration_s``, ``cause``, ``reinit_s`` (Horovod's shutdown and
+  init: the rendezvous with the driver's new round and the Gloo context),
+  ``callbacks_s`` (the State's reset callbacks).
 - ``recovered`` (:data:`RECOVERED`): the first sync after a rollback or
   resize is done; the fields of that ``rollback``/``resize`` plus ``size``,
-  ``generation`` and ``recovery_s``.
+  ``generation``, ``recovery_s``, ``learn_connections_s`` (the collective
+  that learns the new connections) and ``sync_s`` (``State.sync()``).
 - ``numeric_rollback`` (:data:`NUMERIC_ROLLBACK`): the numeric guard
   (``State(guard=...)``) judged a step bad, every rank went back to the last
   commit without a Horovod reset and skips that step's samples; the
   verdict's fields (``step``, ``reason``, ``loss``, ``bad_ranks``, ...),
   ``commit_id``, ``rollbacks_in_a_row``, ``steps_rolled_back``, ``skipped``
   (``[sampler, epoch, start, stop]`` ranges). A numeric rollback over
-  ``NumericGuard.max_rollbacks`` writes ``rollback_limit`` with ``cause``
+  ``ElasticConfig.rollback_limit`` writes ``rollback_limit`` with ``cause``
   ``"numeric"`` and the verdict's fields instead.
 - ``finish`` (:data:`FINISH`): the training function returned; ``commit_id``,
   ``duration_s``.
@@ -58,6 +63,15 @@ The run loop (``run.py``):
   shows one rank slow for long enough (:mod:`elastic_ext.policies.eviction`);
   ``commit_id``, ``evicted_rank``, ``step``, ``ratio``, ``slow_since``,
   ``slow_steps``, ``ratios``, and ``host`` on the evicted rank.
+- ``replica_mismatch`` (:data:`REPLICA_MISMATCH`): every rank, when the
+  replica check (``replica_check_every``) found ranks whose committed state
+  differs from the majority's (:mod:`elastic_ext.state.replica`);
+  ``commit_id``, ``wrong_ranks``, ``wrong_hosts``, ``majority_ranks``,
+  ``first_difference`` (the first entry that differs), ``healed`` (the wrong
+  ranks took the majority's state; False: no strict majority, the job
+  stops), ``bytes`` and ``senders`` of the heal, ``repeat_hosts`` (wrong
+  before within the window: their wrong ranks leave, the host goes into
+  ``exclude_file``), ``last_agreed_commit_id``.
 - ``restarted_in_place`` (:data:`RESTARTED_IN_PLACE`, at ``@elastic_ext.run``
   of a worker its keeper restarted, see :mod:`elastic_ext.launch.keeper`): Gloo
   aborted the previous process of this slot inside ``hvd.init()``;
@@ -80,9 +94,8 @@ Durable checkpoints (the checkpoint writer, and State on resume):
 - ``checkpoint`` (:data:`CHECKPOINT`): a checkpoint is durable;
   ``commit_id``, ``path``, ``bytes``, ``deleted``, ``not_deleted``,
   ``duration_s``.
-- ``checkpoint_skipped`` (:data:`CHECKPOINT_SKIPPED`): the previous write
-  still ran after ``checkpoint_wait_s``; ``commit_id``, ``running``,
-  ``wait_s``.
+- ``checkpoint_skipped`` (:data:`CHECKPOINT_SKIPPED`): a checkpoint was
+  due while the previous write still ran; ``commit_id``, ``running``.
 - ``checkpoint_failed`` (:data:`CHECKPOINT_FAILED`): a write failed,
   training goes on (the next commit tries again); ``commit_id``, ``error``,
   ``failures_in_a_row``.
@@ -125,6 +138,7 @@ CHECKPOINT_FAILING = "checkpoint_failing"
 CHECKPOINT_RESUMED = "checkpoint_resumed"
 NUMERIC_ROLLBACK = "numeric_rollback"
 STRAGGLER = "straggler"
+REPLICA_MISMATCH = "replica_mismatch"
 JOB_RESTART = "job_restart"
 RESTARTED_IN_PLACE = "restarted_in_place"
 MEMBER_FAILED = "member_failed"
@@ -133,7 +147,7 @@ FENCED = "fenced"
 #: Every event name elastic_ext emits (the module docstring says what each means).
 ALL_EVENTS = (SYNC, ROLLBACK, ROLLBACK_LIMIT, RESIZE, PRESTART, NEWCOMERS_JOINED, RESET, RECOVERED,
               FINISH, STALL, SUSPENDED, LEAVE, CHECKPOINT, CHECKPOINT_SKIPPED, CHECKPOINT_FAILED, CHECKPOINT_FAILING,
-              CHECKPOINT_RESUMED, NUMERIC_ROLLBACK, STRAGGLER, JOB_RESTART, RESTARTED_IN_PLACE,
+              CHECKPOINT_RESUMED, NUMERIC_ROLLBACK, STRAGGLER, REPLICA_MISMATCH, JOB_RESTART, RESTARTED_IN_PLACE,
               MEMBER_FAILED, FENCED)
 
 

@@ -28,7 +28,6 @@ class Liveness:
 
     def __init__(self) -> None:
         self.last_progress = time.monotonic()
-        self.first_step_pending = False  # no progress yet in this training span (compilation, warm-up)
         self._phases: List[str] = []
         self._phases_lock = threading.Lock()
         self._leaving = threading.Event()
@@ -39,7 +38,6 @@ class Liveness:
     def progress(self) -> None:
         """Marks that training moved forward."""
         self.last_progress = time.monotonic()
-        self.first_step_pending = False
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -74,7 +72,6 @@ class Liveness:
     def training(self) -> Iterator[None]:
         """The span in which SIGTERM means "leave" and the stall check applies."""
         self.progress()
-        self.first_step_pending = True  # the first step may compile: first_step_timeout_s applies
         self._in_training.set()
         try:
             yield

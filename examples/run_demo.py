@@ -146,19 +146,25 @@ def incidents(events, faults, host_added_at):
             current["recovered"] = event
             found.append(current)
             current = None
+    previous_size, since = None, 0.0
     for incident in found:
         trigger, recovered = incident["trigger"], incident["recovered"]
         incident["kind"] = "failure" if trigger["event"] == "rollback" else "resize"
         incident["resumed_at"] = recovered["time"]
         incident["size"] = recovered["size"]
+        incident["previous_size"] = previous_size
         if incident["kind"] == "failure":
             incident["steps_rolled_back"] = recovered.get("steps_rolled_back")
             killed = [f for f in faults if f["time"] <= trigger["time"]]
             incident["fault"] = killed[-1] if killed else None
-        elif host_added_at is not None and trigger["time"] >= host_added_at:
-            incident["host_added_at"] = host_added_at
-            early = [e for e in events if e["event"] == "prestart" and host_added_at <= e["time"] <= trigger["time"]]
+        else:
+            # An early start since the previous transition: newcomers (a failed slot's new worker,
+            # an added host's workers) started while the survivors trained.
+            early = [e for e in events if e["event"] == "prestart" and since <= e["time"] <= trigger["time"]]
             incident["early_start"] = early[0] if early else None
+            if host_added_at is not None and since <= host_added_at <= trigger["time"]:
+                incident["host_added_at"] = host_added_at
+        previous_size, since = incident["size"], incident["resumed_at"]
     return found
 
 
@@ -175,25 +181,25 @@ def describe(incident, started):
                 f"{incident['steps_rolled_back']} steps rolled back to the last commit (commit "
                 f"{incident['trigger']['commit_id']}).\n"
                 f"           back to training on {size} workers "
-                f"{incident['resumed_at'] - seen:.1f}s after the failure was seen.")
-    added = incident.get("host_added_at")
-    if added is None:
-        return (f"t={t:5.1f}s  resize: hosts changed; no rollback; training resumed on {size} workers "
-                f"{incident['resumed_at'] - incident['trigger']['time']:.1f}s later.")
-    kept = incident["trigger"]["time"] - added
+                f"{incident['resumed_at'] - seen:.1f}s after the failure was seen; the failed slot's new "
+                f"worker starts meanwhile.")
     idle = incident["resumed_at"] - incident["trigger"]["time"]
-    if incident.get("early_start") is not None:
-        how = ("while the newcomers started and built their model (started early at commit "
-               f"{incident['early_start']['commit_id']}),\n           then resized at commit "
-               f"{incident['trigger']['commit_id']}: survivors idle {idle:.1f}s while the newcomers received the "
-               f"state; no rollback.")
-    else:
-        how = (f"until their next commit, then stopped\n           and waited {idle:.1f}s while the newcomers "
-               f"started and received the state (survivors idle {idle:.1f}s); no rollback.")
-    return (f"t={added - started:5.1f}s  scale-up: a host was added; the survivors kept training for {kept:.1f}s "
-            f"{how}\n"
-            f"           back to training on {size} workers {incident['resumed_at'] - added:.1f}s after the host "
-            f"was added.")
+    early = incident.get("early_start")
+    grew = incident["previous_size"] is not None and size > incident["previous_size"]
+    if early is None or not grew:
+        return (f"t={t:5.1f}s  resize: hosts changed; no rollback; training resumed on {size} workers "
+                f"{idle:.1f}s later.")
+    why = []
+    if incident.get("host_added_at") is not None:
+        why.append(f"the host added at t={incident['host_added_at'] - started:.1f}s")
+    joined = size - incident["previous_size"]
+    kept = incident["trigger"]["time"] - early["time"]
+    return (f"t={early['time'] - started:5.1f}s  scale-up to {size} workers ({joined} newcomers"
+            f"{': ' + ', '.join(why) if why else ''}): the survivors kept training for {kept:.1f}s while the "
+            f"newcomers started and built their model\n"
+            f"           (early start at commit {early['commit_id']}), then resized at commit "
+            f"{incident['trigger']['commit_id']}: survivors idle {idle:.1f}s while the newcomers received the state; "
+            f"no rollback.")
 
 
 def soft_failures(events):
@@ -275,7 +281,7 @@ def summarize(job, code, started):
                 faults.append(json.load(handle))
     found = incidents(events, faults, job.host_added_at)
     failures = [i for i in found if i["kind"] == "failure"]
-    scale_ups = [i for i in found if i.get("host_added_at") is not None]
+    scale_ups = [i for i in found if i.get("host_added_at") is not None and i.get("early_start") is not None]
 
     print("\n=== summary ===")
     print(f"exit code {code}, wall time {time.time() - started:.0f}s, test accuracy {job.accuracy}")
@@ -303,7 +309,7 @@ def summarize(job, code, started):
     if not failures:
         problems.append("no failure and recovery was seen")
     if not scale_ups:
-        problems.append("no scale-up after the host was added was seen")
+        problems.append("no early-started scale-up that took in the added host was seen")
     print("verdict: " + ("OK" if not problems else "FAILED: " + "; ".join(problems)))
     return not problems
 

@@ -25,7 +25,9 @@ for timing:
 - a *done* record after the optimizer step: ``done`` (the step index),
   ``g`` (generation), ``n`` (samples), ``t``: what timings are taken from;
 - a *commit* record (``commit_s``) after each commit or checkpoint save:
-  the seconds this rank spent in it.
+  the seconds this rank spent in it;
+- a *proc* record when the log opens: ``proc`` (the pid) and ``created``
+  (when the process began, before its imports).
 
 The ledger's functions read only start and step records.
 
@@ -117,6 +119,29 @@ def allreduce_gradients(hvd, model, op):
         hvd.synchronize(handle)
 
 
+def started_at():
+    """Unix time this process began, to 10 ms: its age from /proc (psutil's create_time adds the boot
+    time, which the kernel gives in whole seconds, so it can be a second off against time.time())."""
+    with open("/proc/uptime", encoding="ascii") as handle:
+        uptime = float(handle.read().split()[0])
+    with open("/proc/self/stat", encoding="ascii") as handle:
+        start_ticks = int(handle.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+    return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def manager_allreduce(manager, model):
+    """torchft: every gradient in one flat buffer (as DDP's one bucket for these models) through
+    ``Manager.allreduce`` (the average over the replica groups taking part; a healing group sends zeros),
+    waited for and copied back. On an error the Manager records it and its ``should_commit`` says no."""
+    grads = [param.grad for param in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    manager.allreduce(flat).wait()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 class StepLog:
     """Appends ledger-format records to ``<out>/steps-<pid>.jsonl`` (line-buffered)."""
 
@@ -126,6 +151,8 @@ class StepLog:
         self.system = system
         self._file = open(os.path.join(out, f"steps-{os.getpid()}.jsonl"), "a", buffering=1, encoding="utf-8")
         self._stop = None
+        # When this process began (before its imports): a replacement worker's start, for "back to full size".
+        self._write({"proc": os.getpid(), "created": started_at(), "t": time.time()})
 
     def start(self, gen, epoch, cursor, step, rank, size):
         self._write({"start": gen, "epoch": int(epoch), "cursor": int(cursor), "step": int(step), "rank": rank,

@@ -6,7 +6,8 @@ Rank 3 SIGKILLs itself after ``--kill-step`` steps on 4 workers; Horovod
 blacklists its host and the job finishes ``--steps-after`` steps later on
 the 2 survivors. Writes ``kills.jsonl`` (time of the kill) and
 ``steps-<pid>.jsonl`` (time, step, world size of each completed step) under
-``--out``. (One failure per job: Horovod 0.28.1 ends the whole job when a
+``--out``, and ``calls-<pid>.jsonl`` (start and end of each ``hvd.init`` and
+``hvd.shutdown`` call). (One failure per job: Horovod 0.28.1 ends the whole job when a
 host fails again after its blacklist cooldown, with either system.)
 """
 
@@ -34,6 +35,26 @@ p.add_argument("--model", choices=["mlp", "cnn_bn", "big"], default="mlp",
 args = p.parse_args()
 
 torch.set_num_threads(1)
+calls = open(os.path.join(args.out, f"calls-{os.getpid()}.jsonl"), "a", buffering=1)
+
+
+def timed(name):
+    """hvd.<name>, with each call's start and end appended to calls-<pid>.jsonl: elastic_ext's reset calls
+    hvd.shutdown() then hvd.init() (the rendezvous with the driver's new round and the Gloo context), and
+    bench.recovery splits the reset's time between them."""
+    original = getattr(hvd, name)
+
+    def call(*a, **k):
+        started = time.time()
+        try:
+            return original(*a, **k)
+        finally:
+            calls.write(json.dumps({"call": name, "start": started, "end": time.time(), "pid": os.getpid()}) + "\n")
+    setattr(hvd, name, call)
+
+
+timed("init")
+timed("shutdown")
 hvd.init()
 if args.model == "mlp":
     model = mlp([64, 256, 10])

@@ -118,11 +118,11 @@ class CheckpointStore:
                            self.directory, skipped)
         return None
 
-    def apply_retention(self, newest: int, keep_last: int, keep_every: int = 0) -> List[int]:
+    def apply_retention(self, newest: int, keep_last: int) -> List[int]:
         """Deletes checkpoints older than ``newest`` beyond the policy; returns the deleted ids.
 
-        Kept: the newest ``keep_last`` complete checkpoints up to ``newest``,
-        and those whose id is a multiple of ``keep_every``. Partial ones older
+        Kept: the newest ``keep_last`` complete checkpoints up to ``newest``.
+        Partial ones older
         than ``newest`` are leftovers of cut writes and go. Ids above
         ``newest`` are left alone: they are what a previous run wrote past
         the checkpoint this run resumed from, and are overwritten as the job
@@ -142,8 +142,6 @@ class CheckpointStore:
             self._retention_failed("list", f"retention cannot list {self.directory}: {type(exc).__name__}: {exc}")
             return []
         keep = set(complete[:keep_last]) | {newest}
-        if keep_every:
-            keep |= {i for i in complete if i % keep_every == 0}
         deleted = []
         for commit_id in (i for i in ids if i < newest and i not in keep):
             try:

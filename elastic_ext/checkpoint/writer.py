@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import threading
 import time
 import weakref
@@ -38,11 +37,10 @@ class Checkpointer:
     """Background checkpoint writes for :class:`~elastic_ext.State` (rank 0).
 
     Bound policy: at most one write is in flight. When a checkpoint is due
-    while the previous write still runs, the commit waits for it at most
-    ``checkpoint_wait_s``; if it is still running then, this commit's
-    checkpoint is skipped (warning and a ``checkpoint_skipped`` event) and the
-    next commit is checkpointed instead. A commit therefore never waits more
-    than ``checkpoint_wait_s`` on storage.
+    while the previous write still runs, this commit's checkpoint is skipped
+    (warning and a ``checkpoint_skipped`` event) and the next commit is
+    checkpointed instead: a commit never waits on storage. Only a forced
+    write (a leave, a resize) waits for the running one first.
 
     A failed write is retried at the next commit. After
     ``checkpoint_failure_limit`` failures in a row, :meth:`failing` says
@@ -118,26 +116,22 @@ class Checkpointer:
         if not force and not self.due(commit_id):
             return
         if self._thread is not None:
-            self.wait(None if force else self._config.checkpoint_wait_s)
+            self.wait(None if force else 0.0)
             if self._thread is not None:
                 self._owed = True
-                logger.warning("checkpoint of commit %d skipped: the write of commit %d is still running after "
-                               "checkpoint_wait_s (%ss); the next commit is checkpointed instead",
-                               commit_id, self._result_id, self._config.checkpoint_wait_s)
-                self._events.emit(CHECKPOINT_SKIPPED, commit_id=commit_id, running=self._result_id,
-                                  wait_s=self._config.checkpoint_wait_s)
+                logger.warning("checkpoint of commit %d skipped: the write of commit %d is still running; "
+                               "the next commit is checkpointed instead", commit_id, self._result_id)
+                self._events.emit(CHECKPOINT_SKIPPED, commit_id=commit_id, running=self._result_id)
                 return
         self._owed = False
         lease = self._buffers.lease(names)
         self._result_id = commit_id
-        nice = 0 if force else self._config.checkpoint_nice
-        self._thread = threading.Thread(target=self._write, args=(commit_id, lease, dict(info), nice),
+        self._thread = threading.Thread(target=self._write, args=(commit_id, lease, dict(info)),
                                         name=f"elastic_ext-checkpoint-{commit_id}", daemon=True)
         self._thread.start()
 
-    def _write(self, commit_id: int, lease: Lease, info: Dict[str, Any], nice: int) -> None:
+    def _write(self, commit_id: int, lease: Lease, info: Dict[str, Any]) -> None:
         started = time.perf_counter()
-        lower_priority(nice)
         try:
             path = write_checkpoint(self.store.directory, commit_id, lease.entries, info)
         except Exception as exc:  # noqa: BLE001 - reported here and in the event; training goes on
@@ -151,8 +145,7 @@ class Checkpointer:
         # The checkpoint is durable now. Retention is housekeeping: what it cannot
         # delete is logged (once) by the store, and never makes this write count as
         # failed, which would change the cadence (a full write at every commit).
-        deleted = self.store.apply_retention(commit_id, self._config.checkpoint_keep_last,
-                                             self._config.checkpoint_keep_every)
+        deleted = self.store.apply_retention(commit_id, self._config.checkpoint_keep_last)
         nbytes = sum(int(a.nbytes) for e in lease.entries.values() for a in e.arrays.values())
         self._events.emit(CHECKPOINT, commit_id=commit_id, path=path, bytes=nbytes, deleted=deleted,
                           not_deleted=list(self.store.not_deleted), duration_s=time.perf_counter() - started)
@@ -196,17 +189,6 @@ class Checkpointer:
         self._events.emit(CHECKPOINT_RESUMED, commit_id=loaded.commit_id, path=loaded.path,
                           world_size=loaded.manifest.get("world_size"),
                           data_cursor=loaded.manifest.get("data_cursor"))
-
-
-def lower_priority(nice: int) -> None:
-    """Makes the calling thread ``nice`` (Linux: niceness is per thread); never fails the write."""
-    if nice <= 0 or not hasattr(os, "setpriority"):
-        return
-    try:
-        thread_id = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, thread_id, max(os.getpriority(os.PRIO_PROCESS, thread_id), nice))
-    except OSError as exc:  # e.g. a seccomp profile that forbids it: the write goes on at full priority
-        logger.debug("cannot lower the checkpoint writer's priority: %s", exc)
 
 
 def _wait_at_exit(ref: "weakref.ref[Checkpointer]") -> None:

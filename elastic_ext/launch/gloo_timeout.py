@@ -1,10 +1,13 @@
-"""Gloo's collective timeout for a worker's ``hvd.init()``: the first one and every reset.
+"""Gloo's timeout for a worker's ``hvd.init()``: the first one and every reset.
 
-Horovod reads ``HOROVOD_GLOO_TIMEOUT_SECONDS`` at every ``hvd.init()``. The
-survivors' re-initialisation after a failure waits that long for newcomers
-(:func:`rendezvous_timeout`, set by ``run``), and a newcomer's first
-``hvd.init()``, which runs before any elastic_ext code, must wait as long
-(:func:`first_rendezvous_timeout`, set before the user's code).
+Horovod reads ``HOROVOD_GLOO_TIMEOUT_SECONDS`` at every ``hvd.init()`` and
+uses it twice: as the wait for the round's members to connect, and as the
+timeout of every collective of that Horovod context. A worker's first
+``hvd.init()``, which runs before any elastic_ext code and may meet peers
+that are still starting, waits ``rendezvous_timeout_s``
+(:func:`first_rendezvous_timeout`, set before the user's code); a reset
+waits ``collective_timeout_s`` where its round holds only running workers
+(:func:`reset_timeout`, set by ``run`` before each reset).
 """
 
 from __future__ import annotations
@@ -12,10 +15,10 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from elastic_ext.config import ENV_HOROVOD_GLOO_TIMEOUT, ElasticConfig, elastic_horovodrun
+from elastic_ext.config import ENV_HOROVOD_GLOO_TIMEOUT, ElasticConfig, elastic_horovodrun, launch_min_np, launched
 from elastic_ext.errors import ConfigError
 
-# The value first_rendezvous_timeout() set at import, which a config given in code may replace.
+# The value this module set last (the first init's, then a reset's), which the next reset may replace.
 _TIMEOUT_SET_AT_IMPORT: Optional[str] = None
 
 
@@ -23,17 +26,27 @@ def _timeout_value(seconds: float) -> str:
     return str(max(1, int(round(seconds))))
 
 
-def rendezvous_timeout(config: Any, environ: Any = None) -> Optional[str]:
-    """Sets Horovod's Gloo timeout for the resets to come (see ``ElasticConfig.rendezvous_timeout_s``).
+def reset_timeout(config: Any, size: int, environ: Any = None) -> Optional[str]:
+    """Sets Horovod's Gloo timeout for the coming reset; returns the value in force.
 
-    Horovod reads ``HOROVOD_GLOO_TIMEOUT_SECONDS`` at every ``hvd.init()``,
-    so the survivors' re-initialisation after a failure waits this long for
-    newcomers. A value the user set is left alone. Returns the value in force.
+    Under ``elastic-horovodrun`` a reset's round holds only running workers
+    (:mod:`elastic_ext.launch.driver`), so the timeout is
+    ``collective_timeout_s``: how long a collective then waits for a peer
+    that does not answer. The exception is a reset that may have to refill
+    the job to ``--min-np`` with freshly started workers (this world less
+    one is below it): there, and under plain ``horovodrun`` where every reset
+    may meet newcomers still starting, it is ``rendezvous_timeout_s``.
+    Horovod reads ``HOROVOD_GLOO_TIMEOUT_SECONDS`` at every ``hvd.init()``;
+    a value the user set is left alone.
     """
+    global _TIMEOUT_SET_AT_IMPORT
     env = os.environ if environ is None else environ
     ours = ENV_HOROVOD_GLOO_TIMEOUT not in env or env[ENV_HOROVOD_GLOO_TIMEOUT] == _TIMEOUT_SET_AT_IMPORT
-    if config.rendezvous_timeout_s and ours:
-        env[ENV_HOROVOD_GLOO_TIMEOUT] = _timeout_value(config.rendezvous_timeout_s)
+    min_np = launch_min_np(env)
+    running_only = launched(env) and min_np is not None and size - 1 >= min_np
+    seconds = config.collective_timeout_s if running_only else config.rendezvous_timeout_s
+    if seconds and ours:
+        env[ENV_HOROVOD_GLOO_TIMEOUT] = _TIMEOUT_SET_AT_IMPORT = _timeout_value(seconds)
     return env.get(ENV_HOROVOD_GLOO_TIMEOUT)
 
 

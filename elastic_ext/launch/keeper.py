@@ -9,8 +9,8 @@ to Horovod's driver, and when every member of a round has failed the driver
 ends the job ("failure count == N"). That was most of ``bench.soak``'s job
 deaths.
 
-With ``ELASTIC_EXT_RESTART_IN_PLACE=1`` (on by default under
-``elastic-horovodrun`` when the job has a checkpoint directory), the
+When the job has a checkpoint directory, ``elastic-horovodrun`` sets
+``ELASTIC_EXT_RESTART_IN_PLACE=1`` for its workers, and the
 launcher's entry module (:mod:`elastic_ext.launch.worker`) forks before the
 script runs (Linux). The parent, the process
 Horovod's driver started and watches, only waits (the *keeper*); the child
@@ -60,7 +60,7 @@ import mmap
 import os
 import signal
 import sys
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, MutableMapping, Optional
 
 from elastic_ext.launch import round_watch
 from elastic_ext.config import ENV_RESTARTED_IN_PLACE, elastic_horovodrun, restart_in_place
@@ -74,7 +74,8 @@ PR_SET_PDEATHSIG = 1
 OUTSIDE_INIT, IN_INIT = 0, 1
 PHASE, JOINED = 0, 1  # offsets: the phase, and 1 once a hvd.init() with the job's peers completed
 LOST = slice(2, 10)   # the round whose loss ended the child's wait, plus one (0: none), little-endian
-SHARED_BYTES = 10
+LOCAL_RANK = slice(10, 14)  # the local rank its last joined hvd.init() gave it, plus one (0: none)
+SHARED_BYTES = 14
 
 _shared: Optional[mmap.mmap] = None  # in a child of a keeper: the bytes its keeper reads
 
@@ -89,12 +90,19 @@ def enter_init() -> None:
         _shared[PHASE] = IN_INIT
 
 
-def leave_init(joined: bool) -> None:
-    """After ``hvd.init()`` returned; ``joined``: it was a real one, not a world of one."""
+def leave_init(joined: bool, local_rank: Optional[int] = None) -> None:
+    """After ``hvd.init()`` returned; ``joined``: it was a real one, not a world of one.
+
+    ``local_rank``: what that init gave this worker. The driver may move a
+    survivor to a lower local rank (:mod:`elastic_ext.launch.driver`), and
+    a restarted child must ask for a rank under the slot it holds now.
+    """
     if _shared is not None:
         _shared[PHASE] = OUTSIDE_INIT
         if joined:
             _shared[JOINED] = 1
+            if local_rank is not None:
+                _shared[LOCAL_RANK] = (local_rank + 1).to_bytes(4, "little")
 
 
 def lost_round(round_id: int) -> None:
@@ -157,7 +165,10 @@ def install(environ: Optional[Mapping[str, str]] = None) -> bool:
         status = _wait(pid)
         phase, joined = shared[PHASE], shared[JOINED]
         lost = int.from_bytes(shared[LOST], "little") - 1
+        local_rank = int.from_bytes(shared[LOCAL_RANK], "little") - 1
         shared.close()
+        if local_rank >= 0 and isinstance(env, MutableMapping):
+            env["HOROVOD_LOCAL_RANK"] = str(local_rank)  # the slot the driver knows this worker by now
         moved_on = lost > last_lost  # a later round than the last one lost: the driver moved on
         last_lost = max(last_lost, lost)
         if joined:

@@ -148,9 +148,10 @@ def install(environ: Optional[Mapping[str, str]] = None) -> bool:
         finally:
             if stop_watch is not None:
                 stop_watch()
-        keeper.leave_init(joined=not solo)
+        keeper.leave_init(joined=not solo, local_rank=None if solo else original_local_rank(self))
         return result
 
+    original_local_rank = cls.local_rank
     init.elastic_ext_wraps = original  # type: ignore[attr-defined]
     replaced = {original: init}
     cls.init = init

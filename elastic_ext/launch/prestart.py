@@ -6,8 +6,10 @@ a reset. So without an early start the survivors stop at a host addition, re-ini
 and then wait while the newcomers start Python, import the framework,
 initialise Horovod and build their model (6 to 7 s on the test machine).
 
-With ``ElasticConfig.prestart_newcomers`` (on by default, under
-``elastic-horovodrun``) a pure host addition does not reset at once:
+Under ``elastic-horovodrun`` a pure host addition does not reset at once
+(and a failed worker's slot comes back the same way: the launcher's driver
+forms the round after a failure from the survivors, then offers the slot as
+added, :mod:`elastic_ext.launch.driver`):
 
 1. At the commit that agrees the addition, every rank sends the rank request
    of the next world from a background thread (:class:`Prestart`), the same
@@ -56,6 +58,7 @@ logger = logging.getLogger(__name__)
 
 SCOPE = "elastic_ext_ready"          # the store's scope of the announcements; the key is the rank
 MARKER = "early_start"               # a key of SCOPE: the survivors started the newcomers early
+ASKED = "early_start_asked"          # a key of SCOPE, put before the rank requests: the driver starts newcomers
 RANK_SCOPE = "rank_and_size"         # Horovod's own scope: a GET records the worker as ready
 POLL_S = 0.1
 REQUEST_TIMEOUT_S = 10.0
@@ -86,8 +89,9 @@ class Prestart:
     :meth:`start` sends the next world's rank request in a background
     thread; :meth:`ready` is True once every rank of the next world is
     there (polled on ``poll`` ranks only: rank 0), once this rank was
-    removed, once the request failed, or after ``timeout_s``. Any of these
-    makes the next commit reset the job.
+    removed, once a newcomer died (the launcher's driver publishes its
+    round's failures), once the request failed, or after ``timeout_s``. Any
+    of these makes the next commit reset the job.
     """
 
     def __init__(self, url: str, host: str, local_rank: int, poll: bool, timeout_s: float,
@@ -97,7 +101,7 @@ class Prestart:
         self.started = clock()
         self.next_rank: Optional[int] = None
         self.next_size: Optional[int] = None
-        self.why = ""                   # why it is ready: "all_there", "removed", "error: ...", "timeout"
+        self.why = ""                   # why it is ready: "all_there", "removed", "newcomer_failed", "error: ...", "timeout"
         self._ready = threading.Event()
         self._cancelled = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -140,6 +144,8 @@ class Prestart:
 
     def _run(self) -> None:
         try:
+            # The launcher's driver starts new workers only in a round an early start completes.
+            put(f"{self.url}/{SCOPE}/{ASKED}")
             # Blocks until every current rank asked (they all start at the same commit).
             answer = get(f"{self.url}/{RANK_SCOPE}/{self.host}:{self.local_rank}", timeout_s=None)
             if answer is None:
@@ -152,9 +158,15 @@ class Prestart:
             put(f"{self.url}/{SCOPE}/{self.next_rank}")
             if not self.poll:
                 return
+            # The round our requests formed, whose members the newcomers are (the launcher's driver says).
+            round_id = get(f"{self.url}/{round_watch.SCOPE}/{round_watch.CURRENT}")
+            failed = None if round_id is None else f"{self.url}/{round_watch.SCOPE}/{round_watch.failed_key(int(round_id))}"
             missing = set(range(self.next_size))
             while missing and not self._cancelled.is_set() and not self._ready.is_set():
                 missing = {rank for rank in missing if get(f"{self.url}/{SCOPE}/{rank}") is None}
+                if missing and failed is not None and get(failed) is not None:
+                    self.finish("newcomer_failed")  # it will never announce itself: reset now, not at the timeout
+                    return
                 if missing:
                     time.sleep(POLL_S)
             if not missing:

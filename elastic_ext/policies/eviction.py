@@ -19,7 +19,7 @@ connects them to :class:`~elastic_ext.State`:
   answer. The rank to evict is asked to leave through the graceful-leave
   path (no rollback, its commit made durable, exit 143 so Horovod's driver
   drops its host), writes a ``straggler`` event, and appends its host name
-  to ``StragglerPolicy.exclude_file`` when one is set, for a discovery
+  to ``ElasticConfig.exclude_file`` when one is set, for a discovery
   script's exclude list (``host_discovery/static.py --exclude-file``).
 
 Every reset (resize, rollback, numeric rollback) discards what the timer
@@ -55,26 +55,29 @@ class StragglerWatch:
     """One rank's straggler monitor: its timer, the tracker every rank keeps alike, the verdict.
 
     Args:
-        policy: the rules; ``policy.enabled`` False makes every method a no-op
-            that adds nothing to the commit's allreduce.
+        policy: the rules; None makes every method a no-op that adds nothing
+            to the commit's allreduce.
+        exclude_file: where the evicted rank appends its host (None: nowhere).
     """
 
-    def __init__(self, policy: StragglerPolicy) -> None:
-        if not isinstance(policy, StragglerPolicy):
+    def __init__(self, policy: Optional[StragglerPolicy], exclude_file: Optional[str] = None) -> None:
+        if policy is not None and not isinstance(policy, StragglerPolicy):
             raise ConfigError(f"straggler ({policy!r}) must be an elastic_ext.StragglerPolicy or None")
         self.policy = policy
+        self.exclude_file = exclude_file
         self.timer = StepTimer()
-        self._tracker = StragglerTracker(policy)
+        self._tracker = StragglerTracker(policy) if policy is not None else None
         self._steps = 0  # steps observed since the start (replays count: the clock never goes back)
 
     @property
     def enabled(self) -> bool:
-        return self.policy.enabled
+        return self.policy is not None
 
     def reset(self) -> None:
         """After a resize or a rollback: forget the measurements, warm up again."""
         self.timer.discard()
-        self._tracker.reset(self._steps)
+        if self._tracker is not None:
+            self._tracker.reset(self._steps)
 
     def slots(self, rank: int, size: int, objects: Iterable[Any], local_size: int = 1) -> Optional[np.ndarray]:
         """This rank's part of the commit's max-allreduce, or None when off: ``2 * size`` slots of
@@ -106,18 +109,23 @@ class StragglerWatch:
         return decision
 
     def exclude(self, host: str) -> None:
-        """Appends ``host`` to the policy's exclude file (if any), once, under a lock."""
-        path = self.policy.exclude_file
-        if not path:
-            return
-        try:
-            with open(path, "a") as handle:
-                fcntl.flock(handle, fcntl.LOCK_EX)
-                # Read as the discovery script reads it, so both agree on what is listed.
-                if host not in read_exclude_file(path):
-                    handle.write(f"{host}  # evicted as a straggler by elastic_ext\n")
-        except (OSError, DiscoveryInputError) as exc:
-            logger.error("cannot add straggler host %r to exclude file %r: %s", host, path, exc)
+        """Appends ``host`` to the exclude file (if any), once, under a lock."""
+        exclude_host(self.exclude_file, host, "evicted as a straggler")
+
+
+def exclude_host(path: Optional[str], host: str, why: str) -> None:
+    """Appends ``host`` to the exclude file ``path`` (None: no file) once, under a lock, with ``why``
+    as a comment; a discovery script's ``--exclude-file`` then keeps it out of the job."""
+    if not path:
+        return
+    try:
+        with open(path, "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            # Read as the discovery script reads it, so both agree on what is listed.
+            if host not in read_exclude_file(path):
+                handle.write(f"{host}  # {why} by elastic_ext\n")
+    except (OSError, DiscoveryInputError) as exc:
+        logger.error("cannot add host %r (%s) to exclude file %r: %s", host, why, path, exc)
 
 
 def samples_per_step(objects: Iterable[Any], rank: int, size: int) -> int:
@@ -129,4 +137,4 @@ def samples_per_step(objects: Iterable[Any], rank: int, size: int) -> int:
     return 1
 
 
-__all__ = ["StragglerWatch", "host_name", "samples_per_step"]
+__all__ = ["StragglerWatch", "exclude_host", "host_name", "samples_per_step"]

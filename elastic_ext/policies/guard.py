@@ -19,12 +19,13 @@ module owns the rules, the verdict, the loss window and the rollback count.
 ``elastic_ext.torch.guard`` and ``elastic_ext.tensorflow.guard`` compute the
 local row from a framework's loss and gradients.
 
-The spike rule: after ``min_history`` accepted steps, a finite loss is a
-spike when ``loss > median + spike_k * scale`` over the last ``window``
-accepted losses, ``scale = max(1.4826 * MAD, min_spread * |median|)``. The
+The spike rule: after :data:`MIN_HISTORY` accepted steps (or a full window),
+a finite loss is a spike when ``loss > median + spike_k * scale`` over the
+last ``window`` accepted losses, ``scale = max(1.4826 * MAD, MIN_SPREAD *
+|median|)``. The
 median absolute deviation (MAD) ignores a few outliers (unlike a standard
 deviation), 1.4826 makes ``spike_k`` read as standard deviations for
-Gaussian noise, and the ``min_spread`` floor keeps a flat window (MAD near
+Gaussian noise, and the :data:`MIN_SPREAD` floor keeps a flat window (MAD near
 0) from calling every wiggle a spike.
 """
 
@@ -40,7 +41,7 @@ import numpy as np
 from elastic_ext.errors import ConfigError, NumericFaultError, NumericRollbackLimitError
 from elastic_ext.policies.numeric_signal import GlobalSignal
 
-__all__ = ["LOSS_SPIKE", "MAD_TO_SIGMA", "NONFINITE_GRADIENT", "NONFINITE_LOSS", "REASONS", "FaultCounter",
+__all__ = ["LOSS_SPIKE", "MAD_TO_SIGMA", "MIN_HISTORY", "MIN_SPREAD", "NONFINITE_GRADIENT", "NONFINITE_LOSS", "REASONS", "FaultCounter",
            "LossWindow", "NumericGuard", "Verdict"]
 
 NONFINITE_LOSS = "nonfinite_loss"
@@ -104,6 +105,14 @@ def _finite_number(name: str, value: Any, low: float, strict: bool) -> None:
         raise ConfigError(f"{name} ({value!r}) must be a finite number {'>' if strict else '>='} {low}")
 
 
+#: The spike rule waits for this many accepted losses (or a full window, if smaller): the first steps
+#: of training move fast, and a median and MAD of fewer losses are not robust yet.
+MIN_HISTORY = 20
+#: Floor of the spike rule's ``scale`` relative to ``|median|``: a nearly flat window (MAD near 0)
+#: does not flag ordinary noise.
+MIN_SPREAD = 0.05
+
+
 @dataclasses.dataclass(frozen=True)
 class NumericGuard:
     """Rules of the numeric guard (opt-in; validated at construction).
@@ -112,12 +121,9 @@ class NumericGuard:
         window: how many accepted global losses the spike rule looks back on.
         spike_k: a loss above ``median + spike_k * scale`` of the window is a
             spike; None turns the spike rule off (non-finite checks remain).
-        min_history: the spike rule is active only once the window holds
-            this many losses (the first steps of training move fast).
-        min_spread: floor of ``scale`` relative to ``|median|``, so a nearly
-            flat window does not flag ordinary noise.
-        max_rollbacks: numeric rollbacks allowed in a row without a new
-            commit; one more raises :class:`NumericRollbackLimitError`.
+
+    Numeric rollbacks in a row without a new commit are limited by
+    ``ElasticConfig.rollback_limit`` (counted apart from failed collectives).
 
     Raises:
         ConfigError: a value is out of range; the message quotes it.
@@ -125,20 +131,16 @@ class NumericGuard:
 
     window: int = 100
     spike_k: Optional[float] = 10.0
-    min_history: int = 20
-    min_spread: float = 0.05
-    max_rollbacks: int = 3
 
     def __post_init__(self) -> None:
         _positive_int("window", self.window, 1)
-        _positive_int("min_history", self.min_history, 1)
-        _positive_int("max_rollbacks", self.max_rollbacks, 0)
-        if self.min_history > self.window:
-            raise ConfigError(f"min_history ({self.min_history!r}) must be <= window ({self.window!r}): "
-                              "the window never holds more losses than that")
         if self.spike_k is not None:
             _finite_number("spike_k", self.spike_k, 0.0, strict=True)
-        _finite_number("min_spread", self.min_spread, 0.0, strict=False)
+
+    @property
+    def min_history(self) -> int:
+        """Accepted losses the spike rule waits for: :data:`MIN_HISTORY`, or the whole window if smaller."""
+        return min(self.window, MIN_HISTORY)
 
     def threshold(self, history: Sequence[float]) -> Optional[Tuple[float, float, float]]:
         """``(threshold, median, scale)`` over the newest ``window`` losses, or None if the rule is off."""
@@ -147,7 +149,7 @@ class NumericGuard:
         recent = sorted(float(x) for x in list(history)[-self.window:])
         median = _median(recent)
         mad = _median(sorted(abs(x - median) for x in recent))
-        scale = max(MAD_TO_SIGMA * mad, self.min_spread * abs(median), _ABS_FLOOR)
+        scale = max(MAD_TO_SIGMA * mad, MIN_SPREAD * abs(median), _ABS_FLOOR)
         return median + self.spike_k * scale, median, scale
 
     def judge(self, step: int, signal: GlobalSignal, history: Sequence[float]) -> Verdict:
@@ -233,10 +235,14 @@ class LossWindow:
 
 class FaultCounter:
     """Counts numeric rollbacks in a row without a new commit (kept outside the committed state,
-    which a rollback would reset)."""
+    which a rollback would reset).
 
-    def __init__(self, guard: NumericGuard) -> None:
-        self._guard = guard
+    Args:
+        limit: numeric rollbacks allowed in a row (``ElasticConfig.rollback_limit``).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
         self._commit_id: Optional[int] = None
         self.count = 0
 
@@ -244,14 +250,14 @@ class FaultCounter:
         """Counts one numeric rollback back to ``commit_id``; returns the count in a row.
 
         Raises:
-            NumericRollbackLimitError: the count exceeds ``max_rollbacks``.
+            NumericRollbackLimitError: the count exceeds ``limit``.
         """
         if commit_id == self._commit_id:
             self.count += 1
         else:
             self._commit_id, self.count = commit_id, 1
-        if self.count > self._guard.max_rollbacks:
+        if self.count > self.limit:
             raise NumericRollbackLimitError(
                 f"{self.count} numeric rollbacks in a row without a new commit (commit id {commit_id}) exceed "
-                f"max_rollbacks ({self._guard.max_rollbacks}); last: {verdict.describe()}")
+                f"rollback_limit ({self.limit}); last: {verdict.describe()}")
         return self.count

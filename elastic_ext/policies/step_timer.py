@@ -131,6 +131,14 @@ class StepTimer:
             del self._steps[0]
         self._current, self._open = 0.0, False
 
+    def add(self, seconds: float) -> None:
+        """Adds one step whose compute was timed elsewhere (``model.fit``: from the batch's start to
+        the moment its gradients were ready, read from the training graph)."""
+        if self._started is not None:
+            raise RuntimeError("StepTimer.add() while a section is running")
+        self._current, self._open = self._current + max(0.0, float(seconds)), True
+        self.end_step()
+
     def discard(self) -> None:
         """Drops everything measured (after a rollback or reset: those steps are replayed)."""
         self._started, self._current, self._open = None, 0.0, False

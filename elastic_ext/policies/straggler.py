@@ -39,50 +39,45 @@ from elastic_ext.errors import ConfigError
 
 
 
+#: Fewest measured ranks needed to judge at all: one rank has nobody to be slower than.
+MIN_RANKS = 2
+
+
 @dataclasses.dataclass(frozen=True)
 class StragglerPolicy:
-    """Rules of straggler eviction (validated at construction).
+    """Rules of straggler eviction (validated at construction); ``State(straggler=StragglerPolicy())`` turns it on.
 
     Attributes:
-        enabled: off by default: eviction changes the job's shape.
         factor: a rank whose compute time per sample is at least this many
             times the median of the others is slow (> 1).
         window_steps: a rank must stay slow over this many consecutive
             steps before it is evicted.
         warmup_steps: steps after each reset whose times are ignored.
-        min_ranks: fewest measured ranks needed to judge at all (>= 2).
-        exclude_file: when set, the evicted rank appends its host name to
-            this file (a discovery script's exclude list) before it leaves.
         min_size: never evict when the ranks left would be fewer than this.
             Horovod's driver takes the evicted rank's whole host out, so the
             check subtracts the most ranks any host holds. Set it to your
             ``--min-np``: below it the driver waits for new hosts instead.
 
+    The evicted rank's host goes into ``ElasticConfig.exclude_file`` when one is set.
+
     Raises:
         ConfigError: a value is out of range; the message quotes it.
     """
 
-    enabled: bool = False
     factor: float = 3.0
     window_steps: int = 50
     warmup_steps: int = 20
-    min_ranks: int = 2
-    exclude_file: Optional[str] = None
     min_size: int = 2
 
     def __post_init__(self) -> None:
-        if not isinstance(self.enabled, bool):
-            raise ConfigError(f"enabled ({self.enabled!r}) must be True or False")
         factor = self.factor
         if (not isinstance(factor, (int, float)) or isinstance(factor, bool) or not math.isfinite(factor)
                 or factor <= 1):
             raise ConfigError(f"factor ({factor!r}) must be a finite number > 1 (a ratio to the median)")
-        for name, low in (("window_steps", 1), ("warmup_steps", 0), ("min_ranks", 2), ("min_size", 1)):
+        for name, low in (("window_steps", 1), ("warmup_steps", 0), ("min_size", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"{name} ({value!r}) must be an integer >= {low}")
-        if self.exclude_file is not None and (not isinstance(self.exclude_file, str) or not self.exclude_file):
-            raise ConfigError(f"exclude_file ({self.exclude_file!r}) must be a non-empty path or None")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,13 +175,13 @@ class StragglerTracker:
                              "call reset() after a rollback")
         began = self._last_step
         self._last_step = step
-        if not self.policy.enabled or step == began:
+        if step == began:
             return None
         if began < self._warm_from:
             return None
         table = ratios(compute_s, samples)
         measured = [r for r, ratio in enumerate(table) if ratio is not None]
-        if len(measured) < self.policy.min_ranks:
+        if len(measured) < MIN_RANKS:
             self._slow_since.clear()
             return None
         slow = {r for r in measured if table[r] >= self.policy.factor}

@@ -14,6 +14,13 @@ Two rules keep it from killing the wrong process or a healthy one:
   it, which can never reach another process, and also checks
   ``os.getppid() == PID`` before acting (the only check where pidfds do not
   exist). When the parent is gone the guardian leaves.
+- **A busy worker is not a hang.** A C call that holds the GIL (a long
+  parse, a library without GIL releases) keeps the heartbeat thread from
+  running, but its main thread runs on the CPU. When the heartbeat has been
+  silent for the timeout, the guardian kills only if the worker's main
+  thread used the CPU for less than 2 % of that time
+  (:mod:`elastic_ext.runtime.activity`): it is stopped, blocked or
+  deadlocked. Otherwise it says so once and waits another timeout.
 - **A suspension is not a hang.** When the whole job is stopped and
   continued (Slurm suspend, gang scheduling, a cgroup freezer) the guardian
   is frozen too; on waking it sees its own poll loop jump far past its period
@@ -30,6 +37,8 @@ import signal
 import sys
 import time
 from typing import Callable, Optional
+
+from elastic_ext.runtime.activity import busy, thread_cpu_s
 
 # A tick that comes this much later than asked (and at least JUMP_MIN_S) means
 # the guardian itself did not run: it was suspended along with its worker.
@@ -88,6 +97,7 @@ def main(argv=None) -> int:
     poll_s = max(0.05, min(1.0, args.timeout_s / 4))
     last = time.monotonic()
     tick = last
+    cpu_at_last = thread_cpu_s(args.pid, args.pid)  # the main thread's id is the process id
     while True:
         ready, _, _ = select.select([fd], [], [], poll_s)
         now = time.monotonic()
@@ -101,11 +111,17 @@ def main(argv=None) -> int:
             data = os.read(fd, 4096)
             if not data:
                 return 0
-            last = now
+            last, cpu_at_last = now, thread_cpu_s(args.pid, args.pid)
             continue
         if os.getppid() != args.pid:
             return 0  # the worker is gone (a child holding the pipe open keeps EOF away)
         if now - last >= args.timeout_s:
+            cpu_now = thread_cpu_s(args.pid, args.pid)
+            if busy(cpu_at_last, cpu_now, now - last):
+                sys.stderr.write(f"elastic_ext guardian: worker {args.pid} sent no heartbeat for {now - last:.1f}s "
+                                 "but its main thread ran on the CPU (a C call holding the GIL?): not a hang\n")
+                last, cpu_at_last = now, cpu_now
+                continue
             if os.getppid() == args.pid:
                 # Before the kill: once the worker is dead its launcher may stop reading this stream.
                 sys.stderr.write(f"elastic_ext guardian: worker {args.pid} sent no heartbeat for "

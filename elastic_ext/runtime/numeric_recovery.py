@@ -1,7 +1,7 @@
 """What ``run`` does on a :class:`~elastic_ext.errors.NumericFaultError`: roll back, skip the step, no reset.
 
 :class:`NumericRecovery` (one per ``run``) counts numeric rollbacks in a row
-(``NumericGuard.max_rollbacks``), restores the last commit, adds the bad
+(``ElasticConfig.rollback_limit``), restores the last commit, adds the bad
 step's range to the samplers' skip lists and re-applies it after any further
 restore until a commit includes it, and writes the ``numeric_rollback``
 event. No collective failed, so Horovod is not reset.
@@ -35,17 +35,17 @@ class NumericRecovery:
         ``steps(state)`` reads the step counter after the restore (for ``steps_rolled_back``).
 
         Raises:
-            NumericRollbackLimitError: more numeric rollbacks in a row than ``max_rollbacks``
+            NumericRollbackLimitError: more numeric rollbacks in a row than ``rollback_limit``
                 (a ``rollback_limit`` event with the verdict is written first).
         """
-        guard, verdict = state.guard, exc.verdict
+        verdict = exc.verdict
         if self._counter is None:
-            self._counter = FaultCounter(guard)
+            self._counter = FaultCounter(state.config.rollback_limit)
         try:
             count = self._counter.note(state.commit_id, verdict)
         except NumericRollbackLimitError as limit:
             state.events.emit(ROLLBACK_LIMIT, commit_id=state.commit_id, rollbacks=self._counter.count,
-                              limit=guard.max_rollbacks, cause="numeric", **verdict.fields())
+                              limit=self._counter.limit, cause="numeric", **verdict.fields())
             raise limit from exc
         state.restore()
         committed = steps(state)

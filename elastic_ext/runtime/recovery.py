@@ -28,6 +28,7 @@ import numpy as np
 
 from elastic_ext.errors import NumericFaultError, RollbackLimitError, error_detail
 from elastic_ext.events import LEAVE, RECOVERED, RESET, RESIZE, ROLLBACK, ROLLBACK_LIMIT
+from elastic_ext.launch.gloo_timeout import reset_timeout
 from elastic_ext.runtime.connections import CollectiveConnections
 from elastic_ext.runtime.driver_watch import DriverWatch
 from elastic_ext.runtime.numeric_recovery import NumericRecovery
@@ -94,14 +95,17 @@ class Recoverer:
     def sync(self) -> None:
         """Brings every rank to the agreed commit; reports the recovery that led here, if any."""
         state = self.state
+        started = time.perf_counter()
         if self.cut_links:
             self.links.learn_from_peers(state.binding)
+        learned = time.perf_counter()
         if self.driver is not None:
             self.driver.joined()  # the links just learned are this round's
         state.sync()
         self.numeric.reapply(state)  # sync loads the commit, which may not hold a numeric skip yet
         if self.pending is not None:
-            state.events.emit(RECOVERED, **self.pending.event(state.binding.size(), state.generation))
+            state.events.emit(RECOVERED, **self.pending.event(state.binding.size(), state.generation),
+                              learn_connections_s=learned - started, sync_s=time.perf_counter() - learned)
             self.pending = None
 
     def numeric_fault(self, exc: NumericFaultError) -> None:
@@ -115,7 +119,7 @@ class Recoverer:
             HorovodInternalError: under MPI, where Horovod cannot re-form the job (``exc`` again).
             RollbackLimitError: too many rollbacks in a row without a new commit.
         """
-        state, config, t0 = self.state, self.state.config, time.perf_counter()
+        state, config, t0, failed_at = self.state, self.state.config, time.perf_counter(), time.time()
         if self.driver is not None:
             self.driver.left()
         if self.kind == "mpi":
@@ -124,6 +128,7 @@ class Recoverer:
             raise exc
         if self.cut_links:
             self.links.abort(str(exc))
+        aborted = time.perf_counter()
         count = state.rollbacks.note(state.commit_id)
         lost_s, step_now = state.seconds_since_commit, self.steps_now(state)
         if count > config.rollback_limit:
@@ -141,7 +146,8 @@ class Recoverer:
         steps_back = step_now - step_committed if step_now is not None and step_committed is not None else None
         self.pending = Recovery("collective_failed", state.commit_id, t0, {
             "detail": error_detail(exc), "rollbacks_in_a_row": count,
-            "steps_rolled_back": steps_back, "lost_work_s": lost_s})
+            "steps_rolled_back": steps_back, "lost_work_s": lost_s,
+            "failed_at": failed_at, "abort_s": aborted - t0, "restore_s": time.perf_counter() - aborted})
         state.events.emit(ROLLBACK, cause=self.pending.cause, **self.pending.fields, commit_id=self.pending.commit_id)
 
     def hosts_updated(self, skip_sync: bool) -> None:
@@ -172,23 +178,35 @@ class Recoverer:
         the function is then called again in the larger world (from the
         commit, which already holds the end of training).
 
+        First, and also when no newcomer is on its way, it waits for the last
+        commit's overlapped collective (see ``State._settle_commits``).
+
         Raises:
             HostsUpdatedInterrupt: on every rank together, when an early start is under way.
         """
+        self.state._settle_commits()
         if not self.state._early_start_under_way():
             return
         from horovod.common.exceptions import HostsUpdatedInterrupt
         self.state.commit()  # may agree the resize itself (the newcomers are there)
+        self.state._settle_commits()
         raise HostsUpdatedInterrupt(False)
 
     def reset(self) -> None:
         """Re-initialises Horovod for the next world, then the State's reset callbacks."""
         started = time.perf_counter()
+        if self.kind == "gloo":
+            reset_timeout(self.state.config, self.state.binding.size())
         self.links.before_init()
+        reinit = time.perf_counter()
         self.state.binding.reset()
+        reinit_done = time.perf_counter()
         self.links.after_init()
+        callbacks = time.perf_counter()
         self.state.on_reset()
-        self.state.events.emit(RESET, duration_s=time.perf_counter() - started, cause=self.pending.cause)
+        done = time.perf_counter()
+        self.state.events.emit(RESET, duration_s=done - started, cause=self.pending.cause,
+                               reinit_s=reinit_done - reinit, callbacks_s=done - callbacks)
 
 
 def leave(state: "State", liveness: Liveness, kind: str, cause: str) -> None:

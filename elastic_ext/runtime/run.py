@@ -54,7 +54,7 @@ from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_RESTART_IN_PLACE, launche
 from elastic_ext.errors import ConfigError, NumericFaultError
 from elastic_ext.events import FINISH, RESTARTED_IN_PLACE, STALL, SUSPENDED
 from elastic_ext.launch import keeper, newcomer, prestart
-from elastic_ext.launch.gloo_timeout import rendezvous_timeout
+from elastic_ext.launch.gloo_timeout import reset_timeout
 from elastic_ext.runtime.recovery import Recoverer, controller
 from elastic_ext.launch.sigterm import install_sigterm, restore_sigterm
 from elastic_ext.runtime.watchdog import Watchdog
@@ -90,8 +90,6 @@ def _elastic_session(state: "State", kind: str) -> Iterator[None]:
     binding, events, config = state.binding, state.events, state.config
     if kind == "mpi":
         _announce_mpi(config)
-    else:
-        rendezvous_timeout(config)
     if keeper.restarts() and config.checkpoint_dir is None:
         raise ConfigError(
             f"this worker was restarted in place ({ENV_RESTART_IN_PLACE}=1) and holds no commit; without a "
@@ -99,7 +97,7 @@ def _elastic_session(state: "State", kind: str) -> Iterator[None]:
             "from scratch: set one, or turn restarts in place off")
     if keeper.restarts():
         events.emit(RESTARTED_IN_PLACE, restarts=keeper.restarts())
-    if config.prestart_newcomers and launched():  # the newcomers' side needs the launcher's entry module
+    if launched():  # the newcomers' side of an early start needs the launcher's entry module
         state._set_early_start(prestart.early_start_factory(binding, config.rendezvous_timeout_s or 120.0))
     notification_manager.init()
     notification_manager.register_listener(state)
@@ -109,6 +107,7 @@ def _elastic_session(state: "State", kind: str) -> Iterator[None]:
     previous_sigterm = install_sigterm(config, LIVENESS)
     try:
         if kind == "gloo":
+            reset_timeout(config, binding.size())
             newcomer.join(binding)  # a newcomer started early joins now, its model built
         yield
     finally:

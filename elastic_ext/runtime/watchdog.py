@@ -18,27 +18,27 @@ barrier, which needs the waiting survivors. Three mechanisms break that:
    waiting for Gloo's timeout instead was better).
 2. **Guardian** (:class:`Watchdog` + ``python -m elastic_ext.runtime.guardian``): a
    small sidecar process per worker reads a heartbeat byte from a pipe every
-   ``heartbeat_period_s``. If none arrives for ``hang_timeout_s`` (the worker
-   is SIGSTOPped, or frozen in native code holding the GIL) it SIGKILLs the
-   worker: a hang becomes a failure, which (1) spreads and Horovod's driver
-   sees as an exit. Failure mode: a machine so overloaded that a thread does
-   not run for ``hang_timeout_s`` is declared hung; keep it well above the
-   longest scheduling stall you expect.
-3. **Stall check** (in the heartbeat thread): if the training loop reports no
-   progress (commit, ``record_step`` or :func:`progress`) for
-   ``stall_timeout_s`` while its main thread is *not* inside a Horovod call
-   (nor handling the exception of a failed one) and no :func:`phase` is
-   open, this worker is the one everybody waits for (a step that never
-   ends), and it kills itself. Ranks waiting in a
-   collective never fire, so a slow but healthy worker is never declared dead
-   unless one of its steps exceeds ``stall_timeout_s``. Three things a
-   healthy worker does are not stalls: a long phase the user opened
-   (``with elastic_ext.phase("eval"):``, evaluation, a rank-0-only
-   validation, a user checkpoint), the first step of a training span
-   (compilation; bounded by ``first_step_timeout_s`` instead), and a
-   suspension of the whole job (Slurm suspend, a cgroup freezer): the
-   heartbeat thread sees its own tick arrive far later than its period and
-   restarts the idle clock instead of counting the frozen time as idle.
+   :data:`~elastic_ext.config.HEARTBEAT_PERIOD_S`. If none arrives for
+   ``hang_timeout_s`` and the worker's main thread used the CPU for less
+   than 2 % of that time (it is stopped by SIGSTOP, blocked, or
+   deadlocked with the GIL held), it SIGKILLs the worker: a hang becomes a
+   failure, which (1) spreads and Horovod's driver sees as an exit. A C call
+   that holds the GIL while it computes keeps the heartbeat thread from
+   running but keeps the CPU busy: the guardian waits.
+3. **Stall check** (in the heartbeat thread): if for ``stall_timeout_s`` the
+   training loop reports no progress (commit, ``record_step`` or
+   :func:`progress`), its main thread is not inside a Horovod call (nor
+   handling the exception of a failed one), no :func:`phase` is open, and
+   the main thread neither moved nor ran on the CPU
+   (:class:`~elastic_ext.runtime.activity.MainThread`), this worker is the
+   one everybody waits for (a deadlock, a read that never returns), and it
+   kills itself. Ranks waiting in a collective never fire. What a healthy
+   worker does is never a stall: a long phase the user opened or forgot to
+   open (an evaluation of an hour moves and computes), a compilation
+   (computes), a slow step, and a suspension of the whole job (Slurm
+   suspend, a cgroup freezer): the heartbeat thread sees its own tick
+   arrive far later than its period and restarts the idle clock instead of
+   counting the frozen time as idle.
 
 And a worker told to go (SIGTERM) keeps training to its next commit, where
 every rank learns of it through the commit's host-update allreduce; the job
@@ -57,8 +57,10 @@ import threading
 import time
 from typing import Callable, List, Optional
 
+from elastic_ext import config as _config
 from elastic_ext.config import ElasticConfig
 from elastic_ext.liveness import LIVENESS, Liveness
+from elastic_ext.runtime.activity import MainThread
 
 logger = logging.getLogger(__name__)
 
@@ -67,27 +69,22 @@ logger = logging.getLogger(__name__)
 JUMP_FACTOR = 3.0
 JUMP_MIN_S = 2.0
 
-def stall_verdict(idle_s: float, stall_timeout_s: float, first_step_timeout_s: float, first_step_pending: bool,
-                  phases: List[str], in_training: bool, in_collective: bool) -> Optional[str]:
+def stall_verdict(idle_s: float, stall_timeout_s: float, phases: List[str], in_training: bool,
+                  in_collective: bool) -> Optional[str]:
     """Why this worker is stuck, or None if it is not (a pure function, for tests).
 
     Args:
-        idle_s: seconds since the last progress.
-        stall_timeout_s: the limit once a step has completed (0: off).
-        first_step_timeout_s: the limit before the first step of a training
-            span completed (0: no limit then).
-        first_step_pending: no progress yet since training (re)started.
+        idle_s: seconds since the main thread last made progress, waited in
+            a collective, moved or ran on the CPU.
+        stall_timeout_s: the limit (0: off).
         phases: open phases (none may be open for a stall).
         in_training: inside ``@elastic_ext.run``'s training function.
         in_collective: the main thread waits in a Horovod call.
     """
-    if not in_training or in_collective or phases:
+    if not in_training or in_collective or phases or not stall_timeout_s or idle_s <= stall_timeout_s:
         return None
-    limit, what = ((first_step_timeout_s, "first_step_timeout_s") if first_step_pending
-                   else (stall_timeout_s, "stall_timeout_s"))
-    if not limit or idle_s <= limit:
-        return None
-    return f"no training progress for {idle_s:.1f}s ({what}={limit}) outside any collective and any phase"
+    return (f"no training progress for {idle_s:.1f}s (stall_timeout_s={stall_timeout_s}) outside any collective "
+            "and any phase, and the main thread neither moved nor ran on the CPU")
 
 
 # ----------------------------------------------------------------- watchdog
@@ -146,6 +143,9 @@ class Watchdog:
         self._thread: Optional[threading.Thread] = None
         self._on_stall = on_stall
         self._waited_at = float("-inf")  # when the main thread was last seen waiting in a collective
+        self._main = MainThread()
+        self._active_at = float("-inf")  # when the main thread was last seen moving or computing
+        self.period_s = _config.HEARTBEAT_PERIOD_S  # read now: elastic_ext.testing.heartbeat_period changes it
 
     def start(self) -> None:
         if self._config.hang_timeout_s:
@@ -171,7 +171,7 @@ class Watchdog:
             except subprocess.TimeoutExpired:
                 self._guardian.kill()
 
-    def stall_check(self, now: float, in_collective: bool) -> Optional[str]:
+    def stall_check(self, now: float, in_collective: bool, moved: bool = False) -> Optional[str]:
         """One tick of the stall check: why this worker is stuck, or None.
 
         Time spent waiting in a collective is not idle time: a rank that
@@ -179,18 +179,21 @@ class Watchdog:
         with a fresh ``stall_timeout_s`` to reach its next progress. Counting
         from the last progress instead killed such a rank when a tick fell in
         the few milliseconds between the end of its wait and its next
-        ``record_step``.
+        ``record_step``. Nor is time in which the main thread ``moved`` or
+        computed.
         """
         live = self._liveness
         if in_collective:
             self._waited_at = now
-        idle = now - max(live.last_progress, self._waited_at)
-        return stall_verdict(idle, self._config.stall_timeout_s, self._config.first_step_timeout_s,
-                             live.first_step_pending, live.open_phases(), live.in_training, in_collective)
+        if moved:
+            self._active_at = now
+        idle = now - max(live.last_progress, self._waited_at, self._active_at)
+        return stall_verdict(idle, self._config.stall_timeout_s, live.open_phases(), live.in_training,
+                             in_collective)
 
     def _beat(self) -> None:
         live = self._liveness
-        period = self._config.heartbeat_period_s
+        period = self.period_s
         tick = time.monotonic()
         while not self._stop.wait(period):
             now = time.monotonic()
@@ -198,7 +201,7 @@ class Watchdog:
             if gap > max(JUMP_MIN_S, JUMP_FACTOR * period):
                 # This thread did not run for `gap` seconds: the process was
                 # suspended (or the machine starved it), not stuck in a step.
-                logger.warning("heartbeat thread did not run for %.1fs (heartbeat_period_s=%s): the process was "
+                logger.warning("heartbeat thread did not run for %.1fs (its period: %ss): the process was "
                                "suspended; restarting the stall clock", gap, period)
                 live.last_progress = max(live.last_progress, now)
                 if self._on_suspend is not None:
@@ -211,7 +214,8 @@ class Watchdog:
                     logger.error("guardian process is gone; hang detection is off for this worker")
                     self._guardian = None
             in_collective = live.in_training and _main_thread_waits_or_fails()
-            verdict = self.stall_check(time.monotonic(), in_collective)
+            now = time.monotonic()
+            verdict = self.stall_check(now, in_collective, self._main.moved(now))
             if verdict is not None:
                 idle = time.monotonic() - live.last_progress
                 logger.critical("%s: this worker is stuck; killing it so the job can recover", verdict)

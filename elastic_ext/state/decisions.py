@@ -1,8 +1,13 @@
-"""What every rank decides together at a commit, from its one collective: resize, leave, evict, stop.
+"""What every rank decides together at a commit, from its one collective: resize, leave, evict, stop, heal.
+
+(One decision is a single rank's: a leaver whose grace runs out before an
+overlapped commit's leave could act leaves at its commit, see
+:func:`decide_at_commit`.)
 
 :class:`~elastic_ext.state.host_updates.HostUpdates` runs the commit's
 allreduce; :func:`decide_at_commit` acts on what it agreed, the same way on
-every rank: it stops the job when rank 0's checkpoints keep failing, evicts
+every rank: it stops the job when rank 0's checkpoints keep failing, heals
+ranks whose committed state differs from the majority's (the replica check), evicts
 a straggler the table names (through the leave path), reports an early
 start of newcomers beginning or ending, and raises ``HostsUpdatedInterrupt``
 everywhere when the world changes.
@@ -12,41 +17,58 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Optional
 
+import numpy as np
+
 from elastic_ext.binding import Binding
 from elastic_ext.errors import CheckpointError
 from elastic_ext.events import NEWCOMERS_JOINED, PRESTART, STRAGGLER, EventLog
 from elastic_ext.policies.eviction import StragglerWatch, host_name
 from elastic_ext.state.host_updates import EarlyStart, HostUpdates
+from elastic_ext.state.replica import ReplicaCheck
 from elastic_ext.liveness import Liveness
 
 
 def decide_at_commit(hosts: HostUpdates, straggler: StragglerWatch, binding: Binding, objects: Iterable[Any],
                      commit_id: int, liveness: Liveness, term_grace_s: float, events: EventLog,
-                     checkpoints_failing: Optional[str] = None) -> None:
+                     checkpoints_failing: Optional[str] = None, replica: Optional[ReplicaCheck] = None) -> None:
     """Runs the commit's collective and acts on it (see the module docstring).
 
     ``checkpoints_failing``: on the rank whose checkpoint writer failed
     ``checkpoint_failure_limit`` times in a row, what failed; every rank then stops.
+    ``replica``: at its checked commits, each rank's digest rides along and
+    ranks whose committed state differs from the majority's are healed
+    (:mod:`elastic_ext.state.replica`).
 
     Raises:
         CheckpointError: on every rank together, when some rank's checkpoints keep failing.
         HostsUpdatedInterrupt: on every rank together, when hosts changed or a rank leaves.
-        StateDivergenceError: ranks hold different commit ids.
+        StateDivergenceError: ranks hold different commit ids, or different committed states
+            with no strict majority among them (replica check).
     """
     rank, size = binding.rank(), binding.size()
     local_size = getattr(binding, "local_size", None)
     slots = straggler.slots(rank, size, objects, local_size() if local_size is not None and straggler.enabled else 1)
+    digest = replica.slots(rank, size, commit_id) if replica is not None else None
+    extra = slots if digest is None else np.concatenate([digest] + ([] if slots is None else [slots]))
     before = hosts.prestart
-    skip_sync, reduced = hosts.agree(binding, commit_id, liveness.leaving(), slots,
-                                     stop=checkpoints_failing is not None)
+    # A checked commit's collective blocks even where commits overlap: the heal must come before the
+    # wrong ranks train on (its buffers are this commit's until the next snapshot).
+    skip_sync, reduced = hosts.agree(binding, commit_id, liveness.leaving(), extra,
+                                     stop=checkpoints_failing is not None, blocking=digest is not None)
     if hosts.stopped:
         raise CheckpointError(
             f"stopping at commit {commit_id}: durable checkpoints keep failing on rank 0 "
             f"({checkpoints_failing or 'see its checkpoint_failed events'}); the job would otherwise train on "
             "with no checkpoint to resume from. Fix the storage and start the job again: it resumes from the "
             "newest valid checkpoint")
+    if digest is not None and hosts.current:  # else a resize agreed by the previous commit acts first
+        replica.act(reduced[:size], binding, commit_id, liveness, term_grace_s)
+        reduced = reduced[size:] if slots is not None else None
     _report_prestart(hosts, before, commit_id, events)
-    evicted = straggler.decide(reduced, size) if reduced is not None else None
+    evicted = None
+    for table in (hosts.earlier_extra, reduced):  # an overlapped commit's table, then this one's
+        if table is not None and evicted is None:
+            evicted = straggler.decide(table, size)
     if evicted is not None:
         # Every rank decided alike: a removal at this commit, like a SIGTERM leave.
         fields = evicted.fields()
@@ -57,6 +79,12 @@ def decide_at_commit(hosts: HostUpdates, straggler: StragglerWatch, binding: Bin
             liveness.ask_to_leave(term_grace_s, cause="straggler")
         events.emit(STRAGGLER, commit_id=commit_id, **fields)
         skip_sync = True if skip_sync is None else skip_sync
+    if skip_sync is None and liveness.leaving() and hosts.too_late_to_wait(liveness.leave_time_left()):
+        # An overlapped commit's leave acts at the next commit, which would come after this rank's
+        # grace. Leave now, once every rank has taken this commit's snapshot (its collective done):
+        # the others' next step fails and they roll back to this commit, one step at most.
+        hosts.settle()
+        skip_sync = True
     if skip_sync is not None:
         from horovod.common.exceptions import HostsUpdatedInterrupt
         raise HostsUpdatedInterrupt(skip_sync)

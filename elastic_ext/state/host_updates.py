@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import time
 from typing import Callable, Optional, Protocol, Tuple
 
 import numpy as np
@@ -50,6 +51,7 @@ class EarlyStart(Protocol):
 HOSTS_REMOVED = 1
 HOSTS_ADDED = 2
 FIELDS = 8  # the vector's fixed part; the extra follows
+_now = time.monotonic  # the clock of commit intervals (tests replace it)
 
 
 @dataclasses.dataclass
@@ -93,27 +95,17 @@ def read_agreement(reduced: np.ndarray, commit_id: int, has_extra: bool) -> Agre
                   reduced[FIELDS:] if has_extra else None, bool(stop))
 
 
-def agree_at_commit(binding: Binding, commit_id: int, newest: int, flags: int, leaving: bool,
-                    extra: Optional[np.ndarray] = None, newcomers_ready: bool = False,
-                    stop: bool = False) -> Agreed:
-    """The blocking allreduce of a commit.
-
-    Raises:
-        StateDivergenceError: ranks hold different commit ids.
-    """
-    vector = agreement_vector(commit_id, newest, flags, leaving, extra, newcomers_ready, stop)
-    return read_agreement(binding.allreduce_max(vector, "elastic_ext.hosts"), commit_id, extra is not None)
-
-
 class HostUpdates:
     """Horovod's host-update notifications this rank has not acted on, and the newest it acted on.
 
-    With ``overlap`` the allreduce of commit *k* runs in Horovod's
-    background thread while training goes on, and commit *k + 1* reads it:
-    no commit waits for a collective, and what it agrees (a resize, a
-    leave, an eviction, the commit-id check) acts one commit later. Every
-    rank reads the same reduced vector at the same commit, so they still act
-    together. A reset drops the one in flight (:meth:`clear`).
+    Overlapped commits: where the binding can run the allreduce in Horovod's
+    background thread (``overlap``: PyTorch), the allreduce of commit *k*
+    runs while training goes on, and commit *k + 1* reads it: no commit
+    waits for a collective, and what it agrees (a resize, a leave, an
+    eviction, the commit-id check) acts one commit later. Every rank reads
+    the same reduced vector at the same commit, so they still act together.
+    A reset drops the one in flight (:meth:`clear`). Elsewhere the
+    allreduce blocks and its commit acts on it.
 
     With ``prestart`` (a factory of :class:`EarlyStart`, which ``run`` sets
     under an elastic ``horovodrun``; its answer is None where it cannot
@@ -135,6 +127,10 @@ class HostUpdates:
         # (wait for the result, the commit id it agrees, whether it carries extra)
         self._in_flight: Optional[Tuple[Callable[[], np.ndarray], int, bool]] = None
         self._settled: Optional[Tuple[np.ndarray, int, bool]] = None  # its result, once waited for
+        self._agreed_at: Optional[float] = None  # time.monotonic() of this rank's last commit collective
+        self.earlier_extra: Optional[np.ndarray] = None  # a blocking commit's: the previous commit's reduced extra
+        self.current = False  # the last agree() returned its own commit's extra (not the previous one's)
+        self.interval_s: Optional[float] = None   # the time between its last two
 
     def put(self, timestamp: int, update_res: int) -> None:
         self._messages.put((timestamp, int(update_res)))
@@ -172,21 +168,31 @@ class HostUpdates:
         return newest, flags
 
     def agree(self, binding: Binding, commit_id: int, leaving: bool,
-              extra: Optional[np.ndarray] = None, stop: bool = False) -> Tuple[Optional[bool], Optional[np.ndarray]]:
+              extra: Optional[np.ndarray] = None, stop: bool = False,
+              blocking: bool = False) -> Tuple[Optional[bool], Optional[np.ndarray]]:
         """Runs a commit's allreduce. Returns (None if nothing changed, else
         ``skip_sync`` for the ``HostsUpdatedInterrupt`` every rank then raises together;
         the reduced ``extra``). With ``overlap``, both are those of the previous
-        commit's allreduce, (None, None) if there is none. ``stop``: this rank
-        asks every rank to stop; :attr:`stopped` says whether some rank did.
+        commit's allreduce, (None, None) if there is none, unless ``blocking``
+        (a commit whose extra must act at once: the replica check): then the
+        previous one acts first (its extra in :attr:`earlier_extra`) and this
+        one runs blocking. :attr:`current` says whether the extra returned is
+        this commit's. ``stop``: this rank asks every rank to stop;
+        :attr:`stopped` says whether some rank did.
 
         Raises:
             StateDivergenceError: ranks hold different commit ids.
         """
         newest, flags = self._drain()
         ready = self.prestart is not None and self.prestart.ready()
-        if not self.overlap:
-            return self._act(agree_at_commit(binding, commit_id, newest, flags, leaving, extra, ready, stop))
         vector = agreement_vector(commit_id, newest, flags, leaving, extra, ready, stop)
+        now = _now()
+        self.interval_s = None if self._agreed_at is None else now - self._agreed_at
+        self._agreed_at = now
+        self.earlier_extra, self.current = None, not self.overlap
+        if not self.overlap:
+            return self._act(read_agreement(binding.allreduce_max(vector, "elastic_ext.hosts"), commit_id,
+                                            extra is not None))
         self.settle()
         previous, self._settled = self._settled, None
         result: Tuple[Optional[bool], Optional[np.ndarray]] = (None, None)
@@ -195,6 +201,10 @@ class HostUpdates:
             result = self._act(read_agreement(reduced, agreed_id, has_extra))
             if result[0] is not None:
                 return result  # every rank resizes now: nothing more runs on this Horovod context
+        if blocking:
+            self.earlier_extra, self.current = result[1], True
+            return self._act(read_agreement(binding.allreduce_max(vector, "elastic_ext.hosts"), commit_id,
+                                            extra is not None))
         self._in_flight = (allreduce_max_start(binding, vector, "elastic_ext.hosts"), commit_id, extra is not None)
         return result
 
@@ -223,3 +233,9 @@ class HostUpdates:
             return False
         self.prestart, self.joined = prestart.start(), None
         return True
+
+    def too_late_to_wait(self, time_left_s: Optional[float]) -> bool:
+        """True when this commit's collective is in flight and the next commit, which would read it,
+        is not expected within ``time_left_s`` (a leaver's grace): see :func:`decide_at_commit`."""
+        return (self._in_flight is not None and time_left_s is not None and self.interval_s is not None
+                and time_left_s < self.interval_s)

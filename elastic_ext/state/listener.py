@@ -3,7 +3,7 @@
 A mixin of :class:`elastic_ext.State`, which provides ``_hosts`` (its
 :class:`~elastic_ext.state.host_updates.HostUpdates`), ``_straggler``,
 ``_tracked``, ``_binding``, ``_liveness``, ``_config``, ``_events``,
-``_reset_callbacks`` and ``commit_id``. The names are Horovod's own
+``_reset_callbacks``, ``_replica`` and ``commit_id``. The names are Horovod's own
 (``on_reset``, ``on_hosts_updated``, ``check_host_updates``,
 ``register_reset_callbacks``), so the State plugs into Horovod's
 notification manager as Horovod's ``State`` does.
@@ -50,6 +50,16 @@ class HorovodListener:
         """How this rank starts newcomers early at a host addition (``run`` sets it under an elastic horovodrun)."""
         self._hosts.prestart_factory = factory
 
+    def _settle_commits(self) -> None:
+        """Waits for this rank's overlapped commit collective, if one is in flight.
+
+        Before a rank leaves the training function (or resets on its own
+        account) every rank must have submitted it: a rank that shut Horovod
+        down first would fail the others' submission ("Horovod has been shut
+        down"), and they would roll back a finished job.
+        """
+        self._hosts.settle()
+
     def _early_start_under_way(self) -> bool:
         """True while newcomers started early are on their way (the same on every rank: agreed at a commit)."""
         return self._hosts.prestart is not None
@@ -65,7 +75,8 @@ class HorovodListener:
         Raises:
             StateDivergenceError: ranks hold different commit ids.
             CheckpointError: rank 0's checkpoints keep failing (every rank stops together).
+            StateDivergenceError: the replica check found ranks that differ with no strict majority.
         """
         decide_at_commit(self._hosts, self._straggler, self._binding, self._tracked.objects.values(),
                          self.commit_id, self._liveness, self._config.term_grace_s, self._events,
-                         self._checkpoints_failing())
+                         self._checkpoints_failing(), self._replica)

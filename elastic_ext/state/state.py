@@ -18,6 +18,8 @@ Keras non-trainable variables), which ``sync()`` takes from the root as
 Horovod's broadcast does. Per-rank objects (RNG streams, ``State(per_rank=...)``)
 are never compared nor broadcast.
 
+Every ``replica_check_every``-th commit a minority whose digest of what must
+agree differs takes the majority's commit (:mod:`elastic_ext.state.replica`).
 With ``config.checkpoint_dir``, rank 0 hands every agreed commit that is due
 to the background writer (:mod:`elastic_ext.checkpoint`), and a sync with no
 survivors (a fresh job) resumes from the newest valid checkpoint.
@@ -38,13 +40,14 @@ from elastic_ext.errors import NotCommittedError, StateError
 from elastic_ext.events import EventLog
 from elastic_ext.policies.eviction import StragglerWatch
 from elastic_ext.state.durable import DurableCommits
+from elastic_ext.state.soft_failures import SoftFailures
 from elastic_ext.state.host_updates import HostUpdates
 from elastic_ext.state.listener import HorovodListener
 from elastic_ext.policies import numeric_rollback as _numeric
-from elastic_ext.policies.guard import NumericGuard, Verdict
+from elastic_ext.policies.guard import NumericGuard
 from elastic_ext.state.records import CommitRecord, RollbackRecord
+from elastic_ext.state.replica import ReplicaCheck
 from elastic_ext.data.sampler import ElasticPartitioner
-from elastic_ext.policies.step_timer import StepTimer
 from elastic_ext.policies.straggler import StragglerPolicy
 from elastic_ext.state.tracked import Tracked
 from elastic_ext.liveness import LIVENESS
@@ -52,7 +55,7 @@ from elastic_ext.liveness import LIVENESS
 logger = logging.getLogger(__name__)
 
 
-class State(HorovodListener, DurableCommits):
+class State(HorovodListener, DurableCommits, SoftFailures):
     """Committed state of a training job, for PyTorch or TensorFlow.
 
     Every keyword argument becomes an attribute (``state.model``,
@@ -63,7 +66,6 @@ class State(HorovodListener, DurableCommits):
     Args:
         framework: "torch" or "tensorflow"; guessed from the objects, or from
             which Horovod module is imported, when left out.
-        binding: explicit Horovod operations (tests); overrides ``framework``.
         adapters: extra adapters tried before the built-in ones, for this
             instance only.
         config: an :class:`ElasticConfig`; read from the environment if None.
@@ -74,8 +76,7 @@ class State(HorovodListener, DurableCommits):
         guard: an :class:`elastic_ext.NumericGuard` (opt-in): enables
             :meth:`guard_step`; its loss window is committed as
             ``numeric_guard_window`` (see :mod:`elastic_ext.policies.numeric_rollback`).
-        straggler: an :class:`elastic_ext.StragglerPolicy` with
-            ``enabled=True`` (opt-in): a rank much slower than the others,
+        straggler: an :class:`elastic_ext.StragglerPolicy` (opt-in): a rank much slower than the others,
             per ``state.step_timer``, is asked to leave at a commit (see
             :mod:`elastic_ext.policies.eviction`). Every rank must pass the same policy.
         **objects: the objects to track, by name.
@@ -87,10 +88,26 @@ class State(HorovodListener, DurableCommits):
         ConfigError: the framework cannot be determined.
     """
 
-    def __init__(self, *, framework: Optional[str] = None, binding: Optional[Binding] = None,
-                 adapters: Iterable[Adapter] = (), config: Optional[ElasticConfig] = None,
-                 per_rank: Iterable[str] = (), guard: Optional[NumericGuard] = None,
-                 straggler: Optional[StragglerPolicy] = None, **objects: Any) -> None:
+    def __init__(self, *, framework: Optional[str] = None, adapters: Iterable[Adapter] = (),
+                 config: Optional[ElasticConfig] = None, per_rank: Iterable[str] = (),
+                 guard: Optional[NumericGuard] = None, straggler: Optional[StragglerPolicy] = None,
+                 **objects: Any) -> None:
+        self._construct(None, framework, adapters, config, per_rank, guard, straggler, objects)
+
+    @classmethod
+    def _on(cls, binding: Binding, **kwargs: Any) -> "State":
+        """A State whose collectives go through ``binding`` instead of Horovod (the test seam
+        :func:`elastic_ext.testing.state_on`)."""
+        state = cls.__new__(cls)
+        keywords = ("framework", "adapters", "config", "per_rank", "guard", "straggler")
+        options = {k: kwargs.pop(k) for k in keywords if k in kwargs}
+        state._construct(binding, options.get("framework"), options.get("adapters", ()), options.get("config"),
+                         options.get("per_rank", ()), options.get("guard"), options.get("straggler"), kwargs)
+        return state
+
+    def _construct(self, binding: Optional[Binding], framework: Optional[str], adapters: Iterable[Adapter],
+                   config: Optional[ElasticConfig], per_rank: Iterable[str], guard: Optional[NumericGuard],
+                   straggler: Optional[StragglerPolicy], objects: Dict[str, Any]) -> None:
         s = object.__setattr__
         s(self, "_liveness", LIVENESS)
         s(self, "_config", config or ElasticConfig.from_env())
@@ -99,7 +116,7 @@ class State(HorovodListener, DurableCommits):
             self._track(name, obj)
         _numeric.attach(self._tracked, guard)
         s(self, "_guard", guard)
-        s(self, "_straggler", StragglerWatch(straggler or StragglerPolicy()))
+        s(self, "_straggler", StragglerWatch(straggler, self._config.exclude_file))
         frameworks = self._tracked.frameworks()  # also finds every adapter: StateError if one is missing
         self._tracked.prepare()  # e.g. Keras optimizers build their slots here, before any sync
         if binding is None:
@@ -108,13 +125,16 @@ class State(HorovodListener, DurableCommits):
                                  "pass framework= to choose the one whose Horovod runs the collectives")
             binding = get_binding(framework or (frameworks[0] if frameworks else guess_framework()))
         s(self, "_binding", binding)
+        s(self, "_guarded", _numeric.GuardedSteps(guard, [*frameworks, binding.framework]))
         s(self, "_buffers", CommitBuffers(self._config.commit_buffers))
         s(self, "_record", CommitRecord())
         s(self, "_commit_time", None)
-        s(self, "_hosts", HostUpdates(overlap=self._config.overlap_commit))
+        s(self, "_hosts", HostUpdates(overlap=getattr(binding, "allreduce_max_start", None) is not None))
         s(self, "_reset_callbacks", [])
         s(self, "_rollbacks", RollbackRecord())
         s(self, "_events", EventLog(self._config.events_path, binding.rank, binding.size))
+        s(self, "_replica", ReplicaCheck(self._config.replica_check_every, self._tracked, self._buffers,
+                                         self._events, self._config.exclude_file))
         s(self, "_checkpointer", None)
         if self._config.checkpoint_dir is not None:
             from elastic_ext.checkpoint import Checkpointer
@@ -164,22 +184,6 @@ class State(HorovodListener, DurableCommits):
     binding = property(lambda self: self._binding, doc="The Horovod operations in use.")
     events = property(lambda self: self._events, doc="This rank's :class:`EventLog`.")
     rollbacks = property(lambda self: self._rollbacks, doc="Rollbacks in a row without a new commit (``run``).")
-    guard = property(lambda self: self._guard, doc="The :class:`NumericGuard` given, or None.")
-
-    @property
-    def step_timer(self) -> StepTimer:
-        """Wrap this rank's own compute of a step in it (``with state.step_timer: ...``), not the
-        waits for the others: straggler eviction compares these times (a no-op cost when off)."""
-        return self._straggler.timer
-
-    def guard_step(self, loss: Any, grads: Iterable[Any] = (), samples: int = 1,
-                   step: Optional[int] = None) -> Verdict:
-        """Judges a step on every rank together; a bad one raises ``NumericFaultError``, which ``run``
-        turns into a rollback that skips the step's samples. Call it after the gradient allreduce, before
-        the weights change and before ``commit()`` (see :func:`elastic_ext.policies.numeric_rollback.guard_step`)."""
-        objects = self._tracked.objects
-        samplers = (name for name in self._tracked.synced(objects) if isinstance(objects[name], ElasticPartitioner))
-        return _numeric.guard_step(self._guard, self._binding, objects, samplers, loss, grads, samples, step)
     # What tests inspect: the last commit's entries, and the adapter found per name.
     _entries = property(lambda self: self._buffers.entries)
     _adapter_of = property(lambda self: self._tracked._adapter_of)
@@ -205,6 +209,7 @@ class State(HorovodListener, DurableCommits):
         Raises:
             StateError: an object cannot be snapshotted; the previous commit
                 is left intact.
+            NumericFaultError: the guard judged the step in flight bad (PyTorch); nothing was committed.
             HostsUpdatedInterrupt: hosts were added or removed (after the
                 commit has been made).
             CheckpointError: rank 0's checkpoint writes failed
@@ -212,7 +217,8 @@ class State(HorovodListener, DurableCommits):
                 rank together (after the commit has been made).
         """
         self._liveness.progress()
-        self._hosts.settle()  # overlap_commit: the previous commit's collective, before this snapshot
+        self._hosts.settle()  # an overlapped commit's collective, before this snapshot
+        self._guarded.settle(self._tracked.objects)  # a bad step in flight must not be committed
         self.save()
         try:
             self.check_host_updates()
@@ -255,6 +261,7 @@ class State(HorovodListener, DurableCommits):
                              "it cannot be restored. Use commit_buffers=2 to keep the previous commit intact")
         for name, entry in self._buffers.entries.items():
             self._tracked.apply(name, entry)
+        self._guarded.drop()  # the step in flight is undone
         self._straggler.reset()  # replayed steps are not measured against the others
 
     def sync(self) -> None:
@@ -280,7 +287,7 @@ class State(HorovodListener, DurableCommits):
             self._record.participated = False
         party = _sync.Party(self._binding, self._tracked, self._buffers, self._record, self._hosts,
                             self._rollbacks, self._events, self._checkpointer)
-        _sync.sync(party, self._config.verify_sync)
+        _sync.sync(party)
 
 def reserved_names() -> FrozenSet[str]:
     """Names no tracked object may take: every public member of :class:`State`

@@ -130,18 +130,7 @@ def check_agreement(binding: Binding, table: np.ndarray, root: int, target: int,
     bad = [int(r) for r in same if table[r, DIGEST] != table[root, DIGEST]]
     if not bad:
         return
-    b = binding
-    labels = broadcast_json(b, [label for label, _, strict in items if strict] if b.rank() == root else None,
-                            root, "elastic_ext.state.sync.diagnose.labels")
-    crcs = dict((label, crc) for label, crc, strict in items if strict)
-    row = np.array([[crcs.get(label, -1) for label in labels]], dtype=np.int64)
-    found = b.allgather(row, "elastic_ext.state.sync.diagnose.digests") if labels else np.zeros((b.size(), 0))
-    first, differing = None, bad
-    for column, label in enumerate(labels):
-        ranks = [r for r in bad if found[r, column] != found[root, column]]
-        if ranks:
-            first, differing = label, ranks
-            break
+    first, differing = first_difference(binding, root, bad, items)
     what = (f"first difference: {first}" if first is not None
             else "the entries differ in which arrays they hold")
     raise StateDivergenceError(
@@ -152,10 +141,28 @@ def check_agreement(binding: Binding, table: np.ndarray, root: int, target: int,
         "State(..., per_rank=(name,))")
 
 
-def holders(table: np.ndarray, root: int, verify: bool) -> List[int]:
+def first_difference(binding: Binding, root: int, bad: List[int],
+                     items: List[DigestItem]) -> Tuple[Optional[str], List[int]]:
+    """On every rank together (one broadcast and one allgather): the first entry that must agree
+    in which some of the ranks ``bad`` differ from ``root``, and those ranks; (None, ``bad``)
+    when the entries differ only in which arrays they hold."""
+    b = binding
+    labels = broadcast_json(b, [label for label, _, strict in items if strict] if b.rank() == root else None,
+                            root, "elastic_ext.state.sync.diagnose.labels")
+    crcs = dict((label, crc) for label, crc, strict in items if strict)
+    row = np.array([[crcs.get(label, -1) for label in labels]], dtype=np.int64)
+    found = b.allgather(row, "elastic_ext.state.sync.diagnose.digests") if labels else np.zeros((b.size(), 0))
+    for column, label in enumerate(labels):
+        ranks = [r for r in bad if found[r, column] != found[root, column]]
+        if ranks:
+            return label, ranks
+    return None, bad
+
+
+def holders(table: np.ndarray, root: int) -> List[int]:
     """The ranks that hold the root's commit bytes for bytes (survivors at its id, generation and
-    full digest): they share the sending. Without digests (``verify`` off) only the root is known to."""
-    if not verify or not table[root, PARTICIPATED]:
+    full digest): they share the sending."""
+    if not table[root, PARTICIPATED]:
         return [root]
     same = ((table[:, PARTICIPATED] == 1) & (table[:, ID] == table[root, ID])
             & (table[:, GENERATION] == table[root, GENERATION]) & (table[:, FULL_DIGEST] == table[root, FULL_DIGEST]))
@@ -192,7 +199,7 @@ class Party:
     checkpointer: Optional[Resumer]
 
 
-def sync(party: Party, verify: bool) -> None:
+def sync(party: Party) -> None:
     """Makes every rank hold the same commit (see the module docstring); the caller
     has snapshotted a newcomer's objects first.
 
@@ -202,12 +209,11 @@ def sync(party: Party, verify: bool) -> None:
     """
     started, b, record, buffers = time.perf_counter(), party.binding, party.record, party.buffers
     names = party.tracked.synced(buffers.entries)
-    items = digest_items(buffers.entries, names, {n: party.tracked.buffer_keys(n) for n in names}) if verify else []
+    items = digest_items(buffers.entries, names, {n: party.tracked.buffer_keys(n) for n in names})
     table = gather_ids(b, record.commit_id, record.participated, record.generation, items)
     root, target = choose_root(table)
-    if verify:
-        check_agreement(b, table, root, target, items)
-    if verify and all_agree(table, root, target):  # everyone holds these bytes: nothing to send
+    check_agreement(b, table, root, target, items)
+    if all_agree(table, root, target):  # everyone holds these bytes: nothing to send
         record.generation += 1
         party.events.emit(SYNC, commit_id=target, generation=record.generation, root=root, loaded=False,
                           newcomers=0, broadcast=False, bytes=0, duration_s=time.perf_counter() - started)
@@ -227,11 +233,11 @@ def sync(party: Party, verify: bool) -> None:
         raise CheckpointError(meta["resume_error"])
     if "resume_error" in meta:
         target = int(meta["commit_id"])  # the checkpoint a fresh job resumed from, if any
-    senders = holders(table, root, verify)  # a fresh job's root alone (it may have loaded a checkpoint)
+    senders = holders(table, root)  # a fresh job's root alone (it may have loaded a checkpoint)
     arrays = gather_striped(b, flat_arrays(entries, names), meta["layout"], senders, "elastic_ext.state.sync.arrays")
     # Buffers (BatchNorm statistics) may differ: a rank loads unless its
     # *full* digest, buffers included, matches the root's.
-    up_to_date = (record.participated and record.commit_id == target and verify
+    up_to_date = (record.participated and record.commit_id == target
                   and combine(items, strict_only=False) == int(table[root, FULL_DIGEST]))
     if b.rank() != root and not up_to_date:
         missing = set(meta["names"]) - set(party.tracked.objects)

@@ -12,7 +12,7 @@ from elastic_ext.state import adapters as _core
 from elastic_ext.tensorflow import adapters as _adapters
 from elastic_ext.tensorflow.callbacks import ElasticCallback, FitStep
 from elastic_ext.tensorflow.data import ElasticSampler, index_dataset
-from elastic_ext.tensorflow.gradients import DistributedGradientTape
+from elastic_ext.tensorflow.tape import DistributedGradientTape
 from elastic_ext.tensorflow.optimizer import DistributedOptimizer
 
 _core.register_adapters("tensorflow", _adapters.adapters)

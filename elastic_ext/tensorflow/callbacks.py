@@ -16,10 +16,9 @@ Keras 2 (tf_keras) and Keras 3::
 
 How it works. The committed state holds the epoch, the batch within the
 epoch and the sampler's cursor. :meth:`ElasticCallback.fit` calls
-``model.fit`` from there: if the committed position is inside an epoch (a
-rollback or a resize happened mid-epoch), one call finishes that epoch
-(``initial_epoch=epoch, epochs=epoch + 1`` and ``steps_per_epoch`` the steps
-left), then one call runs the remaining epochs with the steps of a full
+``model.fit`` from there: if the committed position is inside an epoch, or
+the epoch has skipped steps, one call finishes that epoch (``epochs=epoch +
+1``, ``steps_per_epoch`` the steps left), then one call runs the remaining epochs with the steps of a full
 epoch *at the current world size* (the global batch is constant, so the
 steps per epoch follow the world size). Keras keeps ``steps_per_epoch``
 fixed within a call, and calls after a reset are new calls, so both are
@@ -33,21 +32,27 @@ trained on is the one at the committed cursor (it raises ``StateError``
 otherwise: data and state disagree), advances the cursor and the counters,
 and commits every ``commit_every`` batches; at the end of every epoch it
 moves the state to the start of the next epoch and commits. A
-``HostsUpdatedInterrupt`` from that commit, and a failed collective in the
-training step (a TensorFlow op error that ``@elastic_ext.run`` recognises as
-Horovod's), leave ``model.fit`` as exceptions: Keras does not catch them.
+``HostsUpdatedInterrupt`` from that commit and a failed collective (a
+TensorFlow op error from Horovod) leave ``model.fit`` as exceptions.
+
+Soft failures. With ``State(guard=NumericGuard(), step=0)`` each batch's
+loss rides on its gradient allreduce (:mod:`elastic_ext.tensorflow.guard`);
+a bad batch raises ``NumericFaultError`` at its end, before any commit, and
+the fit call after the rollback leaves its samples out. Each batch's own
+compute (until its gradients were ready) goes to ``state.step_timer``.
 
 Order with other callbacks: :meth:`ElasticCallback.fit` puts the elastic
 callback last, so that what the others do at the end of a batch or an epoch
-happens before the commit that follows it; it never changes ``logs``. Callbacks that save or log per epoch (``ModelCheckpoint``,
-``TensorBoard``, ``CSVLogger``) work as usual; give them to rank 0 only if
-they write to a shared place.
+happens before the commit that follows it; it never changes ``logs``.
+``ModelCheckpoint``, ``TensorBoard``, ``CSVLogger`` work as usual (on rank 0
+only if they write to a shared place).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import Any, Callable, Dict, Iterable, Optional
 
 import tensorflow as tf
@@ -56,6 +61,7 @@ from elastic_ext.errors import ConfigError, StateError
 from elastic_ext.data.sampler import ElasticPartitioner
 from elastic_ext.tensorflow.data import steps_in_epoch
 from elastic_ext.tensorflow.fit_stream import FitStep, StepStream
+from elastic_ext.tensorflow.guard import grads_ready_time
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +87,9 @@ class _ElasticCallbackMixin:
             if not isinstance(objects.get(name), int) or isinstance(objects.get(name), bool):
                 raise StateError(f"the State needs an integer {name!r} entry for model.fit "
                                  f"(got {objects.get(name)!r}): State(..., epoch=0, batch=0)")
+        if state.guard is not None and not isinstance(objects.get("step"), int):
+            raise StateError("a State with a guard needs an integer 'step' entry for model.fit (the global step "
+                             f"the guard judges; got {objects.get('step')!r}): State(..., step=0)")
         if sampler is None:
             found = [obj for obj in objects.values() if isinstance(obj, ElasticPartitioner)]
             if len(found) != 1:
@@ -96,6 +105,7 @@ class _ElasticCallbackMixin:
         self.lr_for_size = lr_for_size
         self.on_step = on_step
         self._stream: Optional[StepStream] = None
+        self._began: Optional[float] = None
 
     # ------------------------------------------------------------- fit calls
 
@@ -119,10 +129,13 @@ class _ElasticCallbackMixin:
             self._next_epoch(state.epoch)
         if state.epoch >= epochs:
             return None
+        sampler.skip_ahead()
         epoch, cursor = sampler.epoch, sampler.cursor
-        end = epoch + 1 if cursor > 0 else epochs
+        # An epoch begun, or with steps the guard skips, has fewer steps than a full one: a call of its own.
+        partial = cursor > 0 or any(e == epoch for e, _, _ in sampler.skipped)
+        end = epoch + 1 if partial else epochs
         return {"x": self.dataset(end), "initial_epoch": epoch, "epochs": end,
-                "steps_per_epoch": steps_in_epoch(self.sampler, cursor)}
+                "steps_per_epoch": len(sampler) if partial else steps_in_epoch(sampler, cursor)}
 
     def fit(self, model: Any, epochs: int, callbacks: Iterable[Any] = (), **fit_kwargs: Any) -> Any:
         """``model.fit`` from the committed position to ``epochs``; returns the last call's History.
@@ -174,6 +187,9 @@ class _ElasticCallbackMixin:
                              f"{self.elastic_state.epoch} (sampler epoch {self.sampler.epoch}): call fit with "
                              "initial_epoch=state.epoch, or use ElasticCallback.fit")
 
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        self._began = time.time()  # the clock of tf.timestamp(), which marks when the gradients were ready
+
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         state, sampler = self.elastic_state, self.sampler
         stream = self._stream
@@ -181,9 +197,17 @@ class _ElasticCallbackMixin:
             raise StateError(f"batch {batch} ended but this callback's dataset handed out no step for it: "
                              "feed model.fit from ElasticCallback.dataset()")
         step = stream.handed_out.popleft()
+        sampler.skip_ahead()
         if (step.epoch, step.cursor) != (sampler.epoch, sampler.cursor):
             raise StateError(f"the batch trained on starts at epoch {step.epoch} cursor {step.cursor} but the "
                              f"committed position is epoch {sampler.epoch} cursor {sampler.cursor}")
+        ready = grads_ready_time()
+        if ready is not None and self._began is not None and ready >= self._began:
+            state.step_timer.add(ready - self._began)  # own compute only: not the wait in the allreduce
+        if state.guard is not None:
+            # Judged from the signal that rode on this batch's gradient allreduce; a bad batch raises
+            # NumericFaultError out of model.fit, and run rolls back to the last commit and skips it.
+            state.guard_step(None, step=state.step)
         if self.on_step is not None:
             self.on_step(step)
         sampler.record_step()

@@ -6,8 +6,9 @@ source of the steps from the committed position on, which remembers the
 steps it handed out so that the callback
 (:mod:`elastic_ext.tensorflow.callbacks`) can check each one against the
 batch Keras trained on. The plans come from the sampler
-(:func:`elastic_ext.tensorflow.data.plan_at`); nothing here commits or
-touches the State.
+(:func:`elastic_ext.tensorflow.data.plan_at`), past the ranges on its skip
+list (the samples of steps the numeric guard rejected); nothing here commits
+or touches the State.
 """
 
 from __future__ import annotations
@@ -47,19 +48,30 @@ class StepStream:
         self.start = (epoch, cursor)
         self.end_epoch = end_epoch
         self.handed_out: Deque[FitStep] = collections.deque()
+        # The skip list as committed (a numeric rollback's bad steps), read here: a tf.data thread plans.
+        self.skipped = {(int(e), int(a)): int(b) for e, a, b in sampler.skipped}
 
     def generate(self):
         handed_out: Deque[FitStep] = collections.deque()
         self.handed_out = handed_out
         epoch, cursor = self.start
         while epoch < self.end_epoch:
+            cursor = self._past_skips(epoch, cursor)
             plan = plan_at(self.sampler, epoch, cursor)
             advance = plan.advance
             for step, (indices, pad) in enumerate(plan.batches()):
                 handed_out.append(FitStep(epoch, cursor, np.array(indices), np.array(pad, dtype=bool)))
                 yield np.asarray(indices, dtype=np.int64), np.asarray(pad, dtype=bool)
                 cursor += int(advance[step])
-            epoch, cursor = epoch + 1, 0
+                if (epoch, cursor) in self.skipped:
+                    break  # a skipped range starts here: plan again past it
+            else:
+                epoch, cursor = epoch + 1, 0
+
+    def _past_skips(self, epoch: int, cursor: int) -> int:
+        while (epoch, cursor) in self.skipped:
+            cursor = self.skipped[(epoch, cursor)]
+        return cursor
 
     def dataset(self, load: Callable[[tf.Tensor, tf.Tensor], Any]) -> tf.data.Dataset:
         """``load(indices, pad)`` of every step, as the dataset ``model.fit`` trains on."""

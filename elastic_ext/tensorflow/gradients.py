@@ -1,8 +1,9 @@
 """Horovod's TF2 gradient reduction for Keras 2 (tf_keras) and Keras 3 variables.
 
-Owns the gradient reducer (options, grouping, allreduce) and
-``DistributedGradientTape``; the Keras ``DistributedOptimizer`` built on the
-same reducer is in :mod:`elastic_ext.tensorflow.optimizer`. Both take the
+Owns the gradient reducer (options, grouping, allreduce, the numeric
+guard's signal riding along); ``DistributedGradientTape``
+(:mod:`elastic_ext.tensorflow.tape`) and the Keras ``DistributedOptimizer``
+(:mod:`elastic_ext.tensorflow.optimizer`) are built on it. Both take the
 arguments of ``horovod.tensorflow.DistributedGradientTape`` and
 ``horovod.tensorflow.keras.DistributedOptimizer``, so a Horovod script moves
 over by changing its imports. Horovod's own versions key variables with
@@ -21,11 +22,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import tensorflow as tf
 
 import horovod.tensorflow as hvd
-from horovod.tensorflow.compression import Compression
 
 from elastic_ext.errors import ConfigError
+from elastic_ext.tensorflow import guard as _guard
 
-__all__ = ["DistributedGradientTape"]
+__all__ = ["_GradientReducer", "_groups_argument", "_variable_key"]
 
 
 def _variable_key(variable: Any) -> Any:
@@ -113,18 +114,35 @@ class _GradientReducer:
         # key -> variable: holding the variable keeps an id()-based key unique.
         self.local: Dict[Any, Any] = {}
         self._graph_fns: Dict[bool, Callable] = {}
+        self.loss: Any = None  # a Keras 3 optimizer's step loss, between scale_loss() and apply()
+
+    def take_loss(self) -> Any:
+        """The loss ``scale_loss`` handed over for this step, if it belongs to the context running now."""
+        loss, self.loss = self.loss, None
+        if loss is None or tf.executing_eagerly() != (not tf.is_symbolic_tensor(loss)):
+            return None
+        return loss if tf.executing_eagerly() or loss.graph is tf.compat.v1.get_default_graph() else None
 
     def register_local(self, variable: Any) -> None:
         self.local[_variable_key(variable)] = variable
 
-    def __call__(self, grads: Sequence[Any], variables: Sequence[Any], use_generic_names: bool = False) -> List[Any]:
+    def __call__(self, grads: Sequence[Any], variables: Sequence[Any], use_generic_names: bool = False,
+                 loss: Any = None) -> List[Any]:
+        """The reduced gradients. With ``loss`` (the step's, this rank's) while a State with a numeric
+        guard exists, the guard's signal rides on the same allreduce (:mod:`elastic_ext.tensorflow.guard`)."""
         grads = list(grads)
         variables = list(variables)
         if len(variables) != len(grads):
             raise ConfigError(f"{len(grads)} gradients for {len(variables)} variables: they must pair up")
         shared = [i for i, v in enumerate(variables) if _variable_key(v) not in self.local]
         out = list(grads)
-        reduced = self._reduce([grads[i] for i in shared], [variables[i] for i in shared], use_generic_names)
+        _guard.record_ready(_guard.grads_ready_at(grads))  # this rank's compute ends here (straggler timing)
+        carry = loss is not None and _guard.carrying()
+        reduced = self._reduce([grads[i] for i in shared], [variables[i] for i in shared], use_generic_names,
+                               _guard.carry_vector(loss) if carry else None)
+        if carry:
+            *reduced, vector = reduced
+            _guard.record(vector, reduced)
         for i, g in zip(shared, reduced):
             out[i] = g
         if self.scale_local_gradients and self.local:
@@ -137,16 +155,24 @@ class _GradientReducer:
     def _size_op(self) -> tf.Tensor:
         return hvd.size_op(process_set_id=self.process_set.process_set_id)
 
-    def _reduce(self, grads: List[Any], variables: List[Any], generic: bool) -> List[Any]:
+    def _reduce(self, grads: List[Any], variables: List[Any], generic: bool, extra: Any = None) -> List[Any]:
+        """The reduced ``grads``, then the reduced ``extra`` if given (reduced with them: the same
+        op and scale factors, in the last group when there are groups, so Horovod fuses them)."""
         if self.sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
         present = [i for i, g in enumerate(grads) if g is not None]
-        if not present:
+        if not present and extra is None:
             return grads
         runs = self._runs(present, variables)
         tensors = [grads[i] for i in present]
         positions = {i: k for k, i in enumerate(present)}
         local_runs = tuple(tuple(positions[i] for i in run) for run in runs) if runs is not None else None
+        if extra is not None:
+            tensors.append(extra)
+            if local_runs:
+                local_runs = local_runs[:-1] + (local_runs[-1] + (len(tensors) - 1,),)
+            elif local_runs is not None:
+                local_runs = ((len(tensors) - 1,),)
         if tf.executing_eagerly():
             # One graph for all tensors, as Horovod does: their collectives are
             # enqueued together instead of one eager op at a time.
@@ -160,7 +186,7 @@ class _GradientReducer:
         out = list(grads)
         for i, g in zip(present, reduced):
             out[i] = g
-        return out
+        return out + ([reduced[-1]] if extra is not None else [])
 
     def _runs(self, present: List[int], variables: List[Any]) -> Optional[List[List[int]]]:
         """Indices grouped for grouped_allreduce, or None for one allreduce per tensor."""
@@ -218,77 +244,3 @@ def _divide(grad: Any, size: tf.Tensor) -> Any:
     if isinstance(grad, tf.IndexedSlices):
         return tf.IndexedSlices(grad.values / tf.cast(size, grad.values.dtype), grad.indices, grad.dense_shape)
     return grad / tf.cast(size, grad.dtype)
-
-
-# ---------------------------------------------------------------------------- tape
-
-
-class _DistributedGradientTapeMixin:
-    """Methods added to the user's tape class: gradients come back allreduced."""
-
-    _elastic_reducer: _GradientReducer
-
-    def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
-                 use_generic_names: bool = False, **kwargs: Any) -> Any:
-        gradients = super().gradient(target, sources, output_gradients, **kwargs)  # type: ignore[misc]
-        reduced = self._elastic_reducer(tf.nest.flatten(gradients), tf.nest.flatten(sources), use_generic_names)
-        return tf.nest.pack_sequence_as(gradients, reduced)
-
-    def register_local_source(self, source: Any) -> None:
-        """Marks ``source`` (a variable) as rank-local: its gradient is not allreduced."""
-        self._elastic_reducer.register_local(source)
-
-    def get_local_and_global_gradients(self, target: Any, sources: Sequence[Any], output_gradients: Any = None,
-                                       use_generic_names: bool = False) -> tuple:
-        """``([(local source, grad)], [(global source, grad)])``, as Horovod's tape returns them."""
-        grads = self.gradient(target, sources, output_gradients, use_generic_names)
-        local, shared = [], []
-        for source, grad in zip(sources, grads):
-            (local if _variable_key(source) in self._elastic_reducer.local else shared).append((source, grad))
-        return local, shared
-
-
-_TAPE_CLASSES: Dict[type, type] = {}
-
-
-def _tape_class(base: type) -> type:
-    cls = _TAPE_CLASSES.get(base)
-    if cls is None:
-        cls = type(base.__name__, (_DistributedGradientTapeMixin, base), {"__module__": __name__})
-        _TAPE_CLASSES[base] = cls
-    return cls
-
-
-def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
-                            compression: Any = Compression.none, sparse_as_dense: bool = False,
-                            op: Any = hvd.Average, gradient_predivide_factor: float = 1.0,
-                            num_groups: int = 0, groups: Any = None,
-                            process_set: Any = hvd.global_process_set,
-                            scale_local_gradients: bool = True) -> tf.GradientTape:
-    """Wraps a recorded ``tf.GradientTape`` so that ``gradient()`` returns allreduced gradients.
-
-    Same arguments as ``horovod.tensorflow.DistributedGradientTape``; works
-    with ``tf.Variable``, Keras 2 and Keras 3 variables as sources::
-
-        with tf.GradientTape() as tape:
-            loss = ...
-        tape = elastic_ext.tensorflow.DistributedGradientTape(tape)
-        grads = tape.gradient(loss, model.trainable_variables)
-
-    The tape passed in is the one returned (its class gains the allreducing
-    ``gradient()``), so it keeps its recording and persistence.
-
-    Raises:
-        ConfigError: not a tape, or an option that Horovod also rejects
-            (e.g. a predivide factor without ``op=Average``); ``op=Adasum``.
-    """
-    if not isinstance(gradtape, tf.GradientTape):
-        raise ConfigError(f"gradtape ({type(gradtape).__name__}) must be a tf.GradientTape")
-    if isinstance(gradtape, _DistributedGradientTapeMixin):
-        raise ConfigError("gradtape is already a DistributedGradientTape")
-    reducer = _GradientReducer("DistributedGradientTape", device_dense, device_sparse, compression,
-                               sparse_as_dense, op, gradient_predivide_factor, _groups_argument(num_groups, groups),
-                               process_set, scale_local_gradients)
-    gradtape.__class__ = _tape_class(type(gradtape))
-    gradtape._elastic_reducer = reducer  # type: ignore[attr-defined]
-    return gradtape

@@ -48,9 +48,15 @@ def _optimizer_class(base: type, flavour: str) -> type:
             # Keras 3's model.fit computes gradients with its own tape and
             # calls apply_gradients(), which goes through apply(): reducing
             # here is the one place every Keras 3 path passes, once.
+            def scale_loss(self, loss):
+                # fit's train_step hands the loss here before the gradients: the guard's signal
+                # rides on their allreduce in apply() (elastic_ext.tensorflow.guard).
+                self._elastic_reducer.loss = loss
+                return super().scale_loss(loss)
+
             def apply(self, grads, trainable_variables=None):
                 variables = self._trainable_variables if trainable_variables is None else trainable_variables
-                grads = self._elastic_reducer(list(grads), list(variables))
+                grads = self._elastic_reducer(list(grads), list(variables), loss=self._elastic_reducer.take_loss())
                 return super().apply(grads, trainable_variables)
 
             def register_local_var(self, var: Any) -> None:
@@ -64,7 +70,8 @@ def _optimizer_class(base: type, flavour: str) -> type:
             def compute_gradients(self, loss, var_list, tape=None):
                 pairs = list(super().compute_gradients(loss, var_list, tape))
                 variables = [v for _, v in pairs]
-                return list(zip(self._elastic_reducer([g for g, _ in pairs], variables), variables))
+                loss = None if callable(loss) else loss  # the guard's signal rides along with a loss tensor
+                return list(zip(self._elastic_reducer([g for g, _ in pairs], variables, loss=loss), variables))
 
             def register_local_var(self, var: Any) -> None:
                 """Marks ``var`` as rank-local: its gradient is not allreduced."""
@@ -75,7 +82,8 @@ def _optimizer_class(base: type, flavour: str) -> type:
             def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
                 pairs = list(super()._compute_gradients(loss, var_list, grad_loss, tape=tape))
                 variables = [v for _, v in pairs]
-                return list(zip(self._elastic_reducer([g for g, _ in pairs], variables), variables))
+                loss = None if callable(loss) else loss
+                return list(zip(self._elastic_reducer([g for g, _ in pairs], variables, loss=loss), variables))
 
             def get_gradients(self, loss, params):
                 return self._elastic_reducer(super().get_gradients(loss, params), params)

@@ -1,9 +1,10 @@
-"""Declared fault injection: faults, their schedule, a commit probe, resizes.
+"""Declared fault injection: faults, their schedule, a commit probe, resizes, bit flips.
 
 :class:`FaultSchedule` declares injected faults up front: which rank (or
 pid-stable slot) dies, at which step, and how (SIGKILL, SIGSTOP, SIGTERM,
-exception); each fires once, recorded in a marker file so that a restarted
-worker does not fire it again.
+exception), or which array it corrupts with a flipped bit (silent data
+corruption, :func:`flip_bit`); each fires once, recorded in a marker file so
+that a restarted worker does not fire it again.
 """
 
 from __future__ import annotations
@@ -13,15 +14,18 @@ import json
 import os
 import signal
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 
 from elastic_ext.errors import ConfigError
 
 
-HOW = ("kill", "stop", "term", "exit", "raise", "hang")
-WHERE = ("step", "allreduce", "commit")
+HOW = ("kill", "stop", "term", "exit", "raise", "hang", "flip")
+WHERE = ("step", "allreduce", "commit", "before_commit")
+#: The bit a "flip" fault flips in the first element of its target: a low mantissa bit of a
+#: float32, so the value stays finite and close (nothing but a digest can tell).
+FLIP_BIT = 3
 
 
 # The exit status of an injected "exit" fault: non-zero so Horovod's driver
@@ -35,19 +39,44 @@ class Fault:
 
     ``where`` names the point in a step that the training script reaches:
     ``step`` (before the forward pass), ``allreduce`` (a collective is in
-    flight) or ``commit`` (in the middle of copying the state).
+    flight), ``commit`` (in the middle of copying the state) or
+    ``before_commit`` (after the step's update, before the commit that
+    follows it). ``target`` names what a ``flip`` corrupts (the script maps
+    names to arrays, e.g. ``param`` or ``moment``).
     """
 
     rank: int
     step: int
     how: str = "kill"
     where: str = "step"
+    target: str = ""
 
     def __post_init__(self) -> None:
         if self.how not in HOW:
             raise ConfigError(f"fault how ({self.how!r}) must be one of {HOW}")
         if self.where not in WHERE:
             raise ConfigError(f"fault where ({self.where!r}) must be one of {WHERE}")
+        if (self.how == "flip") != bool(self.target):
+            raise ConfigError(f"fault {self.how!r} with target {self.target!r}: a flip needs a target, "
+                              "and only a flip takes one")
+
+
+def flip_bit(array: np.ndarray, index: int = 0, bit: int = FLIP_BIT) -> None:
+    """Flips bit ``bit`` of element ``index`` (in C order) of ``array`` in place.
+
+    ``array`` must share memory with what it stands for (``tensor.numpy()``
+    of a CPU tensor does).
+
+    Raises:
+        ValueError: ``array`` is not contiguous, or ``index``/``bit`` is out of range.
+    """
+    if not array.flags.c_contiguous:
+        raise ValueError("flip_bit needs a contiguous array (a reshape would copy it)")
+    flat = array.reshape(-1)
+    if not 0 <= index < flat.size or not 0 <= bit < 8 * array.itemsize:
+        raise ValueError(f"element {index} bit {bit} is outside an array of {flat.size} x {array.itemsize} bytes")
+    raw = flat[index:index + 1].view(np.dtype(f"u{array.itemsize}"))
+    raw ^= raw.dtype.type(1 << bit)
 
 
 class FaultSchedule:
@@ -67,12 +96,12 @@ class FaultSchedule:
 
     @classmethod
     def parse(cls, text: str, marker_dir: str) -> "FaultSchedule":
-        """Parses ``"RANK:STEP[:HOW[:WHERE]],..."`` (HOW defaults to kill, WHERE to step)."""
+        """Parses ``"RANK:STEP[:HOW[:WHERE[:TARGET]]],..."`` (HOW defaults to kill, WHERE to step)."""
         faults = []
         for item in filter(None, (part.strip() for part in text.split(","))):
             fields = item.split(":")
-            if len(fields) not in (2, 3, 4):
-                raise ConfigError(f"fault {item!r} must look like RANK:STEP[:HOW[:WHERE]]")
+            if len(fields) not in (2, 3, 4, 5):
+                raise ConfigError(f"fault {item!r} must look like RANK:STEP[:HOW[:WHERE[:TARGET]]]")
             try:
                 rank, step = int(fields[0]), int(fields[1])
             except ValueError:
@@ -90,7 +119,8 @@ class FaultSchedule:
         return found
 
     def _marker(self, fault: Fault) -> str:
-        return os.path.join(self.marker_dir, f"fault-{fault.rank}-{fault.step}-{fault.how}-{fault.where}")
+        target = f"-{fault.target}" if fault.target else ""
+        return os.path.join(self.marker_dir, f"fault-{fault.rank}-{fault.step}-{fault.how}-{fault.where}{target}")
 
     def due(self, rank: int, step: int, where: str = "step") -> Optional[Fault]:
         for fault in self.faults:
@@ -99,11 +129,18 @@ class FaultSchedule:
                 return fault
         return None
 
-    def maybe_fire(self, rank: int, step: int, where: str = "step") -> None:
-        """Fires the fault declared for (rank, step, where), once."""
+    def maybe_fire(self, rank: int, step: int, where: str = "step",
+                   targets: Optional[Dict[str, np.ndarray]] = None) -> None:
+        """Fires the fault declared for (rank, step, where), once; a flip corrupts ``targets[fault.target]``.
+
+        Raises:
+            ConfigError: a flip's target is not among ``targets``.
+        """
         fault = self.due(rank, step, where)
         if fault is None:
             return
+        if fault.how == "flip" and fault.target not in (targets or {}):
+            raise ConfigError(f"flip target {fault.target!r} must be one of {sorted(targets or {})}")
         with open(self._marker(fault), "w", encoding="utf-8") as handle:
             json.dump({"pid": os.getpid(), "time": time.time(), **dataclasses.asdict(fault)}, handle)
         if fault.how == "kill":
@@ -117,6 +154,8 @@ class FaultSchedule:
                 time.sleep(0.01)
         elif fault.how == "exit":
             os._exit(FAULT_EXIT_CODE)
+        elif fault.how == "flip":
+            flip_bit(targets[fault.target])
         else:
             raise RuntimeError(f"injected fault at rank {rank} step {step}")
 

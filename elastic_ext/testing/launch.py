@@ -62,7 +62,7 @@ def kill_tree(pid: int) -> None:
 def script_process(worker: psutil.Process) -> psutil.Process:
     """The process running a worker's script: ``worker`` itself, or its child when ``worker`` is its keeper.
 
-    With ``ELASTIC_EXT_RESTART_IN_PLACE=1`` the process Horovod's driver
+    When the job restarts workers in place the process Horovod's driver
     started (the keeper, :mod:`elastic_ext.launch.keeper`) forks the script's
     process, with the same command line.
     """

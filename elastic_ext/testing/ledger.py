@@ -172,18 +172,21 @@ def committed_history(records: List[dict]) -> List[dict]:
     return history
 
 
-def audit(records: List[dict], dataset_size: int, epochs: int) -> dict:
+def audit(records: List[dict], dataset_size: int, epochs: int, history: Optional[List[dict]] = None) -> dict:
     """Counts, per epoch, samples processed twice and never in the committed history.
 
     Skipped samples (``skipped`` records, each range counted once however
     many ranks wrote it) count as accounted for; a sample both skipped and
-    processed is duplicated.
+    processed is duplicated. ``history``: the committed history when a
+    system decides it otherwise than by generations and the positions they
+    resume from (a peer that commits or discards each step on its own, such
+    as torchft in bench/); by default :func:`committed_history`.
 
     Returns ``{"epochs": [{"epoch", "processed", "skipped", "duplicated",
     "missing", "duplicated_ids", "missing_ids"}], "lost_steps": steps thrown
     away by rollbacks, "exactly_once": bool}``.
     """
-    history = committed_history(records)
+    history = committed_history(records) if history is None else history
     skips = {tuple(r["skipped"]): r["indices"] for r in records if "skipped" in r}
     report: Dict[str, Any] = {"epochs": []}
     ok = True

@@ -7,7 +7,7 @@ unit tests drive ``State.sync`` and ``commit`` without launching Horovod.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -40,3 +40,10 @@ class SoloBinding:
 
     def as_internal_error(self, exc: BaseException) -> Optional[BaseException]:
         return None
+
+
+def state_on(binding: Any, **kwargs: Any) -> Any:
+    """A :class:`~elastic_ext.State` (same keywords as its constructor) whose collectives, rank and
+    size come from ``binding`` instead of Horovod: a :class:`SoloBinding`, or ranks simulated by threads."""
+    from elastic_ext.state.state import State
+    return State._on(binding, **kwargs)

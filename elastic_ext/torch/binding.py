@@ -44,6 +44,11 @@ class TorchBinding:
         handle = hvd.allreduce_async(_tensor(array), name=name, op=hvd.Max)
         return lambda: hvd.synchronize(handle).numpy()
 
+    def allgather_start(self, array: np.ndarray, name: str) -> Callable[[], np.ndarray]:
+        """Starts :meth:`allgather` in Horovod's background thread; the returned call waits for it."""
+        handle = hvd.allgather_async(_tensor(array), name=name)
+        return lambda: hvd.synchronize(handle).numpy()
+
     def reset(self) -> None:
         hvd.shutdown()
         hvd.init()

@@ -2,9 +2,12 @@
 
 :func:`local_row` reduces a step's loss and gradients to the 5 numbers of
 :class:`elastic_ext.policies.numeric_signal.LocalSignal` on the gradients' device (one fused
-norm per tensor, no per-element host work) and copies them to the host once;
-:func:`agree_step` then runs the guard's one collective, a Horovod allgather
-of that ``(1, 5)`` row, through :class:`elastic_ext.torch.binding.TorchBinding`.
+norm per tensor, no per-element host work) and copies them to the host once.
+``state.guard_step`` allgathers that ``(1, 5)`` row in Horovod's background
+thread (:meth:`elastic_ext.torch.binding.TorchBinding.allgather_start`) and
+judges the step at the next ``guard_step`` or ``commit()``
+(:mod:`elastic_ext.policies.numeric_rollback`); :func:`agree_step` is the
+blocking form, for a loop that judges by itself.
 
 Call it after the gradient allreduce (``optimizer.synchronize()`` of
 Horovod's ``DistributedOptimizer``) and before ``optimizer.step()`` (under

@@ -106,3 +106,53 @@ def test_fit_survives_kill_grow_and_leave_exactly_once_and_bitwise(tmp_path, ker
     reference_records = ledger.read(str(reference))
     assert analysis.sizes_by_generation(reference_records) == [[2], [3], [2], [3], [2]]
     analysis.assert_bitwise_equal(finals[0], analysis.load_finals(reference)[0], "failed run vs reference")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("keras", ["2", "3"])
+def test_fit_guard_skips_a_nan_batch_once_and_a_straggler_is_evicted(tmp_path, keras):
+    # 3 workers (BASE's 2 slots, OTHER's 1), 15 steps per epoch, a commit every 4 batches and at each
+    # epoch's end. Phase 1: rank 1's loss is NaN at step 6; every rank rolls back to the commit of
+    # step 4 (which restarts the straggler warm-up: 4 steps) and the fit call after it leaves step
+    # 6's samples out: epoch 0 has 14 steps, commits after steps 8, 12, 14, then 18, 22, 26, 29.
+    # Phase 2: rank 2 (OTHER's only worker) computes 5x longer from step 12 (30 ms of simulated
+    # compute per step inside the training graph); under StragglerPolicy(3, window 8, warm-up 4) it is
+    # slow from the observation that began at step 12 and evicted at the commit of step 22 (slow for
+    # 10 steps), with no rollback.
+    out = tmp_path / "soft"
+    out.mkdir()
+    hosts = str(out / "hosts")
+    launch.write_hosts(hosts, [BASE, OTHER])
+    cmd = launch.elastic_cmd(3, 2, 3, hosts, "keras_fit.py", "--out", str(out), "--keras", keras,
+                             "--epochs", str(EPOCHS), "--global-batch", str(GLOBAL_BATCH),
+                             "--commit-every", str(COMMIT_EVERY), "--guard", "--nan", "1:6",
+                             "--straggler", "3:8:4", "--compute-s", "0.03", "--slow", "2:12:5")
+    env = launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl"), HOROVOD_GLOO_TIMEOUT_SECONDS=120)
+    code, output = launch.run(cmd, env, str(out / "horovodrun.log"), 500)
+    assert code == 0, output[-5000:]
+    events = analysis.read_events(str(out / "events.jsonl"))
+
+    numeric = [e for e in events if e["event"] == "numeric_rollback"]
+    assert sorted(e["rank"] for e in numeric) == [0, 1, 2], f"phase 'nan': one numeric_rollback per rank: {numeric}"
+    for event in numeric:
+        assert (event["step"], event["reason"], event["bad_ranks"]) == (6, "nonfinite_loss", [1]), event
+        assert event["commit_id"] == 1 and event["steps_rolled_back"] == 2, event
+        assert event["skipped"] == [["sampler", 0, 6 * GLOBAL_BATCH, 7 * GLOBAL_BATCH]], event
+    assert not [e for e in events if e["event"] == "rollback"], "phase 'nan': no Horovod reset for a numeric fault"
+
+    decisions = [e for e in events if e["event"] == "straggler"]
+    assert len(decisions) == 3 and {(e["evicted_rank"], e["step"]) for e in decisions} == {(2, 22)}, \
+        f"phase 'straggler': {decisions}"
+    assert all(e["slow_since"] == 12 and e["ratio"] >= 3 for e in decisions), decisions
+    leaves = [e for e in events if e["event"] == "leave"]
+    assert [(e["rank"], e["cause"]) for e in leaves] == [(2, "straggler")], f"phase 'straggler': {leaves}"
+    evicted = [e for e in decisions if "host" in e]
+    assert (out / "exclude").read_text().split()[0] == evicted[0]["host"] == OTHER.split(":")[0]
+
+    records = ledger.read(str(out))
+    report = analysis.assert_exactly_once(out, DIGITS, EPOCHS)
+    assert [e["skipped"] for e in report["epochs"]] == [GLOBAL_BATCH, 0], report["epochs"]
+    assert analysis.sizes_by_generation(records)[-1] == [2], analysis.sizes_by_generation(records)
+    finals = analysis.load_finals(out)
+    assert sorted(finals) == [0, 1]
+    analysis.assert_ranks_identical(finals)

@@ -35,10 +35,13 @@ def test_a_nan_on_one_rank_rolls_back_once_skips_its_step_and_training_finishes(
     events = analysis.read_events(str(out / "events.jsonl"))
     numeric = [e for e in events if e["event"] == "numeric_rollback"]
     assert sorted(e["rank"] for e in numeric) == [0, 1], f"one numeric_rollback per rank expected: {numeric}"
+    # PyTorch judges a step at the next guard_step (its allgather ran in the background meanwhile);
+    # TensorFlow's signal rode on the step's own gradient allreduce: judged at once.
+    judged_later = 1 if "torch" in worker else 0
     for event in numeric:
         assert (event["step"], event["reason"], event["bad_ranks"]) == (nan_step, "nonfinite_loss", [nan_rank])
         assert event["commit_id"] == nan_step // COMMIT_EVERY and event["rollbacks_in_a_row"] == 1
-        assert event["steps_rolled_back"] == nan_step % COMMIT_EVERY
+        assert event["steps_rolled_back"] == nan_step % COMMIT_EVERY + judged_later
         assert event["skipped"] == [["sampler", 0, nan_step * GLOBAL_BATCH, (nan_step + 1) * GLOBAL_BATCH]]
     assert not [e for e in events if e["event"] in ("rollback", "reset", "rollback_limit")], "no Horovod reset expected"
     assert sorted(e["rank"] for e in events if e["event"] == "finish") == [0, 1]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from elastic_ext import GlobalRNG, State, checkpoint
+from elastic_ext import GlobalRNG, checkpoint
 from elastic_ext.state import tree
 from elastic_ext.state.snapshot import Entry
 from elastic_ext.checkpoint import CheckpointStore, read_checkpoint, write_checkpoint
@@ -19,6 +19,7 @@ from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import CheckpointError, ConfigError, CorruptCheckpointError
 from elastic_ext.data.sampler import ElasticPartitioner
 from elastic_ext.testing import SoloBinding
+from elastic_ext.testing import state_on
 
 
 def sample_entries(seed=0):
@@ -217,12 +218,12 @@ def test_fsspec_url_round_trip_and_corruption():
 
 # --------------------------------------------------------------- retention
 
-def test_retention_keeps_last_k_and_every_m_th(tmp_path):
+def test_retention_keeps_the_last_k(tmp_path):
     store = CheckpointStore(str(tmp_path))
     for commit_id in range(1, 13):
         write(tmp_path, commit_id)
-        store.apply_retention(commit_id, keep_last=2, keep_every=5)
-    assert store.commit_ids() == [12, 11, 10, 5]
+        store.apply_retention(commit_id, keep_last=2)
+    assert store.commit_ids() == [12, 11]
 
 
 def test_retention_removes_older_partials_and_leaves_newer_ids_alone(tmp_path):
@@ -240,27 +241,18 @@ def test_retention_removes_older_partials_and_leaves_newer_ids_alone(tmp_path):
 
 def test_checkpoint_config_from_env_and_validation():
     env = {"ELASTIC_EXT_CHECKPOINT_DIR": "/ckpt", "ELASTIC_EXT_CHECKPOINT_EVERY": "5",
-           "ELASTIC_EXT_CHECKPOINT_KEEP_LAST": "2", "ELASTIC_EXT_CHECKPOINT_KEEP_EVERY": "100",
-           "ELASTIC_EXT_CHECKPOINT_WAIT_S": "1.5"}
+           "ELASTIC_EXT_CHECKPOINT_KEEP_LAST": "2"}
     config = ElasticConfig.from_env(env)
-    assert (config.checkpoint_dir, config.checkpoint_every, config.checkpoint_keep_last,
-            config.checkpoint_keep_every, config.checkpoint_wait_s) == ("/ckpt", 5, 2, 100, 1.5)
+    assert (config.checkpoint_dir, config.checkpoint_every, config.checkpoint_keep_last) == ("/ckpt", 5, 2)
     assert ElasticConfig.from_env({}).checkpoint_dir is None
     with pytest.raises(ConfigError, match=r"checkpoint_every \(0\) must be an integer >= 1"):
         ElasticConfig(checkpoint_every=0)
     with pytest.raises(ConfigError, match=r"checkpoint_keep_last \(0\) must be an integer >= 1"):
         ElasticConfig(checkpoint_keep_last=0)
-    with pytest.raises(ConfigError, match=r"checkpoint_wait_s \(-1\) must be a finite number >= 0"):
-        ElasticConfig(checkpoint_wait_s=-1)
-    with pytest.raises(ConfigError, match=r"ELASTIC_EXT_CHECKPOINT_WAIT_S \('soon'\) must be a number"):
-        ElasticConfig.from_env({"ELASTIC_EXT_CHECKPOINT_WAIT_S": "soon"})
+    with pytest.raises(ConfigError, match=r"ELASTIC_EXT_CHECKPOINT_EVERY \('often'\) must be an integer"):
+        ElasticConfig.from_env({"ELASTIC_EXT_CHECKPOINT_EVERY": "often"})
     with pytest.raises(ConfigError, match=r"checkpoint_dir \(' '\) must be a non-empty path"):
         ElasticConfig(checkpoint_dir=" ")
-    assert ElasticConfig().checkpoint_nice == 0
-    assert ElasticConfig.from_env({"ELASTIC_EXT_CHECKPOINT_NICE": "19"}).checkpoint_nice == 19
-    for bad in (-1, 20, 2.5, True):
-        with pytest.raises(ConfigError, match=rf"checkpoint_nice \({bad!r}\) must be an integer from 0 to 19"):
-            ElasticConfig(checkpoint_nice=bad)
 
 
 # -------------------------------------------------------- State integration
@@ -268,13 +260,13 @@ def test_checkpoint_config_from_env_and_validation():
 class Job:
     """A tiny torch training job in a world of one, with a sampler and per-rank RNG."""
 
-    def __init__(self, directory, seed=0, **config):
+    def __init__(self, directory, seed=0, wait_each=True, **config):
         torch.manual_seed(seed)
         self.model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.01)
         self.sampler = ElasticPartitioner(64, batch_size=4, world=lambda: (0, 1))
-        config.setdefault("checkpoint_wait_s", 30.0)
-        self.state = State(binding=SoloBinding(), config=ElasticConfig(checkpoint_dir=str(directory), **config),
+        self.wait_each = wait_each  # wait for each commit's write, so that every due commit is written
+        self.state = state_on(SoloBinding(), config=ElasticConfig(checkpoint_dir=str(directory), **config),
                            model=self.model, optimizer=self.optimizer, sampler=self.sampler, step=0, rng=GlobalRNG())
 
     def steps(self, count, commit_every=1):
@@ -289,6 +281,8 @@ class Job:
             self.state.step += 1
             if self.state.step % commit_every == 0:
                 self.state.commit()
+                if self.wait_each:
+                    self.state.wait_for_checkpoint()
 
     def weights(self):
         arrays = {f"m/{k}": v.detach().numpy().copy() for k, v in self.model.state_dict().items()}
@@ -347,7 +341,7 @@ def test_resume_refuses_a_checkpoint_of_other_objects(tmp_path):
     first.state.sync()
     first.steps(2)
     first.state.wait_for_checkpoint()
-    other = State(binding=SoloBinding(), config=ElasticConfig(checkpoint_dir=str(tmp_path)),
+    other = state_on(SoloBinding(), config=ElasticConfig(checkpoint_dir=str(tmp_path)),
                   model=torch.nn.Linear(2, 2), step=0)
     with pytest.raises(CheckpointError, match=r"holds objects \['optimizer', 'sampler'\]"):
         other.sync()
@@ -363,7 +357,7 @@ def test_a_slow_write_reads_its_own_commit_while_training_commits_on(tmp_path, m
         return real(directory, commit_id, entries, info)
 
     monkeypatch.setattr(checkpoint.writer, "write_checkpoint", slow)
-    job = Job(tmp_path, checkpoint_wait_s=0.0, commit_buffers=commit_buffers)
+    job = Job(tmp_path, wait_each=False, commit_buffers=commit_buffers)
     job.state.sync()
     job.steps(1)
     expected = job.weights()
@@ -391,7 +385,7 @@ def test_a_slow_write_reads_its_own_commit_while_training_commits_on(tmp_path, m
 
 
 def test_without_a_checkpoint_dir_nothing_changes(tmp_path):
-    state = State(binding=SoloBinding(), config=ElasticConfig(), model=torch.nn.Linear(2, 2), step=0)
+    state = state_on(SoloBinding(), config=ElasticConfig(), model=torch.nn.Linear(2, 2), step=0)
     assert state._checkpointer is None and state.wait_for_checkpoint() is None
     state.sync()
     state.commit()
@@ -407,8 +401,8 @@ def test_tensorflow_keras_state_resumes_bitwise(tmp_path):
         model = tf_keras.Sequential([tf_keras.layers.Dense(8, activation="relu", input_shape=(4,)),
                                      tf_keras.layers.Dense(2)])
         optimizer = tf_keras.optimizers.Adam(0.01)
-        state = State(binding=SoloBinding(), framework="tensorflow",
-                      config=ElasticConfig(checkpoint_dir=str(tmp_path), checkpoint_wait_s=30.0),
+        state = state_on(SoloBinding(), framework="tensorflow",
+                      config=ElasticConfig(checkpoint_dir=str(tmp_path)),
                       model=model, optimizer=optimizer, step=0)
         return model, optimizer, state
 
@@ -421,6 +415,7 @@ def test_tensorflow_keras_state_resumes_bitwise(tmp_path):
                                           model.trainable_variables))
             state.step += 1
             state.commit()
+            state.wait_for_checkpoint()
 
     model, optimizer, state = build(0)
     state.sync()
@@ -456,28 +451,3 @@ def test_a_failed_write_is_reported_and_retried_at_the_next_commit(tmp_path, mon
     assert [e["commit_id"] for e in job.state.events.history if e["event"] == "checkpoint_failed"] == [10]
     job.steps(1)  # commit 11 is not a multiple of 10, but the failed checkpoint is owed
     assert job.state.wait_for_checkpoint() == 11 and calls == [10, 11]
-
-
-@pytest.mark.parametrize("nice", [19, 7, 0])
-def test_the_background_write_runs_at_checkpoint_nice_and_a_forced_one_at_full_priority(tmp_path, monkeypatch, nice):
-    seen = []
-    real = checkpoint.writer.write_checkpoint
-
-    def recording(*args, **kwargs):
-        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(checkpoint.writer, "write_checkpoint", recording)
-    job = Job(tmp_path, checkpoint_nice=nice)
-    job.state.sync()
-    job.steps(2)                     # commits 1 and 2 are due: background writes
-    job.state.wait_for_checkpoint()
-    assert seen == [nice, nice]
-    forced = Job(tmp_path / "forced", checkpoint_nice=nice, checkpoint_every=100)
-    forced.state.sync()
-    forced.steps(1)                  # commit 1 is not due under checkpoint_every=100
-    before = len(seen)
-    forced.state.checkpoint_now()    # a leave: written now, at the training's priority
-    forced.state.wait_for_checkpoint()
-    assert seen[before:] == [os.getpriority(os.PRIO_PROCESS, 0)]
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0  # the training thread is untouched

@@ -9,13 +9,14 @@ from faulty_fs import Fault
 import elastic_ext
 from elastic_ext.config import ElasticConfig
 from elastic_ext.testing import SoloBinding
+from elastic_ext.testing import state_on
 
 
 def job(tmp_path, limit, fault):
     faulty_fs.install(fault)
     config = ElasticConfig(checkpoint_dir=faulty_fs.url(tmp_path / "ckpt"), checkpoint_failure_limit=limit,
                            hang_timeout_s=0)
-    return elastic_ext.State(binding=SoloBinding(), config=config, weights=np.zeros(4), step=0)
+    return state_on(SoloBinding(), config=config, weights=np.zeros(4), step=0)
 
 
 def commit_and_wait(state):

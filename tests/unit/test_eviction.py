@@ -4,12 +4,14 @@ allreduce, the same decision on every rank, the exclude file."""
 import numpy as np
 import pytest
 
-from elastic_ext import ElasticPartitioner, State, StragglerPolicy
+from elastic_ext import ElasticPartitioner, StragglerPolicy
+from elastic_ext.config import ElasticConfig
 from elastic_ext.policies.eviction import StragglerWatch, samples_per_step
 from elastic_ext.state.host_updates import FIELDS
 from elastic_ext.testing.solo import SoloBinding
+from elastic_ext.testing import state_on
 
-POLICY = StragglerPolicy(enabled=True, factor=3.0, window_steps=8, warmup_steps=4, min_size=1)
+POLICY = StragglerPolicy(factor=3.0, window_steps=8, warmup_steps=4, min_size=1)
 
 
 def timed(watch, seconds, steps):
@@ -30,14 +32,14 @@ def agree(watches, seconds_per_rank, steps=4):
 
 
 def test_off_adds_nothing_to_the_commit_allreduce():
-    watch = StragglerWatch(StragglerPolicy())
+    watch = StragglerWatch(None)
     assert watch.slots(0, 4, ()) is None
     seen = []
     binding = SoloBinding()
     binding.allreduce_max = lambda array, name: seen.append(array.shape) or np.array(array)
-    state = State(binding=binding, step=0)
+    state = state_on(binding, config=ElasticConfig(replica_check_every=0), step=0)
     state.commit()
-    assert seen == [(FIELDS,)]  # the fixed part only
+    assert seen == [(FIELDS,)]  # the fixed part only (the replica check, off here, adds one slot per rank)
 
 
 def test_every_rank_evicts_the_same_slow_rank_after_the_window_and_not_before():
@@ -66,7 +68,7 @@ def test_a_larger_share_given_on_purpose_is_not_slow():
     sampler = ElasticPartitioner(100, global_batch_size=10)
     assert [samples_per_step([sampler], r, 4) for r in range(4)] == [3, 3, 2, 2]
     assert samples_per_step([], 0, 4) == 1
-    watches = [StragglerWatch(StragglerPolicy(enabled=True, factor=1.4, window_steps=4, warmup_steps=0))
+    watches = [StragglerWatch(StragglerPolicy(factor=1.4, window_steps=4, warmup_steps=0))
                for _ in range(4)]
     size = 4
     for step in range(3):
@@ -79,7 +81,7 @@ def test_a_larger_share_given_on_purpose_is_not_slow():
 def test_the_exclude_file_gets_the_host_once(tmp_path):
     path = tmp_path / "exclude"
     path.write_text("# hosts to leave out\nnode7\n")
-    watch = StragglerWatch(StragglerPolicy(enabled=True, exclude_file=str(path)))
+    watch = StragglerWatch(StragglerPolicy(), exclude_file=str(path))
     watch.exclude("node3")
     watch.exclude("node3")
     watch.exclude("node7")
@@ -89,16 +91,16 @@ def test_the_exclude_file_gets_the_host_once(tmp_path):
 
 def test_bad_policy_values_are_named():
     from elastic_ext import ConfigError
-    with pytest.raises(ConfigError, match=r"straggler \(\{'enabled': True\}\) must be an elastic_ext.StragglerPolicy"):
-        StragglerWatch({"enabled": True})
+    with pytest.raises(ConfigError, match=r"straggler \(\{'factor': 3\}\) must be an elastic_ext.StragglerPolicy"):
+        StragglerWatch({"factor": 3})
     with pytest.raises(ConfigError, match=r"straggler \(1\)"):
-        State(binding=SoloBinding(), straggler=1, step=0)
+        state_on(SoloBinding(), straggler=1, step=0)
     with pytest.raises(Exception, match=r"exclude_file \(''\)"):
-        StragglerPolicy(enabled=True, exclude_file="")
+        ElasticConfig(exclude_file="")
 
 
 def test_no_eviction_below_min_size_counting_the_whole_host():
-    policy = StragglerPolicy(enabled=True, factor=3.0, window_steps=4, warmup_steps=0, min_size=3)
+    policy = StragglerPolicy(factor=3.0, window_steps=4, warmup_steps=0, min_size=3)
     watches = [StragglerWatch(policy) for _ in range(4)]
 
     def commit(local_size):

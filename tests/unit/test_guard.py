@@ -52,15 +52,10 @@ def judge_all(guard, losses, window):
     ({"window": 0}, "window (0)"),
     ({"window": 2.5}, "window (2.5)"),
     ({"window": True}, "window (True)"),
-    ({"min_history": 0}, "min_history (0)"),
-    ({"window": 10, "min_history": 11}, "min_history (11) must be <= window (10)"),
     ({"spike_k": 0}, "spike_k (0)"),
     ({"spike_k": -1.0}, "spike_k (-1.0)"),
     ({"spike_k": float("nan")}, "spike_k (nan)"),
     ({"spike_k": "3"}, "spike_k ('3')"),
-    ({"min_spread": -0.1}, "min_spread (-0.1)"),
-    ({"min_spread": float("inf")}, "min_spread (inf)"),
-    ({"max_rollbacks": -1}, "max_rollbacks (-1)"),
 ])
 def test_bad_parameters_are_refused_with_the_value_quoted(kwargs, quoted):
     with pytest.raises(ConfigError) as info:
@@ -70,8 +65,8 @@ def test_bad_parameters_are_refused_with_the_value_quoted(kwargs, quoted):
 
 def test_defaults_and_edge_values_are_accepted():
     guard = NumericGuard()
-    assert (guard.window, guard.min_history, guard.max_rollbacks) == (100, 20, 3)
-    assert NumericGuard(window=1, min_history=1, spike_k=None, min_spread=0, max_rollbacks=0).spike_k is None
+    assert (guard.window, guard.min_history, guard.spike_k) == (100, 20, 10.0)
+    assert NumericGuard(window=1, spike_k=None).spike_k is None and NumericGuard(window=8).min_history == 8
     assert guard.new_window().size == guard.window
     with pytest.raises(ConfigError, match=r"size \(0\)"):
         LossWindow(0)
@@ -133,7 +128,7 @@ def test_nonfinite_loss_wins_over_nonfinite_gradient():
 
 
 def test_identical_inputs_give_identical_verdicts_on_every_rank():
-    guard = NumericGuard(window=30, min_history=10, spike_k=6.0)
+    guard = NumericGuard(window=30, spike_k=6.0)
     losses = noisy_losses(60, seed=3) + [50.0] + noisy_losses(20, seed=4) + [float("nan")]
     ranks = [judge_all(guard, losses, guard.new_window()) for _ in range(4)]
     assert ranks[0] == ranks[1] == ranks[2] == ranks[3]
@@ -144,7 +139,7 @@ def test_identical_inputs_give_identical_verdicts_on_every_rank():
 # ------------------------------------------------------------------ spike rule
 
 def test_a_spike_is_found_with_its_threshold_and_value_named():
-    guard = NumericGuard(window=50, min_history=20, spike_k=10.0)
+    guard = NumericGuard(window=50, spike_k=10.0)
     history = noisy_losses(50, noise=0.05)
     verdict = guard.judge(120, GlobalSignal(loss=20.0), history)
     assert verdict.reason == LOSS_SPIKE
@@ -162,7 +157,7 @@ def test_the_rule_is_robust_to_outliers_already_in_the_window():
     # Three large losses got in (say before the guard's warm-up ended). A mean + k * std rule would
     # now tolerate almost anything; median + k * MAD barely moves.
     history = noisy_losses(47, seed=1) + [40.0, 60.0, 80.0]
-    guard = NumericGuard(window=50, min_history=20, spike_k=10.0)
+    guard = NumericGuard(window=50, spike_k=10.0)
     threshold, median, scale = guard.threshold(history)
     mean, std = float(np.mean(history)), float(np.std(history))
     assert mean + 10.0 * std > 100.0
@@ -171,7 +166,7 @@ def test_the_rule_is_robust_to_outliers_already_in_the_window():
 
 
 def test_no_spike_rule_before_min_history_losses():
-    guard = NumericGuard(window=50, min_history=20, spike_k=3.0)
+    guard = NumericGuard(window=50, spike_k=3.0)
     window = guard.new_window()
     verdicts = judge_all(guard, noisy_losses(19) + [1000.0], window)
     assert all(v.ok and v.threshold is None for v in verdicts)
@@ -180,7 +175,7 @@ def test_no_spike_rule_before_min_history_losses():
 
 
 def test_spike_rule_off_keeps_the_nonfinite_checks():
-    guard = NumericGuard(spike_k=None, window=10, min_history=5)
+    guard = NumericGuard(spike_k=None, window=10)
     history = [1.0] * 10
     assert guard.threshold(history) is None
     assert guard.judge(0, GlobalSignal(loss=1e6), history).ok
@@ -188,22 +183,21 @@ def test_spike_rule_off_keeps_the_nonfinite_checks():
 
 
 def test_a_flat_window_does_not_call_noise_a_spike():
-    guard = NumericGuard(window=20, min_history=10, spike_k=10.0, min_spread=0.05)
-    history = [1.0] * 20  # MAD is exactly 0
+    guard = NumericGuard(window=20, spike_k=10.0)
+    history = [1.0] * 20  # MAD is exactly 0: the MIN_SPREAD floor (5 % of the median) sets the scale
     assert guard.judge(0, GlobalSignal(loss=1.2), history).ok
     assert guard.judge(0, GlobalSignal(loss=2.0), history).reason == LOSS_SPIKE
-    zero = NumericGuard(window=20, min_history=10, spike_k=10.0, min_spread=0.0)
-    assert zero.judge(0, GlobalSignal(loss=0.0), [0.0] * 20).ok  # the threshold stays above the median
+    assert guard.judge(0, GlobalSignal(loss=0.0), [0.0] * 20).ok  # a flat 0: the threshold stays above it
 
 
 def test_only_the_newest_window_losses_count():
-    guard = NumericGuard(window=10, min_history=5, spike_k=5.0)
+    guard = NumericGuard(window=10, spike_k=5.0)
     history = [100.0] * 50 + [1.0] * 10  # the older, higher level has scrolled out
     assert guard.judge(0, GlobalSignal(loss=50.0), history).reason == LOSS_SPIKE
 
 
 def test_a_falling_loss_is_never_a_spike():
-    guard = NumericGuard(window=20, min_history=10, spike_k=6.0)
+    guard = NumericGuard(window=20, spike_k=6.0)
     losses = [5.0 * 0.97 ** i for i in range(200)]
     assert all(v.ok for v in judge_all(guard, losses, guard.new_window()))
 
@@ -211,7 +205,7 @@ def test_a_falling_loss_is_never_a_spike():
 # --------------------------------------------------------- check, window, limit
 
 def test_check_raises_a_fault_signal_and_leaves_the_window_unchanged():
-    guard = NumericGuard(window=20, min_history=10, spike_k=6.0)
+    guard = NumericGuard(window=20, spike_k=6.0)
     window = LossWindow(20, noisy_losses(20))
     before = window.state_dict()
     with pytest.raises(NumericFaultError) as info:
@@ -234,7 +228,7 @@ def test_verdict_fields_are_json_ready():
 
 
 def test_loss_window_round_trips_so_a_newcomer_judges_like_the_others():
-    guard = NumericGuard(window=30, min_history=10, spike_k=6.0)
+    guard = NumericGuard(window=30, spike_k=6.0)
     old = guard.new_window()
     judge_all(guard, noisy_losses(45, seed=7), old)
     newcomer = LossWindow(1)
@@ -248,22 +242,21 @@ def test_loss_window_round_trips_so_a_newcomer_judges_like_the_others():
 
 
 def test_fault_counter_limits_numeric_rollbacks_in_a_row_without_a_new_commit():
-    guard = NumericGuard(max_rollbacks=2)
-    counter = FaultCounter(guard)
+    counter = FaultCounter(2)
     verdict = Verdict(step=9, reason=NONFINITE_LOSS, loss=float("nan"))
     assert counter.note(4, verdict) == 1
     assert counter.note(4, verdict) == 2
     with pytest.raises(NumericRollbackLimitError) as info:
         counter.note(4, verdict)
     assert isinstance(info.value, RollbackLimitError)
-    assert "3 numeric rollbacks" in str(info.value) and "max_rollbacks (2)" in str(info.value)
+    assert "3 numeric rollbacks" in str(info.value) and "rollback_limit (2)" in str(info.value)
     assert "commit id 4" in str(info.value) and "step 9" in str(info.value)
     assert counter.note(5, verdict) == 1  # a new commit in between starts the count again
 
 
 def test_zero_rollbacks_allowed_fails_at_the_first_fault():
-    with pytest.raises(NumericRollbackLimitError, match=r"max_rollbacks \(0\)"):
-        FaultCounter(NumericGuard(max_rollbacks=0)).note(1, Verdict(step=1, reason=LOSS_SPIKE, loss=9.0))
+    with pytest.raises(NumericRollbackLimitError, match=r"rollback_limit \(0\)"):
+        FaultCounter(0).note(1, Verdict(step=1, reason=LOSS_SPIKE, loss=9.0))
 
 
 # ----------------------------------------------------------- framework helpers

@@ -27,6 +27,16 @@ WORKER = textwrap.dedent("""
             time.sleep(60)  # holds guardian.stdin open
         print(child, flush=True)
         __import__("os")._exit(0)
+    if sys.argv[2] == "hold-the-gil":  # beats, then computes in the main thread without beating, then blocks
+        for _ in range(3):
+            time.sleep(0.2)
+            guardian.stdin.write(b"."); guardian.stdin.flush()
+        print("computing", flush=True)
+        end = time.monotonic() + float(sys.argv[3])
+        while time.monotonic() < end:  # the heartbeat does not run, the CPU does
+            sum(range(10000))
+        print("blocked", flush=True)
+        time.sleep(60)
     while True:
         time.sleep(0.2)
         if sys.argv[2] == "beat":
@@ -41,8 +51,9 @@ def env():
     return e
 
 
-def start_worker(timeout_s, mode):
-    proc = subprocess.Popen([sys.executable, "-c", WORKER, str(timeout_s), mode], stdout=subprocess.PIPE, env=env())
+def start_worker(timeout_s, mode, *args):
+    proc = subprocess.Popen([sys.executable, "-c", WORKER, str(timeout_s), mode, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env())
     guardian = psutil.Process(int(proc.stdout.readline()))
     return proc, guardian
 
@@ -86,6 +97,21 @@ def test_a_stopped_worker_is_killed_by_its_guardian():
         assert worker.poll() is None, "a beating worker was killed"
         worker.send_signal(signal.SIGSTOP)
         assert worker.wait(timeout=20) == -signal.SIGKILL
+    finally:
+        stop([worker, guardian])
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_computes_without_beating_is_not_killed_until_it_blocks():
+    # A C call holding the GIL for a while (here: 3 timeouts of busy main thread, no heartbeat) is not a
+    # hang; the same worker blocked with no heartbeat is.
+    worker, guardian = start_worker(1.0, "hold-the-gil", "3.0")
+    try:
+        assert worker.stdout.readline() == b"computing\n"
+        assert worker.stdout.readline() == b"blocked\n", f"killed while computing (status {worker.poll()})"
+        assert worker.wait(timeout=20) == -signal.SIGKILL
+        err = worker.stderr.read()
+        assert b"ran on the CPU" in err and b"SIGKILL" in err, err
     finally:
         stop([worker, guardian])
 

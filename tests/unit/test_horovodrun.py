@@ -1,4 +1,4 @@
-"""python -m elastic_ext.launch.horovodrun: Horovod's real ElasticDriver and rendezvous server, with elastic_ext's changes.
+"""elastic_ext.launch.driver: Horovod's real ElasticDriver and rendezvous server, with the launcher's changes.
 
 Workers are threads that send the HTTP request ``hvd.init()`` sends; a
 worker "dies" when the function the driver runs for it returns exit code 1.
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from elastic_ext.launch import horovodrun, prestart, round_watch
+from elastic_ext.launch import driver, horovodrun, prestart, round_watch
 from tests.unit.test_prestart import Discovery, discovered, in_threads, wait_for, waiting_in_the_barrier
 
 
@@ -30,6 +30,7 @@ class Job:
         self.url = f"http://127.0.0.1:{self.port}"
         self.started = []
         self.exits = {}            # (host, local_rank) -> Event: set it and the slot's newest worker exits with code 1
+        self.workers = []          # (slot info it was started with, its exit Event, its exit code box), in start order
         self.handled = []          # (host, local_rank) of each worker exit the driver has finished handling
         self.finish = threading.Event()
         self.driver._handle_worker_exit = self._handle_worker_exit
@@ -45,10 +46,12 @@ class Job:
     def _create_worker(self, slot_info, events):
         key = (slot_info.hostname, slot_info.local_rank)
         died = self.exits[key] = threading.Event()  # each worker its own: one started later in the slot lives
+        code = [1]
+        self.workers.append((slot_info, died, code))
         self.started.append(key)
         while not self.finish.is_set():
             if died.wait(0.05):
-                return 1, time.time()
+                return code[0], time.time()
         return 0, time.time()
 
     def start(self, num_proc):
@@ -56,7 +59,11 @@ class Job:
         self.driver.start(num_proc, self._create_worker)
 
     def rank_and_size(self, host, local_rank):
-        return prestart.parse_slot(prestart.get(f"{self.url}/rank_and_size/{host}:{local_rank}", timeout_s=30))
+        return prestart.parse_slot(self.answer(host, local_rank))
+
+    def answer(self, host, local_rank):
+        """The whole answer to a rank request: rank, size, local rank, local size, cross rank, cross size."""
+        return prestart.get(f"{self.url}/rank_and_size/{host}:{local_rank}", timeout_s=30)
 
     def store(self, key):
         return prestart.get(f"{self.url}/{round_watch.SCOPE}/{key}")
@@ -78,9 +85,9 @@ def started_job():
 
 @pytest.fixture
 def changed():
-    horovodrun.install()
+    driver.install()
     yield
-    horovodrun.uninstall()
+    driver.uninstall()
 
 
 def a_worker_of_host_a_dies_in_a_round(job):
@@ -113,14 +120,128 @@ def test_horovod_blacklists_a_host_when_one_of_its_workers_fails():
         job.stop()
 
 
-def test_a_host_whose_other_worker_is_ready_stays_and_the_failed_slot_gets_a_new_worker(changed):
+def test_a_failures_round_holds_only_the_survivors_and_the_slot_returns_when_they_ask_again(changed):
     job = started_job()
     try:
-        asks = a_worker_of_host_a_dies_in_a_round(job)
-        assert [size for _, size in asks] == [4, 4, 4]
-        assert wait_for(lambda: job.started.count(("host-a", 1)) == 2), job.started
+        asks = a_worker_of_host_a_dies_in_a_round(job)  # (the hosts' order, so the ranks, vary from run to run)
+        assert sorted(asks) == [(0, 3), (1, 3), (2, 3)], "host-a[0] stays; nobody waits for a new worker"
         assert not job.driver._host_manager.is_blacklisted("host-a")
+        assert len(job.started) == 4, f"a worker was started for the survivors' round: {job.started}"
+        # The survivors' next rank requests (an early start's, while they train) bring the slot back ...
+        asks = survivors_ask_again(job)
+        assert len(set(asks)) == 3 and {size for _, size in asks} == {4}, asks  # host-a's new worker: the 4th
+        assert job.started.count(("host-a", 1)) == 2, job.started
+        # ... and the new worker, its model built, resets with them into a round of four.
+        asks, threads = in_threads(*[lambda s=s: job.rank_and_size(*s) for s in SLOTS])
+        for thread in threads:
+            thread.join(30)
+        assert sorted(asks) == [(0, 4), (1, 4), (2, 4), (3, 4)], asks
     finally:
+        job.stop()
+
+
+def early_start_asks(job, *slots):
+    """An early start's rank requests (the survivors', while they train): what Prestart sends, in threads."""
+    prestart.put(f"{job.url}/{prestart.SCOPE}/{prestart.ASKED}")
+    return in_threads(*[lambda s=s: job.rank_and_size(*s) for s in slots])
+
+
+def survivors_ask_again(job, lost=("host-a", 1)):
+    """The survivors' rank requests of an early start; returns their answers once the next round formed."""
+    asks, threads = early_start_asks(job, *[s for s in SLOTS if s != lost])
+    for thread in threads:
+        thread.join(30)
+    return asks
+
+
+def test_a_survivor_moves_down_to_the_failed_workers_local_rank_and_keeps_its_name_for_exits(changed):
+    job = started_job()
+    try:
+        asks, threads = in_threads(*[lambda s=s: job.answer(*s) for s in SLOTS if s != ("host-a", 0)])
+        waiting_in_the_barrier(job, 3)
+        job.exits[("host-a", 0)].set()
+        for thread in threads:
+            thread.join(30)
+        # rank, size, local rank, local size, ...: host-a[1] is now host-a's local rank 0, of 1
+        fields = [[int(x) for x in answer.split(b",")] for answer in asks]
+        assert [f[1:4] for f in fields] == [[3, 0, 1], [3, 0, 2], [3, 1, 2]], asks
+        survivor = next(w for w in job.workers if (w[0].hostname, w[0].local_rank) == ("host-a", 1))
+        # Its failure is charged to the slot it holds now, host-a[0], so the round completes.
+        asks, threads = in_threads(lambda: job.rank_and_size("host-b", 0), lambda: job.rank_and_size("host-b", 1))
+        waiting_in_the_barrier(job, 2)
+        survivor[2][0] = 1
+        survivor[1].set()
+        for thread in threads:
+            thread.join(30)
+        # Charged to host-a[1], which no round holds, Horovod would ignore it and the barrier never complete.
+        assert asks == [(0, 2), (1, 2)], asks
+    finally:
+        job.stop()
+
+
+def test_a_reset_after_a_host_was_added_holds_the_workers_that_asked_and_the_early_start_brings_the_host(changed):
+    job = Job({"host-a": 2}, 1, 4)
+    job.start(2)
+    assert wait_for(lambda: len(job.started) == 2)
+    try:
+        job.discovery.hosts = {"host-a": 2, "host-b": 2}
+        discovered(job, {"host-a": 2, "host-b": 2})
+        asks, threads = in_threads(lambda: job.rank_and_size("host-a", 0), lambda: job.rank_and_size("host-a", 1))
+        for thread in threads:  # a reset (a removal came with the addition, say): nobody waits for host-b
+            thread.join(30)
+        assert asks == [(0, 2), (1, 2)] and len(job.started) == 2, (asks, job.started)
+        asks, threads = early_start_asks(job, ("host-a", 0), ("host-a", 1))
+        for thread in threads:
+            thread.join(30)
+        assert asks == [(0, 4), (1, 4)]
+        assert sorted(job.started[2:]) == [("host-b", 0), ("host-b", 1)]
+    finally:
+        job.stop()
+
+
+def test_survivors_fewer_than_min_np_wait_for_the_failed_slots_new_worker(changed):
+    job = Job({"host-a": 2, "host-b": 2}, 4, 4)
+    job.start(4)
+    assert wait_for(lambda: len(job.started) == 4)
+    try:
+        asks, threads = in_threads(*[lambda s=s: job.rank_and_size(*s) for s in SLOTS if s != ("host-a", 1)])
+        waiting_in_the_barrier(job, 3)
+        job.exits[("host-a", 1)].set()
+        assert wait_for(lambda: job.started.count(("host-a", 1)) == 2), job.started
+        for thread in threads:
+            thread.join(30)
+        assert [size for _, size in asks] == [4, 4, 4]
+    finally:
+        job.stop()
+
+
+def test_the_coordinator_is_told_that_capacity_is_back_until_a_round_takes_it(changed):
+    from horovod.runner.common.util import secret
+    from horovod.runner.elastic.worker import WorkerNotificationService
+
+    class Manager:  # what a worker's notification manager does with a host update: here, record it
+        def __init__(self):
+            self.updates = []
+
+        def handle_hosts_updated(self, timestamp, update_res):
+            self.updates.append(update_res)
+
+    job = started_job()
+    manager, key = Manager(), secret.make_secret_key()
+    service = WorkerNotificationService(key, None, manager)
+    try:
+        for host, local_rank in SLOTS:  # whichever survivor is rank 0 of the next round, it is told here
+            job.driver.register_worker_server(host, local_rank, service.addresses(), key)
+        a_worker_of_host_a_dies_in_a_round(job)
+        assert wait_for(lambda: len(manager.updates) >= 2), "rank 0 was never told, or only once"
+        from horovod.runner.elastic.worker import HostUpdateResult
+        assert set(manager.updates) == {HostUpdateResult.added}
+        survivors_ask_again(job)
+        regrow = driver._ext(job.driver).regrow_thread
+        regrow.join(10)
+        assert not regrow.is_alive(), "rank 0 is still told after a round took the capacity back"
+    finally:
+        service.shutdown()
         job.stop()
 
 
@@ -131,6 +252,32 @@ def test_a_host_that_lost_every_worker_is_still_blacklisted(changed):
         assert job.driver._host_manager.is_blacklisted("host-a")
     finally:
         job.stop()
+
+
+def test_a_host_whose_two_workers_fail_in_successive_rounds_is_not_blacklisted(changed):
+    """Two process failures in a row are not a lost machine: the second round held only one of the
+    host's two slots. (Under a failure every 15 s a job lost its host for good this way.)"""
+    job = started_job()
+    try:
+        a_worker_of_host_a_dies_in_a_round(job)  # host-a[1] dies; host-a[0] survives, the round holds 3
+        asks, threads = in_threads(lambda: job.rank_and_size("host-b", 0), lambda: job.rank_and_size("host-b", 1))
+        waiting_in_the_barrier(job, 2)
+        job.exits[("host-a", 0)].set()  # host-a's last worker of that round dies too
+        for thread in threads:
+            thread.join(30)
+        assert sorted(asks) == [(0, 2), (1, 2)], asks
+        assert not job.driver._host_manager.is_blacklisted("host-a")
+        asks = survivors_ask_again_from(job, [("host-b", 0), ("host-b", 1)])  # the regrow's early start
+        assert {size for _, size in asks} == {4}, asks
+    finally:
+        job.stop()
+
+
+def survivors_ask_again_from(job, slots):
+    asks, threads = early_start_asks(job, *slots)
+    for thread in threads:
+        thread.join(30)
+    return asks
 
 
 def test_the_store_says_the_current_round_and_when_a_member_of_it_failed(changed):
@@ -155,7 +302,7 @@ def test_no_round_is_published_by_horovods_own_driver():
 @pytest.mark.parametrize("with_changes", [False, True])
 def test_the_late_exit_of_a_replaced_worker_is_not_charged_to_the_new_worker_in_its_slot(with_changes):
     if with_changes:
-        horovodrun.install()
+        driver.install()
     job = started_job()
     try:
         # host-b leaves and comes back before its old workers have exited (as a
@@ -169,7 +316,7 @@ def test_the_late_exit_of_a_replaced_worker_is_not_charged_to_the_new_worker_in_
         old = job.exits[("host-b", 0)]
         job.discovery.hosts = {"host-a": 2, "host-b": 2}
         discovered(job, {"host-a": 2, "host-b": 2})
-        asks, threads = in_threads(lambda: job.rank_and_size("host-a", 0), lambda: job.rank_and_size("host-a", 1))
+        asks, threads = early_start_asks(job, ("host-a", 0), ("host-a", 1))
         for thread in threads:
             thread.join(30)
         assert asks == [(0, 4), (1, 4)]
@@ -189,7 +336,7 @@ def test_the_late_exit_of_a_replaced_worker_is_not_charged_to_the_new_worker_in_
     finally:
         job.stop()
         if with_changes:
-            horovodrun.uninstall()
+            driver.uninstall()
 
 
 def worker_env(job, host, local_rank):
@@ -263,13 +410,14 @@ def test_without_the_drivers_rounds_nothing_is_watched(monkeypatch):
 
 
 @pytest.mark.parametrize("environ, expected", [
-    ({"ELASTIC_EXT_CHECKPOINT_DIR": "/ckpt"}, True),
-    ({}, False),                                                            # nothing to restart from
-    ({"ELASTIC_EXT_CHECKPOINT_DIR": "/ckpt", "ELASTIC_EXT_RESTART_IN_PLACE": "0"}, False),  # the user said no
-    ({"ELASTIC_EXT_RESTART_IN_PLACE": "1"}, True),
+    ({"ELASTIC_EXT_CHECKPOINT_DIR": "/ckpt"}, "1"),
+    ({}, "0"),                                                                   # nothing to restart from
+    ({"ELASTIC_EXT_CHECKPOINT_DIR": "  "}, "0"),
+    ({"ELASTIC_EXT_RESTART_IN_PLACE": "1"}, "0"),                                # not a setting: the launcher decides
 ])
-def test_workers_restart_in_place_by_default_when_the_job_has_checkpoints(environ, expected):
-    assert horovodrun.restart_in_place_by_default(environ) is expected
+def test_workers_restart_in_place_exactly_when_the_job_has_checkpoints(environ, expected):
+    assert horovodrun.restart_in_place_when_checkpointing(environ) is (expected == "1")
+    assert environ["ELASTIC_EXT_RESTART_IN_PLACE"] == expected
 
 
 def test_a_keeper_can_tell_whether_its_slot_is_still_in_the_job(changed, monkeypatch):

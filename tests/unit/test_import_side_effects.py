@@ -103,8 +103,8 @@ def test_the_core_imports_and_works_without_any_framework():
         "except ImportError:\n"
         "    pass\n"
         "import elastic_ext, elastic_ext.data.partition, elastic_ext.data.sampler, elastic_ext.discovery\n"
-        "from elastic_ext.testing import SoloBinding\n"
-        "s = elastic_ext.State(binding=SoloBinding(), epoch=3)\n"
+        "from elastic_ext.testing import SoloBinding, state_on\n"
+        "s = state_on(SoloBinding(), epoch=3)\n"
         "s.commit(); s.epoch = 4; s.restore(); assert s.epoch == 3\n"
         "print('ok', sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'tensorflow', 'horovod')))\n"
     )

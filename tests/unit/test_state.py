@@ -7,14 +7,15 @@ import pytest
 import torch
 
 import elastic_ext
-from elastic_ext import GlobalRNG, State
+from elastic_ext import GlobalRNG
 from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import NotCommittedError, StateError
 from elastic_ext.testing import SoloBinding
+from elastic_ext.testing import state_on
 
 
 def make_state(**objects):
-    return State(binding=SoloBinding(), config=ElasticConfig(), **objects)
+    return state_on(SoloBinding(), config=ElasticConfig(), **objects)
 
 
 def train_steps(model, optimizer, steps, scheduler=None, seed=1):
@@ -238,7 +239,7 @@ class ExplodingAdapter:
 def test_interrupted_copy(buffers):
     adapter = ExplodingAdapter()
     model = torch.nn.Linear(2, 2)
-    state = State(binding=SoloBinding(), config=ElasticConfig(commit_buffers=buffers), adapters=[adapter],
+    state = state_on(SoloBinding(), config=ElasticConfig(commit_buffers=buffers), adapters=[adapter],
                   model=model, thing={"explode": [1.0, 2.0]})
     state.commit()
     committed = model.weight.detach().clone()
@@ -280,7 +281,7 @@ def test_sync_in_a_world_of_one_marks_participation_and_generation():
 def test_run_rolls_back_on_horovod_internal_error_and_limits_rollbacks():
     from horovod.common.exceptions import HorovodInternalError
     binding = SoloBinding()
-    state = State(binding=binding, config=ElasticConfig(rollback_limit=2), step=0)
+    state = state_on(binding, config=ElasticConfig(rollback_limit=2), step=0)
     calls = []
 
     @elastic_ext.run
@@ -298,7 +299,7 @@ def test_run_rolls_back_on_horovod_internal_error_and_limits_rollbacks():
     rollback = [e for e in state.events.history if e["event"] == "rollback"][0]
     assert rollback["steps_rolled_back"] == 1 and rollback["commit_id"] == 1
 
-    always = State(binding=SoloBinding(), config=ElasticConfig(rollback_limit=2), step=0)
+    always = state_on(SoloBinding(), config=ElasticConfig(rollback_limit=2), step=0)
 
     @elastic_ext.run
     def never_progresses(state):

@@ -24,6 +24,7 @@ from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import StateDivergenceError, StateError
 from elastic_ext.state.state import reserved_names
 from elastic_ext.testing import SoloBinding
+from elastic_ext.testing import state_on
 
 
 class CollectiveMismatch(AssertionError):
@@ -123,7 +124,9 @@ def train_on_own_batch(model, optimizer, rank, same_grads=True):
 def make_world_states(world, **extra):
     models = [bn_model() for _ in range(world.size)]
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
-    states = [State(binding=world.binding(r), config=ElasticConfig(), model=models[r], optimizer=optimizers[r],
+    # The replica check would heal a diverging rank at its commit; these tests are about sync's own check.
+    config = ElasticConfig(replica_check_every=0)
+    states = [state_on(world.binding(r), config=config, model=models[r], optimizer=optimizers[r],
                     epoch=0, **{k: v(r) for k, v in extra.items()}) for r in range(world.size)]
     return models, optimizers, states
 
@@ -169,7 +172,8 @@ def test_differing_parameters_raise_naming_the_first_entry_and_the_ranks():
 
 def test_differing_plain_value_names_its_metadata():
     world = ThreadWorld(2)
-    states = [State(binding=world.binding(r), config=ElasticConfig(), epoch=0, lr=0.1) for r in range(2)]
+    states = [state_on(world.binding(r), config=ElasticConfig(replica_check_every=0), epoch=0, lr=0.1)
+              for r in range(2)]
     world.run(lambda r: states[r].sync())
 
     def diverge(rank):
@@ -184,7 +188,7 @@ def test_differing_plain_value_names_its_metadata():
 
 def test_per_rank_objects_may_differ_and_are_never_broadcast():
     world = ThreadWorld(2)
-    states = [State(binding=world.binding(r), config=ElasticConfig(), per_rank=("metric",), epoch=0,
+    states = [state_on(world.binding(r), config=ElasticConfig(), per_rank=("metric",), epoch=0,
                     metric=np.zeros(2)) for r in range(2)]
     world.run(lambda r: states[r].sync())
 
@@ -199,7 +203,7 @@ def test_per_rank_objects_may_differ_and_are_never_broadcast():
     results = world.run(own_metric)
     assert [r.tolist() for r in results] == [[1.0, 1.0], [2.0, 2.0]], results
     with pytest.raises(StateError, match=r"per_rank names \['nope'\] that are not tracked"):
-        State(binding=SoloBinding(), per_rank=("nope",), epoch=0)
+        state_on(SoloBinding(), per_rank=("nope",), epoch=0)
 
 
 # ------------------------------------------------------ 18.1: one collective
@@ -210,14 +214,14 @@ def test_survivors_and_a_newcomer_meet_in_the_same_first_collective():
     sync() (allgather "elastic_ext.state.sync.ids"): a hang under Horovod."""
     world = ThreadWorld(2)
     survivor_model, newcomer_model = bn_model(0), bn_model(1)
-    survivor = State(binding=world.binding(0), config=ElasticConfig(), model=survivor_model, step=0)
+    survivor = state_on(world.binding(0), config=ElasticConfig(), model=survivor_model, step=0)
     solo = survivor._binding
     survivor._binding = SoloBinding()
     survivor.sync()
     survivor.step = 4
     survivor.commit()
     survivor._binding = solo
-    newcomer = State(binding=world.binding(1), config=ElasticConfig(), model=newcomer_model, step=0)
+    newcomer = state_on(world.binding(1), config=ElasticConfig(), model=newcomer_model, step=0)
     results = world.run(lambda r: survivor.sync() if r == 0 else newcomer.sync())
     assert not any(isinstance(r, BaseException) for r in results), results
     assert newcomer.step == 4 and newcomer.commit_id == survivor.commit_id == 1
@@ -248,7 +252,7 @@ def test_sync_sends_nothing_more_when_every_rank_already_agrees():
 
 def test_commit_ids_that_differ_fail_at_that_commit():
     world = ThreadWorld(2)
-    states = [State(binding=world.binding(r), config=ElasticConfig(), step=0) for r in range(2)]
+    states = [state_on(world.binding(r), config=ElasticConfig(), step=0) for r in range(2)]
     world.run(lambda r: states[r].sync())
 
     def commit(rank):
@@ -314,9 +318,9 @@ def test_every_public_member_of_state_is_a_reserved_name():
     keywords = {"framework", "binding", "adapters", "config", "per_rank", "guard"}  # never reach **objects
     for name in sorted(public - keywords):
         with pytest.raises(StateError, match=f"object name '{name}' is reserved"):
-            State(binding=SoloBinding(), **{name: 7})
+            state_on(SoloBinding(), **{name: 7})
     with pytest.raises(StateError, match="must be a Python identifier"):
-        State(binding=SoloBinding(), **{"my model": 7})
+        state_on(SoloBinding(), **{"my model": 7})
 
 
 # ---------------------------------------------------------- device neutral
@@ -326,7 +330,7 @@ def test_committed_entries_carry_no_device_and_old_cuda_tags_load_on_cpu():
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.ones(1, 3)).sum().backward()
     optimizer.step()
-    state = State(binding=SoloBinding(), model=model, optimizer=optimizer, weights=torch.zeros(2))
+    state = state_on(SoloBinding(), model=model, optimizer=optimizer, weights=torch.zeros(2))
     state.commit()
     for name, entry in state._entries.items():
         assert '"device"' not in json.dumps(entry.meta), (name, entry.meta)
@@ -363,7 +367,7 @@ def test_a_checkpoint_written_on_gpu_rank_3_resumes_on_cpu(tmp_path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(5, 3)).sum().backward()
     optimizer.step()
-    writer = State(binding=SoloBinding(), model=model, optimizer=optimizer, step=3)
+    writer = state_on(SoloBinding(), model=model, optimizer=optimizer, step=3)
     writer.commit()
 
     def on_gpu(meta):  # the tags an older version wrote on cuda:3
@@ -380,7 +384,7 @@ def test_a_checkpoint_written_on_gpu_rank_3_resumes_on_cpu(tmp_path):
     torch.manual_seed(1)
     fresh = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
     fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
-    reader = State(binding=SoloBinding(), config=ElasticConfig(checkpoint_dir=str(tmp_path)), model=fresh,
+    reader = state_on(SoloBinding(), config=ElasticConfig(checkpoint_dir=str(tmp_path)), model=fresh,
                    optimizer=fresh_opt, step=0)
     reader.sync()
     assert reader.step == 3 and reader.commit_id == 1

@@ -7,6 +7,7 @@ import pytest
 
 from elastic_ext.errors import ConfigError, PartitionError
 from elastic_ext.policies.step_timer import StepTimer, pack_slots, unpack_slots
+from elastic_ext.policies.eviction import StragglerWatch
 from elastic_ext.policies.straggler import Eviction, StragglerPolicy, StragglerTracker, ratios, shares
 
 BASE_S = 0.1  # a normal step's compute time in these tables (numbers only: nothing sleeps)
@@ -41,13 +42,12 @@ def run_job(policy, size, steps, slowdown, commit_every=1, samples=None, jitter=
     return evictions, tracker
 
 
-ON = dict(enabled=True, factor=3.0, window_steps=10, warmup_steps=5)
+ON = dict(factor=3.0, window_steps=10, warmup_steps=5)
 
 
 # ------------------------------------------------------------------ validation
 
 @pytest.mark.parametrize("kwargs, quoted", [
-    ({"enabled": "yes"}, "enabled ('yes')"),
     ({"factor": 1.0}, "factor (1.0) must be a finite number > 1"),
     ({"factor": 0.5}, "factor (0.5)"),
     ({"factor": float("inf")}, "factor (inf)"),
@@ -55,7 +55,7 @@ ON = dict(enabled=True, factor=3.0, window_steps=10, warmup_steps=5)
     ({"window_steps": 0}, "window_steps (0) must be an integer >= 1"),
     ({"window_steps": 2.0}, "window_steps (2.0)"),
     ({"warmup_steps": -1}, "warmup_steps (-1) must be an integer >= 0"),
-    ({"min_ranks": 1}, "min_ranks (1) must be an integer >= 2"),
+    ({"min_size": 0}, "min_size (0) must be an integer >= 1"),
 ])
 def test_bad_parameters_are_refused_with_the_value_quoted(kwargs, quoted):
     with pytest.raises(ConfigError) as info:
@@ -64,10 +64,9 @@ def test_bad_parameters_are_refused_with_the_value_quoted(kwargs, quoted):
 
 
 def test_off_by_default_and_off_means_never_evict():
-    policy = StragglerPolicy()
-    assert policy.enabled is False
-    evictions, _ = run_job(policy, 4, 200, lambda s: {2: 10.0})
-    assert evictions == []
+    watch = StragglerWatch(None)  # State(straggler=None), the default
+    assert not watch.enabled and watch.slots(0, 4, ()) is None
+    assert (StragglerPolicy().factor, StragglerPolicy().window_steps) == (3.0, 50)
 
 
 # ---------------------------------------------------------------------- ratios
@@ -197,11 +196,11 @@ def test_at_most_one_rank_per_decision_the_slowest_first_then_the_lowest_rank():
 
 
 def test_too_few_measured_ranks_decide_nothing_and_forget_runs():
-    policy = StragglerPolicy(**dict(ON, warmup_steps=0, window_steps=3, min_ranks=3))
+    policy = StragglerPolicy(**dict(ON, warmup_steps=0, window_steps=3))
     tracker = StragglerTracker(policy)
-    tracker.observe(1, [0.1, 0.1, 0.5], [1, 1, 1])
+    tracker.observe(1, [0.1, 0.0, 0.5], [1, 1, 1])
     assert tracker.slow_since == {2: 0}
-    assert tracker.observe(2, [0.1, 0.0, 0.5], [1, 1, 1]) is None  # rank 1 measured nothing
+    assert tracker.observe(2, [0.0, 0.0, 0.5], [1, 1, 1]) is None  # one rank measured: nobody to compare with
     assert tracker.slow_since == {}
 
 

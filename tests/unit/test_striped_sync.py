@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from elastic_ext import State
 from elastic_ext.binding import gather_striped, layout_sizes, stripe_bounds
 from elastic_ext.config import ElasticConfig
+from elastic_ext.testing import state_on
 
 from tests.unit.test_state_agreement import ThreadWorld, bn_model, train_on_own_batch
 
@@ -67,7 +67,7 @@ def test_a_newcomer_gets_the_commit_from_all_three_survivors_and_matches_them():
     world = ThreadWorld(4)
     models = [bn_model(seed=0) for _ in range(4)]
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
-    states = [State(binding=world.binding(r), config=ElasticConfig(), model=models[r], optimizer=optimizers[r],
+    states = [state_on(world.binding(r), config=ElasticConfig(), model=models[r], optimizer=optimizers[r],
                     epoch=0) for r in range(4)]
 
     def train(rank):
@@ -80,7 +80,7 @@ def test_a_newcomer_gets_the_commit_from_all_three_survivors_and_matches_them():
     # Rank 2's process is replaced: a fresh model with other weights, never synced.
     models[2] = bn_model(seed=5)
     optimizers[2] = torch.optim.SGD(models[2].parameters(), lr=0.1, momentum=0.9)
-    states[2] = State(binding=world.binding(2), config=ElasticConfig(), model=models[2], optimizer=optimizers[2],
+    states[2] = state_on(world.binding(2), config=ElasticConfig(), model=models[2], optimizer=optimizers[2],
                       epoch=0)
     results = world.run(lambda rank: states[rank].sync())
     assert not any(isinstance(r, BaseException) for r in results), results

@@ -9,8 +9,8 @@ from elastic_ext.runtime import watchdog
 from elastic_ext import liveness
 
 
-def verdict(idle_s, *, stall=3.0, first=30.0, first_pending=False, phases=(), training=True, collective=False):
-    return watchdog.stall_verdict(idle_s, stall, first, first_pending, list(phases), training, collective)
+def verdict(idle_s, *, stall=3.0, phases=(), training=True, collective=False):
+    return watchdog.stall_verdict(idle_s, stall, list(phases), training, collective)
 
 
 def test_a_step_longer_than_the_stall_timeout_is_a_stall():
@@ -23,11 +23,56 @@ def test_no_stall_in_a_phase_outside_training_or_in_a_collective(kwargs):
     assert verdict(1000.0, **kwargs) is None
 
 
-def test_the_first_step_has_its_own_limit():
-    assert verdict(10.0, first_pending=True) is None
-    assert "first_step_timeout_s=30.0" in verdict(31.0, first_pending=True)
-    assert verdict(1e6, first=0.0, first_pending=True) is None  # 0: no limit before the first step
-    assert verdict(1e6, stall=0.0) is None                       # 0: stall check off
+def test_a_zero_stall_timeout_turns_the_check_off():
+    assert verdict(1e6, stall=0.0) is None
+
+
+def test_a_main_thread_that_moves_or_computes_is_active_and_a_blocked_one_is_not():
+    """An evaluation of an hour outside phase() moves, a C call computes; a deadlock does neither."""
+    import numpy as np
+    from elastic_ext.runtime.activity import MainThread
+
+    def sampled(main_work, window_s=0.6):
+        main, seen, inside, done = MainThread(), [], threading.Event(), threading.Event()
+
+        def sample():
+            import time
+            inside.wait(10)  # the first sample once the main thread is in its work
+            main.moved(time.monotonic())
+            threading.Event().wait(window_s)
+            seen.append(main.moved(time.monotonic()))
+            done.set()
+
+        thread = threading.Thread(target=sample)
+        thread.start()
+        main_work(inside, done)
+        thread.join()
+        return seen[0]
+
+    def compute(inside, done):  # C calls that release the GIL and compute in this thread, repeated
+        a = np.random.default_rng(0).random(1 << 20)
+        inside.set()
+        while not done.is_set():
+            a = np.sin(a) + 1.0
+
+    def blocked(inside, done):  # a wait nobody ends early, for the whole sampling window
+        inside.set()
+        done.wait(10)
+
+    assert sampled(compute) is True
+    assert sampled(blocked) is False
+
+
+def test_time_in_which_the_main_thread_moved_is_not_idle():
+    from elastic_ext.config import ElasticConfig
+    live = liveness.Liveness()
+    dog = watchdog.Watchdog(ElasticConfig(stall_timeout_s=3.0, hang_timeout_s=0), liveness=live)
+    with live.training():
+        t0 = live.last_progress
+        for second in range(1, 60):  # a minute of evaluation with no progress, outside any phase
+            assert dog.stall_check(t0 + second, in_collective=False, moved=True) is None
+        assert dog.stall_check(t0 + 61, in_collective=False) is None
+        assert "stall_timeout_s=3.0" in dog.stall_check(t0 + 62.1, in_collective=False)
 
 
 def test_phases_nest_and_close_on_error():
@@ -114,18 +159,26 @@ def test_a_main_thread_handling_a_failed_steps_exception_is_not_a_stall():
     assert seen and sum(seen) >= len(seen) // 2, seen
 
 
-def test_run_sets_the_rendezvous_timeout_unless_the_user_did():
+def test_a_reset_among_running_workers_waits_the_collective_timeout_and_one_that_may_meet_starters_longer(monkeypatch):
+    import importlib
     from elastic_ext.config import ConfigError, ElasticConfig
-    from elastic_ext.launch.gloo_timeout import rendezvous_timeout
-    env = {}
-    assert rendezvous_timeout(ElasticConfig(), env) == "120" and env == {"HOROVOD_GLOO_TIMEOUT_SECONDS": "120"}
-    env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": "45"}
-    assert rendezvous_timeout(ElasticConfig(rendezvous_timeout_s=300), env) == "45"  # the user's value stays
-    env = {}
-    assert rendezvous_timeout(ElasticConfig(rendezvous_timeout_s=0), env) is None and env == {}  # 0: Horovod's
-    assert ElasticConfig.from_env({"ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S": "600"}).rendezvous_timeout_s == 600
-    with pytest.raises(ConfigError, match=r"rendezvous_timeout_s \(-1"):
-        ElasticConfig(rendezvous_timeout_s=-1)
+    timeouts = importlib.import_module("elastic_ext.launch.gloo_timeout")
+    monkeypatch.setattr(timeouts, "_TIMEOUT_SET_AT_IMPORT", None)
+    launched = {"ELASTIC_EXT_LAUNCHER": "1", "ELASTIC_EXT_MIN_NP": "2"}
+    config = ElasticConfig()
+    env = dict(launched)
+    assert timeouts.reset_timeout(config, 4, env) == "30"          # 3 survivors >= --min-np: running workers only
+    assert timeouts.reset_timeout(config, 2, env) == "120"         # 1 survivor < --min-np: new workers start cold
+    assert timeouts.reset_timeout(config, 4, {}) == "120"          # plain horovodrun: newcomers may start cold
+    env = {**launched, "HOROVOD_GLOO_TIMEOUT_SECONDS": "45"}
+    assert timeouts.reset_timeout(config, 4, env) == "45"          # the user's value stays
+    env = dict(launched)
+    assert timeouts.reset_timeout(ElasticConfig(collective_timeout_s=0), 4, env) is None and "HOROVOD_GLOO_TIMEOUT_SECONDS" not in env
+    assert ElasticConfig.from_env({"ELASTIC_EXT_COLLECTIVE_TIMEOUT_S": "600"}).collective_timeout_s == 600
+    with pytest.raises(ConfigError, match=r"collective_timeout_s \(-1"):
+        ElasticConfig(collective_timeout_s=-1)
+    with pytest.raises(ConfigError, match=r"ELASTIC_EXT_MIN_NP \('two'\) must be an integer"):
+        timeouts.reset_timeout(config, 4, {**launched, "ELASTIC_EXT_MIN_NP": "two"})
 
 
 def test_a_newcomers_first_init_waits_as_long_as_the_survivors_resets(monkeypatch):
@@ -138,7 +191,7 @@ def test_a_newcomers_first_init_waits_as_long_as_the_survivors_resets(monkeypatc
     env = {"HOROVOD_ELASTIC": "1", "ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S": "200"}
     assert timeouts.first_rendezvous_timeout(env) == "200" and env["HOROVOD_GLOO_TIMEOUT_SECONDS"] == "200"
     # A config given in code replaces what the import set; the user's own variable is never touched.
-    assert timeouts.rendezvous_timeout(ElasticConfig(rendezvous_timeout_s=90), env) == "90"
+    assert timeouts.reset_timeout(ElasticConfig(rendezvous_timeout_s=90), 4, env) == "90"
     assert timeouts.first_rendezvous_timeout({"HOROVOD_ELASTIC": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "45"}) is None
     assert timeouts.first_rendezvous_timeout({}) is None  # not an elastic horovodrun worker
     assert timeouts.first_rendezvous_timeout({"HOROVOD_ELASTIC": "1", "ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S": "x"}) is None
@@ -155,7 +208,7 @@ def test_a_collective_failing_before_the_first_sync_is_survived(monkeypatch):
     run_module = sys.modules["elastic_ext.runtime.run"]
     from elastic_ext.config import ElasticConfig
     from elastic_ext.runtime.connections import CollectiveConnections
-    from elastic_ext.testing import SoloBinding
+    from elastic_ext.testing import SoloBinding, state_on
 
     failures = [HorovodInternalError("peer gone during the rendezvous")]
 
@@ -166,7 +219,7 @@ def test_a_collective_failing_before_the_first_sync_is_survived(monkeypatch):
 
     monkeypatch.setattr(run_module, "controller", lambda binding: "gloo")
     monkeypatch.setattr(CollectiveConnections, "learn_from_peers", learn)
-    state = elastic_ext.State(binding=SoloBinding(), config=ElasticConfig(hang_timeout_s=0), step=0)
+    state = state_on(SoloBinding(), config=ElasticConfig(hang_timeout_s=0), step=0)
     assert not state.committed
 
     @elastic_ext.run

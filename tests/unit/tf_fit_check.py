@@ -30,7 +30,7 @@ import elastic_ext  # noqa: E402
 import elastic_ext.tensorflow as etf  # noqa: E402
 from elastic_ext.testing import ledger  # noqa: E402
 from elastic_ext.errors import ConfigError, StateError  # noqa: E402
-from elastic_ext.testing import SoloBinding  # noqa: E402
+from elastic_ext.testing import SoloBinding, state_on  # noqa: E402
 
 assert keras.__version__.startswith(KERAS), keras.__version__
 tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -49,18 +49,25 @@ def load(indices, pad):
     return tf.gather(X, indices), tf.gather(Y, indices), 1.0 - tf.cast(pad, tf.float32)
 
 
-def build(**compile_kwargs):
+POISON = tf.Variable(0.0, trainable=False)  # NaN during one batch: that batch's loss is NaN (section 6)
+CROSS_ENTROPY = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def poisoned_loss(y_true, y_pred):
+    return keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True) + POISON
+
+
+def build(guard=None, **compile_kwargs):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(10)])
     model.compile(optimizer=etf.DistributedOptimizer(keras.optimizers.Adam(0.01)),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  **{"jit_compile": False, **compile_kwargs})
+                  loss=poisoned_loss if guard else CROSS_ENTROPY, **{"jit_compile": False, **compile_kwargs})
     sampler = etf.ElasticSampler(SIZE, global_batch_size=GLOBAL_BATCH, seed=3, policy="pad")
     # A world of one outside horovodrun is an MPI world to Horovod, where
     # elastic_ext ends the job on a failure; the solo binding keeps in-job
     # recovery (Horovod's own ops still run, in a world of one).
-    state = elastic_ext.State(model=model, optimizer=model.optimizer, sampler=sampler, epoch=0, batch=0, step=0,
-                              binding=SoloBinding())
+    state = state_on(SoloBinding(), model=model, optimizer=model.optimizer, sampler=sampler, epoch=0, batch=0,
+                     step=0, guard=guard)
     return model, sampler, state
 
 
@@ -82,8 +89,21 @@ class FailAt(keras.callbacks.Callback):
             raise HorovodInternalError(f"injected at step {self.state.step}")
 
 
-def run_fit(fail_steps=(), out=None, calls=None):
-    model, sampler, state = build()
+class PoisonAt(keras.callbacks.Callback):
+    """Makes the loss of the given global steps NaN, once each (the batch of a bad record)."""
+
+    def __init__(self, state, steps):
+        super().__init__()
+        self.state, self.steps = state, set(steps)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        bad = self.state.step in self.steps
+        self.steps.discard(self.state.step)
+        POISON.assign(float("nan") if bad else 0.0)
+
+
+def run_fit(fail_steps=(), out=None, calls=None, guard=None, nan_steps=()):
+    model, sampler, state = build(guard)
     book = ledger.Ledger(out) if out else None
 
     def record(step):
@@ -93,6 +113,7 @@ def run_fit(fail_steps=(), out=None, calls=None):
 
     elastic = etf.ElasticCallback(state, load, commit_every=COMMIT_EVERY, on_step=record)
     fail = FailAt(state, fail_steps)
+    poison = PoisonAt(state, nan_steps)
     original_fit = model.fit
 
     def counting_fit(**kwargs):
@@ -106,7 +127,9 @@ def run_fit(fail_steps=(), out=None, calls=None):
     def train(state):
         if book:
             book.start(state.generation, sampler.epoch, sampler.cursor, state.step, 0, 1)
-        return elastic.fit(model, epochs=EPOCHS, callbacks=[fail], verbose=0)
+        if book:
+            book.skipped_by_rollbacks(state.events.history, sampler, 0)
+        return elastic.fit(model, epochs=EPOCHS, callbacks=[fail, poison], verbose=0)
 
     train(state)
     return model, state
@@ -198,4 +221,63 @@ except ConfigError as exc:
     assert "backward_passes_per_step (2)" in str(exc), exc
 wrapped = etf.DistributedOptimizer(keras.optimizers.SGD(0.1))
 assert type(wrapped).__name__ == "SGD" and isinstance(wrapped, keras.optimizers.SGD)
+
+# 6. The numeric guard under fit: a NaN loss at step 14 (epoch 1 batch 4; commit at step 13) rolls back
+#    once, skips that batch's samples and finishes with a partial-epoch call that leaves the batch out.
+#    The signal rides on the gradient allreduce: the guard runs no collective of its own. The callback
+#    times every batch's compute for straggler eviction.
+with tempfile.TemporaryDirectory() as out:
+    calls = []
+    gathered = []
+    SoloBinding.allgather = lambda self, array, name: gathered.append(name) or np.array(array, copy=True)
+    guarded, state = run_fit(out=out, calls=calls, guard=elastic_ext.NumericGuard(), nan_steps=(14,))
+    assert "elastic_ext.policies.guard" not in gathered, f"the guard ran a collective of its own: {gathered}"
+    assert calls == [(0, EPOCHS, 10), (1, 2, 6), (2, EPOCHS, 10)], f"fit calls with the guard: {calls}"
+    numeric = [e for e in state.events.history if e["event"] == "numeric_rollback"]
+    assert len(numeric) == 1, numeric
+    assert (numeric[0]["step"], numeric[0]["reason"], numeric[0]["bad_ranks"]) == (14, "nonfinite_loss", [0])
+    assert numeric[0]["commit_id"] == 5 and numeric[0]["steps_rolled_back"] == 1, numeric[0]
+    assert numeric[0]["skipped"] == [["sampler", 1, 4 * GLOBAL_BATCH, 5 * GLOBAL_BATCH]], numeric[0]
+    assert not [e for e in state.events.history if e["event"] in ("rollback", "reset")], "no Horovod reset"
+    report = ledger.audit(ledger.read(out), SIZE, EPOCHS)
+    assert report["exactly_once"] and [e["skipped"] for e in report["epochs"]] == [0, GLOBAL_BATCH, 0], report
+    assert (state.epoch, state.step) == (EPOCHS, 29), (state.epoch, state.step)
+    assert all(np.isfinite(w).all() for w in weights(guarded)), "non-finite weights after the rollback"
+    median, steps = state.step_timer.report()
+    # Every batch since the rollback (a restore discards what was measured before it): steps 13 to 28.
+    assert steps == 16 and median is not None and median > 0, (median, steps)
+try:
+    etf.ElasticCallback(state_on(SoloBinding(), model=model, epoch=0, batch=0, guard=elastic_ext.NumericGuard()),
+                        load)
+    raise AssertionError("a guard without a step counter accepted")
+except StateError as exc:
+    assert "'step'" in str(exc), exc
+# 7. The signal elastic_ext's tape carries on its gradient allreduce (carrying is on: a State with a guard
+#    exists), read once per step, in a custom loop: eagerly and inside tf.function.
+from elastic_ext.tensorflow.guard import carried_signal  # noqa: E402
+
+carried_signal()  # drop what fit left
+keras.utils.set_random_seed(2)
+net = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+
+
+def tape_step(scale):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(net(X[:32]))) * scale
+    return etf.DistributedGradientTape(tape).gradient(loss, net.trainable_variables), loss
+
+
+grads, loss = tape_step(tf.constant(1.0))
+signal = carried_signal()
+expected = float(np.sqrt(sum(float(tf.reduce_sum(tf.square(g))) for g in grads)))
+assert signal.loss_finite and signal.grad_finite and signal.bad_ranks == (), signal
+assert signal.loss == float(loss) and abs(signal.grad_norm - expected) < 1e-4 * expected, (signal, expected)
+assert carried_signal() is None, "a signal is read once"
+compiled = tf.function(tape_step)
+compiled(tf.constant(float("inf")))
+bad = carried_signal()
+assert not bad.loss_finite and bad.bad_ranks == (0,) and not bad.grad_finite, bad
+compiled(tf.constant(2.0))
+again = carried_signal()
+assert again.loss_finite and again.grad_finite and again.loss > 0, again
 print("ok")

@@ -16,11 +16,10 @@ if legacy:
 else:
     import keras  # noqa: E402
 
-from elastic_ext import State  # noqa: E402
 from elastic_ext.state.adapters import adapter_table  # noqa: E402
 from elastic_ext.errors import StateError  # noqa: E402
 from elastic_ext.state.snapshot import Entry  # noqa: E402
-from elastic_ext.testing import SoloBinding  # noqa: E402
+from elastic_ext.testing import SoloBinding, state_on  # noqa: E402
 
 assert keras.__version__.startswith(sys.argv[1]), keras.__version__
 keras.utils.set_random_seed(0)
@@ -39,7 +38,7 @@ class Counter(tf.Module):
 module = Counter()
 variable = tf.Variable([[1.0, 2.0], [3.0, 4.0]])
 var_list = [tf.Variable(1.5), tf.Variable([7, 8], dtype=tf.int32)]
-state = State(binding=SoloBinding(), model=model, optimizer=optimizer, module=module, variable=variable,
+state = state_on(SoloBinding(), model=model, optimizer=optimizer, module=module, variable=variable,
               var_list=var_list, step=0)
 # Which adapter takes each object: the first of the table that handles it.
 table = adapter_table()

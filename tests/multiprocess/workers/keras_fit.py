@@ -5,10 +5,18 @@ steps Keras actually trained on), final-<rank>.npz with weights and optimizer
 variables, faults "RANK:STEP:HOW" fired at the start of global step STEP,
 and --resize-at host-file rewrites at a commit. --side-callbacks adds
 ModelCheckpoint and TensorBoard on rank 0 next to the elastic callback.
+
+Soft failures: --guard (State(guard=NumericGuard())), --nan "RANK:STEP" (that
+rank's loss is NaN at that global step, once), --straggler
+"FACTOR:WINDOW:WARMUP" (StragglerPolicy(..., min_size=1), exclude file
+OUT/exclude), --compute-s S (simulated compute in the training graph, before
+the gradients: S seconds per step) and --slow "RANK:STEP:FACTOR" (from STEP
+the process that started as RANK computes FACTOR x longer).
 """
 
 import argparse
 import os
+import time
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
@@ -20,6 +28,11 @@ p.add_argument("--faults", default="")
 p.add_argument("--resize-at", default="")
 p.add_argument("--side-callbacks", action="store_true")
 p.add_argument("--lr-per-worker", type=float, default=0.0, help="learning rate = this * world size, set on reset")
+p.add_argument("--guard", action="store_true")
+p.add_argument("--nan", default="")
+p.add_argument("--straggler", default="")
+p.add_argument("--compute-s", type=float, default=0.0)
+p.add_argument("--slow", default="")
 args = p.parse_args()
 if args.keras == "2":
     os.environ["TF_USE_LEGACY_KERAS"] = "1"
@@ -50,13 +63,51 @@ digits = load_digits()
 X = tf.constant(digits.data / 16.0, dtype=tf.float32)
 Y = tf.constant(digits.target, dtype=tf.int64)
 
+first_rank = hvd.rank()  # --slow follows the process, not whoever holds its rank after a resize
+POISON = tf.Variable(0.0, trainable=False)  # NaN while the --nan batch trains
+cross_entropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def compute_seconds():
+    """This step's simulated compute: --compute-s, times the --slow factor on the slow process."""
+    seconds = args.compute_s
+    if args.slow:
+        rank, start, factor = args.slow.split(":")
+        if first_rank == int(rank) and state.step >= int(start):
+            seconds *= float(factor)
+    return seconds
+
+
+def simulated_compute():
+    time.sleep(compute_seconds())
+    return np.float32(0.0)
+
+
+def loss_fn(y_true, y_pred):
+    loss = keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)  # per sample
+    if args.nan:
+        loss = loss + POISON
+    if args.compute_s:  # part of the training step, before its gradients: what the callback times
+        loss = loss + tf.stop_gradient(tf.reshape(tf.py_function(simulated_compute, [], tf.float32), []))
+    return loss
+
+
 keras.utils.set_random_seed(0)
 model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)])
 model.compile(optimizer=etf.DistributedOptimizer(keras.optimizers.Adam(0.01)),
-              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
+              loss=loss_fn if (args.nan or args.compute_s) else cross_entropy, jit_compile=False)
 sampler = etf.ElasticSampler(int(X.shape[0]), global_batch_size=args.global_batch, seed=1, policy="pad")
-state = elastic_ext.State(model=model, optimizer=model.optimizer, sampler=sampler, epoch=0, batch=0, step=0)
+straggler, config = None, None
+if args.straggler:
+    factor, window, warmup = args.straggler.split(":")
+    straggler = elastic_ext.StragglerPolicy(factor=float(factor), window_steps=int(window), warmup_steps=int(warmup),
+                                            min_size=1)
+    config = elastic_ext.ElasticConfig.from_env(exclude_file=os.path.join(args.out, "exclude"))
+state = elastic_ext.State(model=model, optimizer=model.optimizer, sampler=sampler, epoch=0, batch=0, step=0,
+                          guard=elastic_ext.NumericGuard() if args.guard else None, straggler=straggler,
+                          config=config)
 book = Ledger(args.out)
+nan_fired = []
 
 
 def load(indices, pad):
@@ -73,6 +124,12 @@ class TestSeams(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         faults.maybe_fire(hvd.rank(), state.step, where="step")
+        if args.nan:
+            rank, step = (int(x) for x in args.nan.split(":"))
+            bad = hvd.rank() == rank and state.step == step and not nan_fired
+            if bad:
+                nan_fired.append(step)
+            POISON.assign(float("nan") if bad else 0.0)
 
     def on_train_batch_end(self, batch, logs=None):
         if (state.batch + 1) % args.commit_every == 0:
@@ -91,6 +148,7 @@ if args.side_callbacks and hvd.rank() == 0:
 
 @elastic_ext.run
 def train(state):
+    book.skipped_by_rollbacks(state.events.history, sampler, hvd.rank())
     book.start(state.generation, sampler.epoch, sampler.cursor, state.step, hvd.rank(), hvd.size())
     return elastic.fit(model, epochs=args.epochs, callbacks=[TestSeams(), *side], verbose=0)
 

@@ -3,14 +3,16 @@
 Like train_torch.py (ledger steps-<pid>.jsonl, final-<rank>.npz, events via
 ELASTIC_EXT_EVENTS_PATH, checkpoints via ELASTIC_EXT_CHECKPOINT_*), plus:
 
---faults "RANK:STEP:HOW[:WHERE]"   injected faults (elastic_ext.testing), once each
+--faults "RANK:STEP:HOW[:WHERE[:TARGET]]"  injected faults (elastic_ext.testing), once each; a bit flip
+                                   ("flip", WHERE before_commit) corrupts TARGET: param (the first layer's
+                                   weight) or moment (its Adam exp_avg), on that rank only
 --phase "RANK:STEP:SECONDS"        at STEP, RANK spends SECONDS in ``state.phase("eval")``
 --bare-phase                       the same time without opening a phase (the old behaviour)
 --side "HOST:PORT"                 after hvd.init, open a TCP connection to an echo server and
                                    use it after training: side-<pid>.json says if it still works
 --resize-at                        as in train_torch.py (elastic_ext.testing.HostFileSchedule)
 --stop-file PATH                   end after the first epoch at whose end PATH exists (all ranks agree)
---straggler "FACTOR:WINDOW:WARMUP"  StragglerPolicy(enabled=True, ...), exclude file OUT/exclude
+--straggler "FACTOR:WINDOW:WARMUP"  StragglerPolicy(...), exclude file OUT/exclude
 --compute-s S                      simulated compute per step (in state.step_timer): S seconds per 16 local samples
 --newcomer-delay-s S               a process started after the job trained (a newcomer) sleeps S before hvd.init:
                                    a slow container start, a big import (it writes OUT/newcomer-<pid> first)
@@ -18,6 +20,8 @@ ELASTIC_EXT_EVENTS_PATH, checkpoints via ELASTIC_EXT_CHECKPOINT_*), plus:
                                    exists: a start that lasts until the test's event (fails after 280 s)
 --guard                            State(guard=NumericGuard()) and state.guard_step after the allreduce; the
                                    guard's seconds per step go to guard-<pid>.json (median, count)
+--guard-blocking                   the guard's allgather blocks each step, as before it ran in the background
+--guard-blocks N                   with --guard, guard_step only where step // N is even (on and off in one job)
 --slow "RANK:STEP:FACTOR[:STEPS]"  from STEP (for STEPS steps, default: to the end), the process that started
                                    as RANK computes FACTOR x longer (it stays slow under a new rank); several
                                    slowdowns are separated by commas
@@ -38,7 +42,7 @@ from examples.digits import load_digits
 import horovod.torch as hvd
 
 from elastic_ext.testing.ledger import Ledger
-from elastic_ext.testing import CommitFaultProbe, FaultSchedule, HostFileSchedule
+from elastic_ext.testing import CommitFaultProbe, FaultSchedule, HostFileSchedule, heartbeat_period
 from elastic_ext.torch import ElasticSampler
 
 p = argparse.ArgumentParser()
@@ -58,9 +62,15 @@ p.add_argument("--straggler", default="")
 p.add_argument("--compute-s", type=float, default=0.0)
 p.add_argument("--slow", default="")
 p.add_argument("--guard", action="store_true")
+p.add_argument("--guard-blocking", action="store_true", help="the guard's allgather blocks each step (bench)")
+p.add_argument("--guard-blocks", type=int, default=0,
+               help="with --guard: guard_step only in steps whose step // N is even (the bench's A/B in one job)")
 p.add_argument("--newcomer-delay-s", type=float, default=0.0)
 p.add_argument("--newcomer-gate", default="")
+p.add_argument("--heartbeat-period-s", type=float, default=0.0)
 args = p.parse_args()
+if args.heartbeat_period_s:
+    heartbeat_period(args.heartbeat_period_s)
 
 torch.set_num_threads(1)
 if (args.newcomer_delay_s or args.newcomer_gate) and any(
@@ -139,11 +149,18 @@ def train_step(state, indices, pad):
         faults.maybe_fire(hvd.rank(), state.step, where="allreduce")  # a collective is in flight here
         for handle in handles:
             hvd.synchronize(handle)
-    if args.guard:
+    if args.guard and not (args.guard_blocks and (state.step // args.guard_blocks) % 2):
         started = time.perf_counter()
         state.guard_step(loss, grads, samples=int((~pad).sum()))
         guard_seconds.append(time.perf_counter() - started)
     optimizer.step()
+
+
+def flip_targets():
+    """What a "flip" fault may corrupt: views of the live tensors (CPU tensors share their memory)."""
+    weight = model[0].weight
+    moment = optimizer.state.get(weight, {}).get("exp_avg")
+    return {"param": weight.detach().numpy(), **({"moment": moment.numpy()} if moment is not None else {})}
 
 
 def train(state):
@@ -163,6 +180,7 @@ def train(state):
             if state.step % args.commit_every == 0:
                 commit_probe.step = state.step
                 resizes.maybe_apply(state, hvd.rank(), state.step)
+                faults.maybe_fire(hvd.rank(), state.step, where="before_commit", targets=flip_targets())
                 state.commit()
                 commit_probe.step = None
         state.epoch += 1
@@ -178,13 +196,14 @@ def train(state):
 straggler = None
 if args.straggler:
     factor, window, warmup = args.straggler.split(":")
-    straggler = elastic_ext.StragglerPolicy(enabled=True, factor=float(factor), window_steps=int(window),
-                                            warmup_steps=int(warmup),
-                                            exclude_file=os.path.join(args.out, "exclude"))
+    straggler = elastic_ext.StragglerPolicy(factor=float(factor), window_steps=int(window), warmup_steps=int(warmup))
 guard_seconds = []
-state = elastic_ext.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0,
+config = elastic_ext.ElasticConfig.from_env(exclude_file=os.path.join(args.out, "exclude") if straggler else None)
+state = elastic_ext.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0, config=config,
                           commit_probe=commit_probe, adapters=[commit_probe], straggler=straggler,
                           guard=elastic_ext.NumericGuard() if args.guard else None)
+if args.guard_blocking:
+    state.binding.allgather_start = None  # no background allgather: the guard's collective blocks every step
 elastic_ext.run(train)(state)
 
 arrays = {f"model/{k}": v.numpy() for k, v in model.state_dict().items()}

@@ -2,7 +2,8 @@
 
 The TensorFlow twin of train_torch_nan.py: BatchNorm and dropout on
 the UCI digits, a custom loop with ``tf.GradientTape``, gradients
-averaged by ``hvd.allreduce``, then ``state.guard_step`` before
+averaged by elastic_ext's ``DistributedGradientTape`` (which carries the
+guard's signal on the same allreduce), then ``state.guard_step`` before
 ``apply_gradients``. At global step --nan-step, rank --nan-rank poisons one
 input sample with a NaN the first time only. Writes the same outputs:
 the ledger with ``skipped`` records, final-<rank>.npz (trainable weights and
@@ -22,7 +23,7 @@ import keras
 import horovod.tensorflow as hvd
 
 import elastic_ext
-from elastic_ext.tensorflow import ElasticSampler, index_dataset
+from elastic_ext.tensorflow import DistributedGradientTape, ElasticSampler, index_dataset
 from elastic_ext.testing.ledger import Ledger
 
 p = argparse.ArgumentParser()
@@ -61,9 +62,9 @@ def train_step(state, indices):
         x = tf.tensor_scatter_nd_update(x, [[0, 0]], [float("nan")])  # one poisoned sample on one rank
     with tf.GradientTape() as tape:
         loss = loss_fn(y, model(x, training=True))
+    tape = DistributedGradientTape(tape)  # the guard's signal rides on its gradient allreduce
     grads = tape.gradient(loss, model.trainable_variables)
-    grads = [hvd.allreduce(g, op=hvd.Average, name=f"grad_{i}") for i, g in enumerate(grads)]
-    state.guard_step(loss, grads, samples=int(x.shape[0]))  # raises on every rank together
+    state.guard_step(loss, grads, samples=int(x.shape[0]))  # raises on every rank together, no collective
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
 

@@ -1,0 +1,285 @@
+"""Horovod's elastic driver as ``elastic-horovodrun`` changes it (Horovod 0.28.1's ``ElasticDriver``).
+
+Horovod names a worker by its slot, ``(host, local rank)``: in its registry
+of each round, in the rank it answers, in the exits it records and in the
+worker it notifies of host changes. The changes, each for a failure Horovod
+turns into a longer or larger one:
+
+1. **A round after a reset holds only the workers that asked for a rank
+   in it.** After a failure, Horovod keeps the failed worker's slot in the
+   next round and starts a new worker there, and after a host change it
+   starts the new hosts' workers in the round the survivors reset into;
+   every survivor then waits in ``hvd.init()`` until those processes have
+   started Python, imported their framework and built their model (6 s
+   and more). Here such a round is exactly the workers that asked, so they
+   go on at once, and capacity beyond them (the failed slot, a new host)
+   joins later, while they train, the way a newcomer of an early start
+   does (:mod:`elastic_ext.launch.prestart`): the driver tells the
+   coordinator that hosts were added until a round has that capacity. Only
+   the round that an early start's rank requests complete
+   (:data:`~elastic_ext.launch.prestart.ASKED` in the store) starts new
+   workers, which start in a world of one. Survivors keep their host; on a
+   host whose worker of a lower local rank failed, they move down to the
+   free local ranks, and the driver translates every name it holds (the
+   answer to a rank request, exits, notification clients) from the old
+   local rank to the new one. Where the workers that asked are fewer than
+   ``--min-np``, new workers start in the same round, as Horovod does.
+   So under the launcher no ``hvd.init()`` but the job's first and that
+   last case meets a worker that is still starting.
+2. **A host is blacklisted only when it lost all its workers of a round
+   that held all its slots.** Horovod blacklists the host of every failed
+   worker, which also ends its healthy workers ("has been removed from
+   elastic job") and, when two hosts each lose a worker in one round, leaves
+   no host at all. A host whose every slot's worker failed in one round (a
+   lost machine) is still blacklisted; one whose last worker of a round of
+   survivors failed is not (two process failures in a row, not a machine:
+   seen under a failure every 15 s, where the job lost a host for good).
+3. **Workers learn that their round is lost** (:mod:`elastic_ext.launch.round_watch`):
+   the rendezvous server's store holds the current round's number and
+   slots, and a key per round in which a member failed.
+4. **The exit of a replaced worker is not charged to its successor.** A
+   worker that outlives a short blacklist cooldown would have its late exit
+   recorded as the failure of the new worker in its slot, which ends the
+   job early ("key exists and new state SUCCESS not FAILURE"). Exits are
+   charged to the slot the exiting process holds now, or ignored when it
+   holds none.
+
+Everything else is Horovod's: ``--reset-limit`` (a failure costs one round,
+the failed slot's return two more, as any early start), the blacklist
+cooldown, discovery.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Any, Dict, List, Optional, Tuple
+
+from elastic_ext.launch import prestart
+from elastic_ext.launch.round_watch import ASSIGNED, CURRENT, SCOPE, failed_key
+
+logger = logging.getLogger(__name__)
+
+REGROW_POLL_S = 1.0  # how often the coordinator is told that capacity is back, until a round takes it
+
+Slot = Tuple[str, int]
+_originals: Dict[Tuple[type, str], Any] = {}  # what install() replaced: (class, name) -> the original
+
+
+def _store(driver: Any, key: str, value: bytes) -> None:
+    """Writes into the driver's rendezvous server's key-value store (the scope workers read)."""
+    server = getattr(getattr(driver, "_rendezvous", None), "_httpd", None)
+    if server is None:
+        return
+    with server.cache_lock:
+        server.cache.setdefault(SCOPE, {})[key] = value
+
+
+def _early_start_asked(driver: Any) -> bool:
+    """True when an early start's rank requests complete this round (they are in the store until it forms)."""
+    server = getattr(getattr(driver, "_rendezvous", None), "_httpd", None)
+    if server is None:
+        return False
+    with server.cache_lock:
+        return prestart.ASKED in server.cache.get(prestart.SCOPE, {})
+
+
+def _ext(driver: Any) -> "DriverState":
+    return driver.__dict__.setdefault("elastic_ext", DriverState())
+
+
+@dataclasses.dataclass
+class DriverState:
+    """What the changed driver keeps beside Horovod's own fields."""
+
+    # Which process holds each slot now: the SlotInfo Horovod started it with, compared by identity.
+    holders: Dict[Slot, Any] = dataclasses.field(default_factory=dict)
+    # For the round being answered: a survivor's old local rank -> its new one, by host.
+    moved: Dict[Slot, int] = dataclasses.field(default_factory=dict)
+    # Set by a round's barrier: the slots of the workers that asked, by host (old local ranks, sorted).
+    survivors: Optional[Dict[str, List[int]]] = None
+    # While building a survivors' round: the slot count per host that _get_host_assignments uses.
+    only: Optional[Dict[str, int]] = None
+    regrow: bool = False                 # the current round left capacity out: tell the coordinator
+    regrow_thread: Optional[threading.Thread] = None
+
+
+def survivors_by_host(ready: Any) -> Dict[str, List[int]]:
+    """The READY slots of a round as {host: sorted local ranks}."""
+    by_host: Dict[str, List[int]] = {}
+    for host, local_rank in ready:
+        by_host.setdefault(host, []).append(local_rank)
+    return {host: sorted(ranks) for host, ranks in by_host.items()}
+
+
+def moves(survivors: Dict[str, List[int]]) -> Dict[Slot, int]:
+    """Each survivor's new local rank: a host's survivors take its local ranks 0, 1, ... in their order."""
+    return {(host, old): new for host, ranks in survivors.items() for new, old in enumerate(ranks) if old != new}
+
+
+def install() -> None:
+    """Changes Horovod's elastic driver as the module docstring says; idempotent."""
+    if _originals:
+        return
+    from horovod.runner.elastic.driver import ElasticDriver
+    from horovod.runner.elastic.registration import FAILURE, READY, SUCCESS, WorkerStateRegistry
+
+    original = {name: getattr(ElasticDriver, name) for name in (
+        "_update_host_assignments", "_get_host_assignments", "_start_worker_process", "_handle_worker_exit",
+        "get_slot_info")}
+    original_reset = WorkerStateRegistry.reset
+    original_recorded = WorkerStateRegistry._on_workers_recorded
+
+    def reset(self: Any, size: int) -> None:
+        original_reset(self, size)  # after the new round's assignments, which cleared the store
+        driver = self._driver
+        slots = [f"{host}:{slot.local_rank}" for host, host_slots in driver.host_assignments.items()
+                 for slot in host_slots]
+        _store(driver, ASSIGNED, ",".join(slots).encode("utf-8"))
+        _store(driver, CURRENT, str(self.last_rendezvous()).encode("ascii"))
+        if _ext(driver).regrow:
+            _start_regrow(driver)
+
+    def on_workers_recorded(self: Any) -> None:
+        manager, ext = self._host_manager, _ext(self._driver)
+        ready = set(self.get(READY))
+        ready_hosts = {host for host, _ in ready}
+        if ready and not self.get(SUCCESS) and (self.get(FAILURE) or not _early_start_asked(self._driver)):
+            ext.survivors = survivors_by_host(ready)
+        blacklist = manager.blacklist
+
+        def blacklist_lost_hosts(host: str) -> None:
+            if host in ready_hosts:
+                logger.warning("elastic_ext: not blacklisting %s: another of its workers is ready (a worker "
+                               "failed, not the host)", host)
+                return
+            held = len(self._driver.host_assignments.get(host, ()))
+            if held < manager.current_hosts.get_slots(host):
+                # A round of survivors held only part of the host: its last worker failed, not the whole
+                # machine at once. Its slots come back through the regrow; a lost machine then fails them
+                # all in one round and is blacklisted then.
+                logger.warning("elastic_ext: not blacklisting %s: the round held %d of its %d slots", host, held,
+                               manager.current_hosts.get_slots(host))
+                return
+            blacklist(host)
+
+        manager.blacklist = blacklist_lost_hosts
+        try:
+            original_recorded(self)
+        finally:
+            del manager.blacklist  # the class's method again
+            ext.survivors = None   # consumed by the round it formed, if it formed one
+
+    def get_host_assignments(self: Any, current_hosts: Any) -> Any:
+        only = _ext(self).only
+        if only is None:
+            return original["_get_host_assignments"](self, current_hosts)
+        from collections import defaultdict
+        from horovod.runner.common.util import hosts
+        host_list = [hosts.HostInfo(host, only[host]) for host in current_hosts.host_assignment_order
+                     if only.get(host)]
+        assignments_list = hosts.get_host_assignments(host_list, self._min_num_proc, self._max_num_proc)
+        assignments = defaultdict(list)
+        for slot_info in assignments_list:
+            assignments[slot_info.hostname].append(slot_info)
+        return assignments, assignments_list
+
+    def update_host_assignments(self: Any, current_hosts: Any) -> Any:
+        ext = _ext(self)
+        survivors = {host: ranks for host, ranks in (ext.survivors or {}).items()
+                     if host in current_hosts.available_hosts}
+        ext.survivors = None
+        if survivors and sum(len(r) for r in survivors.values()) >= self._min_num_proc:
+            ext.only = {host: len(ranks) for host, ranks in survivors.items()}
+            try:
+                pending = original["_update_host_assignments"](self, current_hosts)
+            finally:
+                ext.only = None
+            _move(self, ext, moves(survivors))
+            full, _ = original["_get_host_assignments"](self, current_hosts)
+            ext.regrow = full != self._host_assignments
+            logger.info("elastic_ext: the round holds the %d workers that asked for a rank%s", self.world_size(),
+                        "; the rest of the capacity joins while they train" if ext.regrow else "")
+            return pending  # none: every slot is a survivor's
+        ext.moved, ext.regrow = {}, False
+        if survivors:  # too few to go on alone: start new workers now, in the failed slots too, as Horovod does
+            self._host_assignments = {host: [slot for slot in slots if slot.local_rank in survivors.get(host, ())]
+                                      for host, slots in self._host_assignments.items()}
+        return original["_update_host_assignments"](self, current_hosts)
+
+    def get_slot_info(self: Any, host: str, local_rank: int) -> Any:
+        return original["get_slot_info"](self, host, _ext(self).moved.get((host, local_rank), local_rank))
+
+    def start_worker_process(self: Any, slot_info: Any) -> None:
+        _ext(self).holders[(slot_info.hostname, slot_info.local_rank)] = slot_info
+        original["_start_worker_process"](self, slot_info)
+
+    def handle_worker_exit(self: Any, slot_info: Any, exit_code: int, timestamp: Any) -> None:
+        held = [slot for slot, holder in _ext(self).holders.items() if holder is slot_info]
+        if not held:
+            logger.warning("elastic_ext: ignoring exit code %d of a replaced worker of %s[%d]: a newer worker "
+                           "holds its slot", exit_code, slot_info.hostname, slot_info.local_rank)
+            return
+        host, local_rank = held[0]
+        if local_rank != slot_info.local_rank:  # a survivor that moved: Horovod knows it by its new slot
+            slot_info = dataclasses.replace(slot_info, local_rank=local_rank)
+        if exit_code != 0 and not self.finished() and self.has_rank_assignment(host, local_rank):
+            _store(self, failed_key(self._worker_registry.last_rendezvous()), f"{host}[{local_rank}]".encode())
+        original["_handle_worker_exit"](self, slot_info, exit_code, timestamp)
+
+    for cls, name, replacement in ((WorkerStateRegistry, "reset", reset),
+                                   (WorkerStateRegistry, "_on_workers_recorded", on_workers_recorded),
+                                   (ElasticDriver, "_get_host_assignments", get_host_assignments),
+                                   (ElasticDriver, "_update_host_assignments", update_host_assignments),
+                                   (ElasticDriver, "get_slot_info", get_slot_info),
+                                   (ElasticDriver, "_start_worker_process", start_worker_process),
+                                   (ElasticDriver, "_handle_worker_exit", handle_worker_exit)):
+        _originals[(cls, name)] = getattr(cls, name)
+        setattr(cls, name, replacement)
+
+
+def uninstall() -> None:
+    """Gives Horovod's driver its own behaviour back (for tests that run both in one process)."""
+    for (cls, name), original in _originals.items():
+        setattr(cls, name, original)
+    _originals.clear()
+
+
+def _move(driver: Any, ext: DriverState, moved: Dict[Slot, int]) -> None:
+    """Renames survivors that moved to a lower local rank, in every map the driver keys by slot."""
+    ext.moved = moved
+    if not moved:
+        return
+    for table in (ext.holders, driver._worker_clients):
+        renamed = {(host, new): table[(host, old)] for (host, old), new in moved.items() if (host, old) in table}
+        for slot in moved:
+            table.pop(slot, None)
+        for slot in renamed:
+            table.pop(slot, None)  # the failed worker's entry, whose slot a survivor takes
+        table.update(renamed)
+    logger.info("elastic_ext: survivors moved to free local ranks: %s",
+                ", ".join(f"{h}[{old}]->[{new}]" for (h, old), new in sorted(moved.items())))
+
+
+def _start_regrow(driver: Any) -> None:
+    """Tells the coordinator, every :data:`REGROW_POLL_S`, that hosts were added, until a round takes them.
+
+    A notification that reaches a worker while it resets is dropped with the
+    rest of its pending updates, so one is not enough; the coordinator acts
+    on the first that arrives after its reset, at its next commit.
+    """
+    ext = _ext(driver)
+    if ext.regrow_thread is not None and ext.regrow_thread.is_alive():
+        return
+    from horovod.runner.elastic.worker import HostUpdateResult
+
+    def tell() -> None:
+        # Not under the driver's host lock, which its discovery and round formation take: the send to a
+        # coordinator that died may block (60 s), and a notification a round makes stale costs nothing.
+        while ext.regrow and not driver.finished():
+            driver._notify_workers_host_changes(driver._host_manager.current_hosts, HostUpdateResult.added)
+            driver._shutdown.wait(REGROW_POLL_S)
+
+    ext.regrow_thread = threading.Thread(target=tell, name="elastic_ext-regrow", daemon=True)
+    ext.regrow_thread.start()

@@ -1,0 +1,43 @@
+"""The State's soft-failure side: the numeric guard's checked steps and the straggler timer.
+
+A mixin of :class:`elastic_ext.State`, which provides ``_guard`` (the
+:class:`~elastic_ext.policies.guard.NumericGuard` given), ``_guarded`` (its
+:class:`~elastic_ext.policies.numeric_rollback.GuardedSteps`), ``_straggler``
+(a :class:`~elastic_ext.policies.eviction.StragglerWatch`), ``_tracked`` and
+``_binding``. What a commit does with them is in ``State.commit`` (the step
+in flight is judged before the snapshot) and :mod:`elastic_ext.state.decisions`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+from elastic_ext.data.sampler import ElasticPartitioner
+from elastic_ext.policies.guard import Verdict
+from elastic_ext.policies.step_timer import StepTimer
+
+
+class SoftFailures:
+    """``guard``, ``guard_step`` and ``step_timer``."""
+
+    guard = property(lambda self: self._guard, doc="The :class:`NumericGuard` given, or None.")
+
+    @property
+    def step_timer(self) -> StepTimer:
+        """Wrap this rank's own compute of a step in it (``with state.step_timer: ...``), not the
+        waits for the others: straggler eviction compares these times (a no-op cost when off)."""
+        return self._straggler.timer
+
+    def guard_step(self, loss: Any, grads: Iterable[Any] = (), samples: int = 1,
+                   step: Optional[int] = None) -> Optional[Verdict]:
+        """Checks a step on every rank together (after the gradient allreduce, before ``commit()``); a bad
+        one raises ``NumericFaultError``, which ``run`` turns into a rollback that skips its samples.
+
+        When and how it is judged (carried on the gradient allreduce, in the
+        background until the next call or commit, or blocking):
+        :class:`elastic_ext.policies.numeric_rollback.GuardedSteps`, whose
+        ``step`` says what it raises. Returns the verdict reached in this call.
+        """
+        objects = self._tracked.objects
+        samplers = (name for name in self._tracked.synced(objects) if isinstance(objects[name], ElasticPartitioner))
+        return self._guarded.step(self._binding, objects, samplers, loss, grads, samples, step)
