@@ -78,6 +78,15 @@ The run loop (``run.py``):
   of a worker its keeper restarted, see :mod:`elastic_ext.launch.keeper`): Gloo
   aborted the previous process of this slot inside ``hvd.init()``;
   ``restarts`` (how many times this slot's keeper restarted it).
+- ``member_failed`` (:data:`MEMBER_FAILED`, from the driver watch,
+  :mod:`elastic_ext.runtime.driver_watch`): the launcher's driver reports a
+  member of this worker's round failed (its host went silent: no TCP reset
+  told the collective); this worker cut its collective links so the job
+  rolls back now; ``round``, ``member`` (``host:local_rank``), ``links_cut``.
+- ``fenced`` (:data:`FENCED`, from the driver watch): this worker could not
+  reach its driver for ``unreachable_s`` seconds (``attempts`` failed
+  requests, the last ``error``) and exits rather than train cut off from
+  its job.
 - ``job_restart`` (:data:`JOB_RESTART`, written by ``python -m
   elastic_ext.launch.supervise`` with rank -1): the whole job failed and is started
   again; ``exit_code``, ``restart``, ``max_restarts``, ``ran_s``.
@@ -141,12 +150,14 @@ STRAGGLER = "straggler"
 REPLICA_MISMATCH = "replica_mismatch"
 JOB_RESTART = "job_restart"
 RESTARTED_IN_PLACE = "restarted_in_place"
+MEMBER_FAILED = "member_failed"
+FENCED = "fenced"
 
 #: Every event name elastic_ext emits (the module docstring says what each means).
 ALL_EVENTS = (SYNC, ROLLBACK, ROLLBACK_LIMIT, RESIZE, PRESTART, NEWCOMERS_JOINED, RESET, RECOVERED,
               FINISH, STALL, SUSPENDED, LEAVE, CHECKPOINT, CHECKPOINT_SKIPPED, CHECKPOINT_FAILED, CHECKPOINT_FAILING,
               CHECKPOINT_RESUMED, CHECKPOINT_CADENCE, NUMERIC_ROLLBACK, STRAGGLER, REPLICA_MISMATCH, JOB_RESTART,
-              RESTARTED_IN_PLACE)
+              RESTARTED_IN_PLACE, MEMBER_FAILED, FENCED)
 
 
 class EventLog:

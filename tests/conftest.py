@@ -39,7 +39,7 @@ def in_a_job_tier(path):
 
 @pytest.fixture(autouse=True)
 def no_guardian_unless_hangs_are_tested(request, monkeypatch):
-    """Jobs of the job tiers start no guardian per worker.
+    """Jobs of the job tiers (tests/multiprocess, tests/discovery, tests/multihost) start no guardian per worker.
 
     The guardian (one more Python process per worker) is there for hangs;
     the tests of hangs set ``ELASTIC_EXT_HANG_TIMEOUT_S`` themselves, and a

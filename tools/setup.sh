@@ -20,6 +20,7 @@ DEB_PACKAGES=(
     libopenmpi-dev openmpi-bin
     munge slurmctld slurmd slurm-client
     procps iproute2
+    openssh-server openssh-client nftables
 )
 
 step() { printf '\n== setup: %s\n' "$*" >&2; STEP="$*"; }
@@ -40,8 +41,16 @@ if [ ${#missing[@]} -gt 0 ]; then
     echo "installing: ${missing[*]}" >&2
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -q >/dev/null || fail "apt-get update failed" "check network access to the Debian mirrors"
-    apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null \
-        || fail "apt-get install ${missing[*]} failed" "run the same apt-get command by hand to see why"
+    # Installing a daemon (openssh-server) must not start it: the test cluster (tools/testcluster.py)
+    # runs its own sshd inside network namespaces, and nothing may listen on the machine's interfaces.
+    no_start=""
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+        printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && no_start=1
+    fi
+    apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+    installed=$?
+    [ -n "$no_start" ] && rm -f /usr/sbin/policy-rc.d
+    [ "$installed" = 0 ] || fail "apt-get install ${missing[*]} failed" "run the same apt-get command by hand to see why"
 else
     echo "all present" >&2
 fi

@@ -28,7 +28,7 @@ import sys
 from typing import Any, List, MutableMapping, Optional
 
 from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_LAUNCHER, ENV_MIN_NP, ENV_RESTART_IN_PLACE
-from elastic_ext.launch import driver, noticed_hosts
+from elastic_ext.launch import driver, noticed_hosts, ssh_keepalive
 
 
 def restart_in_place_when_checkpointing(environ: MutableMapping[str, str]) -> bool:
@@ -95,6 +95,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     restart_in_place_when_checkpointing(os.environ)
     driver.install()
     noticed_hosts.install()  # preemption notices: noticed hosts leave discovery; Slurm's signal reaches every worker
+    ssh_keepalive.install()
     _through_the_worker_entry()
     from horovod.runner.launch import run_commandline
     sys.argv = ["horovodrun", *(sys.argv[1:] if argv is None else argv)]

@@ -30,6 +30,7 @@ from elastic_ext.errors import NumericFaultError, RollbackLimitError, error_deta
 from elastic_ext.events import LEAVE, RECOVERED, RESET, RESIZE, ROLLBACK, ROLLBACK_LIMIT
 from elastic_ext.launch.gloo_timeout import reset_timeout
 from elastic_ext.runtime.connections import CollectiveConnections
+from elastic_ext.runtime.driver_watch import DriverWatch
 from elastic_ext.runtime.numeric_recovery import NumericRecovery
 from elastic_ext.launch.sigterm import LEAVE_EXIT_CODE
 from elastic_ext.policies.eviction import exclude_host, host_name
@@ -84,6 +85,13 @@ class Recoverer:
         self.cut_links = kind == "gloo"  # never under MPI, which cannot re-form a job anyway
         self.numeric = NumericRecovery()
         self.pending: Optional[Recovery] = None
+        # A member lost without a TCP reset, or this worker cut off from its driver (never under MPI).
+        self.driver = DriverWatch.for_this_worker(self.links.abort, state.events) if kind == "gloo" else None
+
+    def close(self) -> None:
+        """Stops what runs beside the training (when ``run`` returns or raises)."""
+        if self.driver is not None:
+            self.driver.stop()
 
     def sync(self) -> None:
         """Brings every rank to the agreed commit; reports the recovery that led here, if any."""
@@ -92,6 +100,8 @@ class Recoverer:
         if self.cut_links:
             self.links.learn_from_peers(state.binding)
         learned = time.perf_counter()
+        if self.driver is not None:
+            self.driver.joined()  # the links just learned are this round's
         state.sync()
         self.numeric.reapply(state)  # sync loads the commit, which may not hold a numeric skip yet
         if self.pending is not None:
@@ -111,6 +121,8 @@ class Recoverer:
             RollbackLimitError: too many rollbacks in a row without a new commit.
         """
         state, config, t0, failed_at = self.state, self.state.config, time.perf_counter(), time.time()
+        if self.driver is not None:
+            self.driver.left()
         if self.kind == "mpi":
             logger.error("a collective failed under an MPI controller, where Horovod cannot re-form "
                          "the job: ending it; a restarted job resumes from the newest checkpoint")
@@ -143,6 +155,8 @@ class Recoverer:
     def hosts_updated(self, skip_sync: bool) -> None:
         """A resize agreed at a commit; a rank that leaves (or was removed, or runs under MPI) exits here."""
         state, liveness = self.state, self.liveness
+        if self.driver is not None:
+            self.driver.left()
         # The commit is agreed on every rank: rank 0 makes it durable now,
         # whether or not it was due (a leaver may be rank 0 itself).
         state.checkpoint_now()

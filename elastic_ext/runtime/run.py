@@ -146,21 +146,25 @@ def run(func: Optional[F] = None, *, counter: Optional[str] = "step") -> Any:
         with _elastic_session(state, kind):
             started = time.perf_counter()
             recover = Recoverer(state, LIVENESS, kind, steps_now)
-            while True:
-                try:
-                    recover.sync()
-                    result = _train(state, func, args, kwargs)
-                    recover.finish_with_newcomers()  # the newcomers of an early start under way end with the job
-                    state.events.emit(FINISH, commit_id=state.commit_id, duration_s=time.perf_counter() - started)
-                    return result
-                except NumericFaultError as exc:
-                    recover.numeric_fault(exc)
-                    continue
-                except HorovodInternalError as exc:
-                    recover.collective_failed(exc)
-                except HostsUpdatedInterrupt as exc:
-                    recover.hosts_updated(bool(exc.skip_sync))
-                recover.reset()
+            try:
+                while True:
+                    try:
+                        recover.sync()
+                        result = _train(state, func, args, kwargs)
+                        recover.finish_with_newcomers()  # the newcomers of an early start under way end with the job
+                        state.events.emit(FINISH, commit_id=state.commit_id,
+                                          duration_s=time.perf_counter() - started)
+                        return result
+                    except NumericFaultError as exc:
+                        recover.numeric_fault(exc)
+                        continue
+                    except HorovodInternalError as exc:
+                        recover.collective_failed(exc)
+                    except HostsUpdatedInterrupt as exc:
+                        recover.hosts_updated(bool(exc.skip_sync))
+                    recover.reset()
+            finally:
+                recover.close()
 
     return wrapper
 

@@ -184,11 +184,12 @@ def write_hosts(path: str, lines: Sequence[str]) -> None:
     os.replace(path + ".tmp", path)
 
 
-def elastic_cmd(np_: int, min_np: int, max_np: int, hosts_file: str, script: str, *script_args: str) -> List[str]:
-    """horovodrun, elastic on the host file, running a test worker."""
+def elastic_cmd(np_: int, min_np: int, max_np: int, hosts_file: str, script: str, *script_args: str,
+                nics: str = "lo") -> List[str]:
+    """horovodrun, elastic on the host file, running a test worker (its collectives on ``nics``)."""
     return [os.path.join(VENV_BIN, "horovodrun"), "-np", str(np_), "--min-np", str(min_np),
             "--max-np", str(max_np), "--host-discovery-script", f"{STATIC} {hosts_file}",
-            "--network-interfaces", "lo", sys.executable, os.path.join(WORKERS, script), *script_args]
+            "--network-interfaces", nics, sys.executable, os.path.join(WORKERS, script), *script_args]
 
 
 def under_elastic_ext_driver(cmd: Sequence[str]) -> List[str]:

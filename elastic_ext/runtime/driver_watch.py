@@ -1,0 +1,180 @@
+"""What the driver knows and the network does not say: a member lost without a reset, or the driver gone.
+
+Under an elastic ``horovodrun`` every worker trains in a round of Horovod's
+driver. Two failures leave a worker's collectives without an error for a
+long time, because no TCP reset ever arrives:
+
+1. **A member of the round went silent** (its host lost power or was cut off
+   by a partition). Its peers wait in their collective until Gloo's timeout
+   (``HOROVOD_GLOO_TIMEOUT_SECONDS``, minutes). The launcher's driver knows
+   sooner: the ssh running the member ends once its keepalives go
+   unanswered (:mod:`elastic_ext.launch.ssh_keepalive`), and the driver
+   publishes a failed member for the round
+   (:func:`elastic_ext.launch.round_watch.failed_key`). While this worker
+   trains in a round, a thread of :class:`DriverWatch` reads that key every
+   :data:`POLL_S`; when it appears, it cuts this worker's collective links
+   (:meth:`~elastic_ext.runtime.connections.CollectiveConnections.abort`).
+   The pending collective then fails on every survivor at once, as after a
+   SIGKILL, and the job rolls back and re-forms without the member.
+2. **This worker cannot reach its driver** for :data:`FENCE_S` (every GET of
+   the rendezvous server fails): it is on the far side of a partition, or
+   its driver died. The driver (after its keepalives) counts it failed and
+   goes on without it, or, when the driver's own host was cut off, ends the
+   job, which ``supervise`` restarts from its newest checkpoint. Training on
+   would leave a second job that nobody coordinates, committing and
+   writing checkpoints beside the one that replaced it (with its host
+   mates; with every worker when the driver's host is the one cut off). So
+   the worker fences itself: a ``fenced`` event, then exit
+   :data:`FENCED_EXIT_CODE` (its keeper, if it has one, ends the same way).
+   It cannot rejoin silently with stale state either way: any next
+   ``hvd.init()`` goes through the driver, which by then gave its slot to a
+   newer worker or to nobody.
+
+The fence counts failed attempts, not time since the last answer: a job
+suspended as a whole (every process stopped, then continued) finds its
+driver at the first attempt after it wakes. The cost is one small HTTP GET
+per worker per :data:`POLL_S` at the driver. Under plain ``horovodrun``
+the failed keys never appear; the fence works the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+import urllib.error
+from typing import Any, Callable, Optional, Set
+
+from elastic_ext.events import FENCED, MEMBER_FAILED
+from elastic_ext.launch import round_watch
+from elastic_ext.launch.round_watch import ASSIGNED, CURRENT, SCOPE, failed_key
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 1.0
+FENCE_S = 10.0           # below the driver's ssh keepalive bound: fenced before the job can go on without it
+FENCE_MIN_ATTEMPTS = 3   # and at least this many failed GETs in a row (not one slow answer)
+REQUEST_TIMEOUT_S = 2.0
+FENCED_EXIT_CODE = 75    # EX_TEMPFAIL: not a crash of the worker, not the leave code (143)
+
+
+def _slot(failed: bytes) -> str:
+    """``host[local_rank]`` (the failed key's value) as ``host:local_rank`` (the assigned list's form)."""
+    text = failed.decode("utf-8", "replace")
+    return text[:-1].replace("[", ":", 1) if text.endswith("]") else text
+
+
+class DriverWatch:
+    """The thread of the module docstring, for one worker.
+
+    Args:
+        base_url: the rendezvous server's scope of rounds (``http://ADDR:PORT/elastic_ext_round``).
+        cut: cuts this worker's collective links, given a reason (``CollectiveConnections.abort``).
+        events: the State's event log.
+        exit_fn: ends the process (``os._exit``; replaced in tests).
+        clock: monotonic seconds.
+    """
+
+    def __init__(self, base_url: str, cut: Callable[[str], Any], events: Any,
+                 exit_fn: Callable[[int], Any] = os._exit, clock: Callable[[], float] = time.monotonic) -> None:
+        self.base_url, self._cut, self._events, self._exit, self._clock = base_url, cut, events, exit_fn, clock
+        self._lock = threading.Lock()
+        self._round: Optional[int] = None  # the round this worker trains in; None between rounds
+        self._members: Set[str] = set()    # that round's slots, "host:local_rank"
+        self._failing_since: Optional[float] = None
+        self._failures = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    @classmethod
+    def for_this_worker(cls, cut: Callable[[str], Any], events: Any) -> Optional["DriverWatch"]:
+        """A started watch in a worker of an elastic ``horovodrun``; None elsewhere."""
+        url = round_watch.store_url()
+        if url is None:
+            return None
+        watch = cls(f"{url}/{SCOPE}", cut, events)
+        watch._thread = threading.Thread(target=watch._run, name="elastic_ext-driver-watch", daemon=True)
+        watch._thread.start()
+        return watch
+
+    def _get(self, key: str) -> Optional[bytes]:
+        return round_watch.get(f"{self.base_url}/{key}", REQUEST_TIMEOUT_S)
+
+    def joined(self) -> None:
+        """This worker now trains in the driver's current round (call after each ``hvd.init()``, once its
+        collective links are known)."""
+        try:
+            current, assigned = self._get(CURRENT), self._get(ASSIGNED)
+        except OSError as exc:
+            logger.warning("cannot read the driver's round (%s): a member lost without a reset is noticed only "
+                           "at Gloo's timeout in this round", exc)
+            current = assigned = None
+        with self._lock:
+            self._round = int(current) if current is not None else None
+            self._members = set(assigned.decode("utf-8", "replace").split(",")) if assigned else set()
+
+    def left(self) -> None:
+        """This worker stopped training in its round (a failure or resize is being handled): nothing to cut."""
+        with self._lock:
+            self._round = None
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=REQUEST_TIMEOUT_S * 3 + POLL_S)
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            self.check()
+
+    def check(self) -> None:
+        """One poll: cut the links if a member of this worker's round failed; fence if the driver is gone."""
+        with self._lock:
+            mine, members = self._round, set(self._members)
+        try:
+            current = self._get(CURRENT)
+            # During an early start of newcomers the driver is a round ahead of this worker's collectives
+            # (round_watch's store then holds only the newer round): a failure there counts if it is one of ours.
+            rounds = [mine] + ([int(current)] if mine is not None and current is not None and
+                               int(current) > mine else [])
+            failed = [(r, self._get(failed_key(r))) for r in rounds if r is not None]
+        except urllib.error.HTTPError as exc:  # the driver answered: it is there
+            self._failing_since, self._failures = None, 0
+            logger.warning("the driver's rendezvous server answered %s; reading the round again next time", exc)
+            return
+        except OSError as exc:
+            self._unreachable(exc)
+            return
+        self._failing_since, self._failures = None, 0
+        for round_id, who in failed:
+            if who is not None and (round_id == mine or _slot(who) in members):
+                self._member_failed(mine, _slot(who))
+                return
+
+    def _member_failed(self, round_id: int, member: str) -> None:
+        with self._lock:
+            if self._round != round_id:  # the main thread left the round meanwhile: its links are not these
+                return
+            self._round = None  # once per round
+            cut = self._cut(f"the driver reports member {member} of round {round_id} failed")
+        self._events.emit(MEMBER_FAILED, round=round_id, member=member, links_cut=cut)
+
+    def _unreachable(self, exc: BaseException) -> None:
+        now = self._clock()
+        if self._failing_since is None:
+            self._failing_since = now
+        self._failures += 1
+        unreachable_s = now - self._failing_since
+        if self._failures < FENCE_MIN_ATTEMPTS or unreachable_s < FENCE_S:
+            logger.warning("cannot reach the driver's rendezvous server (%s); fencing this worker if that lasts "
+                           "%.0fs", exc, FENCE_S)
+            return
+        self._events.emit(FENCED, unreachable_s=round(unreachable_s, 3), attempts=self._failures,
+                          error=str(exc)[:200])
+        print(f"elastic_ext: this worker has not reached its driver for {unreachable_s:.1f}s ({exc}): it is cut "
+              f"off from its job, which goes on without it; exiting ({FENCED_EXIT_CODE}) rather than train alone",
+              file=sys.stderr, flush=True)
+        logging.shutdown()
+        self._exit(FENCED_EXIT_CODE)

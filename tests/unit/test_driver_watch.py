@@ -1,0 +1,144 @@
+"""The driver watch (elastic_ext.runtime.driver_watch) against Horovod's real rendezvous server.
+
+The keys are those the launcher's driver publishes (elastic_ext.launch.round_watch);
+the watch's poll is called directly, with a clock the test moves, and its exit
+recorded instead of ending the test process.
+"""
+
+import socket
+
+import pytest
+
+from elastic_ext.events import FENCED, MEMBER_FAILED, EventLog
+from elastic_ext.launch import prestart, round_watch
+from elastic_ext.runtime import driver_watch
+from elastic_ext.runtime.driver_watch import FENCE_MIN_ATTEMPTS, FENCE_S, FENCED_EXIT_CODE, DriverWatch
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def server():
+    from horovod.runner.http.http_server import KVStoreServer
+    server = KVStoreServer(verbose=0)
+    port = server.start_server()
+    yield f"http://127.0.0.1:{port}/{round_watch.SCOPE}"
+    server.shutdown_server()
+
+
+def publish(base, key, value):
+    prestart.put(f"{base}/{key}", value)
+
+
+class Watched:
+    """A DriverWatch whose cuts, exits and events the test reads."""
+
+    def __init__(self, base):
+        self.cuts, self.exits, self.clock = [], [], Clock()
+        self.events = EventLog(None, lambda: 3, lambda: 4)
+        self.watch = DriverWatch(base, self.cut, self.events, exit_fn=self.exits.append, clock=self.clock)
+
+    def cut(self, reason):
+        self.cuts.append(reason)
+        return 2
+
+    def named(self, name):
+        return [e for e in self.events.history if e["event"] == name]
+
+
+def test_a_failed_member_of_the_round_cuts_the_links_once(server):
+    publish(server, round_watch.CURRENT, b"3")
+    publish(server, round_watch.ASSIGNED, b"a:0,a:1,b:0")
+    w = Watched(server)
+    w.watch.joined()
+    w.watch.check()
+    assert w.cuts == []
+    publish(server, round_watch.failed_key(3), b"b[0]")
+    w.watch.check()
+    assert len(w.cuts) == 1 and "b:0" in w.cuts[0] and "round 3" in w.cuts[0], w.cuts
+    assert [(e["round"], e["member"], e["links_cut"]) for e in w.named(MEMBER_FAILED)] == [(3, "b:0", 2)]
+    w.watch.check()  # the main thread has not joined a new round yet: nothing more to cut
+    assert len(w.cuts) == 1
+
+
+def test_a_worker_that_left_its_round_cuts_nothing(server):
+    publish(server, round_watch.CURRENT, b"3")
+    w = Watched(server)
+    w.watch.joined()
+    w.watch.left()  # handling a failure already: the links may be the next round's
+    publish(server, round_watch.failed_key(3), b"b[0]")
+    w.watch.check()
+    assert w.cuts == []
+
+
+def test_during_an_early_start_only_a_failed_member_of_this_workers_round_counts(server):
+    """The driver is a round ahead while newcomers start: a newcomer that dies is not a reason to roll back."""
+    publish(server, round_watch.CURRENT, b"3")
+    publish(server, round_watch.ASSIGNED, b"a:0,a:1")
+    w = Watched(server)
+    w.watch.joined()
+    publish(server, round_watch.CURRENT, b"4")
+    publish(server, round_watch.failed_key(4), b"c[0]")
+    w.watch.check()
+    assert w.cuts == []
+    publish(server, round_watch.failed_key(4), b"a[1]")
+    w.watch.check()
+    assert len(w.cuts) == 1 and "a:1" in w.cuts[0]
+
+
+def closed_port_url():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}/{round_watch.SCOPE}"  # nothing listens there now: refused at once
+
+
+def test_a_driver_out_of_reach_fences_the_worker_after_fence_s_and_a_few_attempts():
+    w = Watched(closed_port_url())
+    w.watch.joined()  # cannot read the round: only the fence is left
+    for step in range(FENCE_MIN_ATTEMPTS + 1):
+        w.watch.check()
+        assert w.exits == [], f"fenced after {step + 1} attempts within {w.clock.now - 1000.0}s"
+        w.clock.now += FENCE_S / FENCE_MIN_ATTEMPTS - 0.01
+    w.clock.now += 0.1
+    w.watch.check()
+    assert w.exits == [FENCED_EXIT_CODE]
+    fenced = w.named(FENCED)
+    assert len(fenced) == 1 and fenced[0]["unreachable_s"] >= FENCE_S and fenced[0]["attempts"] > FENCE_MIN_ATTEMPTS
+
+
+def test_a_long_gap_between_two_attempts_is_not_enough_to_fence():
+    """A job suspended as a whole wakes with its clock far ahead: one or two failed attempts fence nobody."""
+    w = Watched(closed_port_url())
+    w.watch.check()
+    w.clock.now += 10 * FENCE_S
+    w.watch.check()
+    assert w.exits == []
+
+
+def test_an_answer_resets_the_count(server):
+    w = Watched(server)
+    reachable = w.watch.base_url
+    w.watch.base_url = closed_port_url()
+    for _ in range(FENCE_MIN_ATTEMPTS - 1):
+        w.watch.check()
+        w.clock.now += FENCE_S
+    w.watch.base_url = reachable
+    w.watch.check()  # the driver answers (404: no round published)
+    w.watch.base_url = closed_port_url()
+    w.watch.check()
+    w.clock.now += FENCE_S
+    w.watch.check()
+    assert w.exits == []
+
+
+def test_outside_an_elastic_horovodrun_there_is_no_watch(monkeypatch):
+    monkeypatch.delenv("HOROVOD_ELASTIC", raising=False)
+    assert DriverWatch.for_this_worker(lambda reason: 0, None) is None
+    assert driver_watch.POLL_S <= FENCE_S / FENCE_MIN_ATTEMPTS
