@@ -24,15 +24,17 @@ ENV_RESTART_IN_PLACE = "ELASTIC_EXT_RESTART_IN_PLACE"
 ENV_MIN_NP = "ELASTIC_EXT_MIN_NP"
 ENV_RESTARTED_IN_PLACE = "ELASTIC_EXT_RESTARTED_IN_PLACE"  # set by the keeper: 0 for its first child, k after k restarts
 ENV_LAUNCHER = "ELASTIC_EXT_LAUNCHER"  # set by elastic-horovodrun for its workers: their entry module ran
+ENV_RESTART = "ELASTIC_EXT_RESTART"  # set by elastic_ext.launch.supervise: 0 for the first run, k after k restarts
 # Set by horovodrun for every elastic worker: where its rendezvous server listens.
 ENV_HOROVOD_RENDEZVOUS_ADDR = "HOROVOD_GLOO_RENDEZVOUS_ADDR"
 ENV_HOROVOD_RENDEZVOUS_PORT = "HOROVOD_GLOO_RENDEZVOUS_PORT"
 # Where workers ask for preemption notices (docs/preemption.md; unset: the cloud the firmware names).
 ENV_NOTICE_ENDPOINT = "ELASTIC_EXT_NOTICE_ENDPOINT"
 NOTICE_CLOUDS = ("aws", "gcp", "azure")
-# Variables of this prefix that are not settings: the launcher's to its workers, tools/setup.sh's cache, and the
+# Variables of this prefix that are not settings: the launcher's and the supervisor's to the workers,
+# tools/setup.sh's cache, and the
 # notices' endpoint (a test seam, and the rare machine whose endpoint is elsewhere).
-NOT_SETTINGS = frozenset({ENV_RESTART_IN_PLACE, ENV_RESTARTED_IN_PLACE, ENV_LAUNCHER, ENV_MIN_NP,
+NOT_SETTINGS = frozenset({ENV_RESTART_IN_PLACE, ENV_RESTARTED_IN_PLACE, ENV_LAUNCHER, ENV_MIN_NP, ENV_RESTART,
                           "ELASTIC_EXT_CACHE", ENV_NOTICE_ENDPOINT})
 
 _TRUE = {"1", "true", "yes", "on"}

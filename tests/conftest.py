@@ -70,7 +70,7 @@ class TierScheduler:
 
 
 # The directory of the locks by which the workers of one pytest-xdist run share the machine.
-ROOM_ENV = "ELASTIC_EXT_TESTS_ROOM"
+ROOM_ENV = "PYTEST_ELASTIC_EXT_ROOM"  # not ELASTIC_EXT_*: the workers would take it for a setting
 
 
 def pytest_configure(config):

@@ -34,10 +34,9 @@ import sys
 import time
 from typing import List, Optional
 
-from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_EVENTS_PATH
+from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_EVENTS_PATH, ENV_RESTART
 from elastic_ext.events import JOB_RESTART, EventLog
 
-ENV_RESTART = "ELASTIC_EXT_RESTART"  # set for the job: 0 for the first run, k for the k-th restart
 
 
 def supervise(command: List[str], max_restarts: int, backoff_s: float, log=print) -> int:

@@ -97,7 +97,10 @@ def main(argv=None) -> int:
     poll_s = max(0.05, min(1.0, args.timeout_s / 4))
     last = time.monotonic()
     tick = last
-    cpu_at_last = thread_cpu_s(args.pid, args.pid)  # the main thread's id is the process id
+    # The main thread's CPU time (its thread id is the process id), read at each poll: whether it
+    # computes is judged over the last poll only, not since the last heartbeat, whose window also
+    # holds the work done before a stop.
+    cpu_then, cpu_then_at = thread_cpu_s(args.pid, args.pid), last
     while True:
         ready, _, _ = select.select([fd], [], [], poll_s)
         now = time.monotonic()
@@ -111,16 +114,19 @@ def main(argv=None) -> int:
             data = os.read(fd, 4096)
             if not data:
                 return 0
-            last, cpu_at_last = now, thread_cpu_s(args.pid, args.pid)
+            last = now
+            cpu_then, cpu_then_at = thread_cpu_s(args.pid, args.pid), now
             continue
         if os.getppid() != args.pid:
             return 0  # the worker is gone (a child holding the pipe open keeps EOF away)
+        cpu_now = thread_cpu_s(args.pid, args.pid)
+        computing = busy(cpu_then, cpu_now, now - cpu_then_at)
+        cpu_then, cpu_then_at = cpu_now, now
         if now - last >= args.timeout_s:
-            cpu_now = thread_cpu_s(args.pid, args.pid)
-            if busy(cpu_at_last, cpu_now, now - last):
+            if computing:
                 sys.stderr.write(f"elastic_ext guardian: worker {args.pid} sent no heartbeat for {now - last:.1f}s "
                                  "but its main thread ran on the CPU (a C call holding the GIL?): not a hang\n")
-                last, cpu_at_last = now, cpu_now
+                last = now
                 continue
             if os.getppid() == args.pid:
                 # Before the kill: once the worker is dead its launcher may stop reading this stream.

@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from elastic_ext.events import NUMERIC_ROLLBACK
-from elastic_ext.launch.supervise import ENV_RESTART
+from elastic_ext.config import ENV_RESTART
 
 RESTART_STRIDE = 1_000_000  # generations of restart k are read as k * RESTART_STRIDE + generation
 from elastic_ext.data.permutation import epoch_order

@@ -26,7 +26,7 @@ def command(out, hosts, np_, *worker_args, worker="train_torch_ckpt.py"):
 
 def environment(out, name):
     return launch.base_env(ELASTIC_EXT_CHECKPOINT_DIR=str(out / "ckpt"), ELASTIC_EXT_CHECKPOINT_EVERY=1,
-                           ELASTIC_EXT_CHECKPOINT_KEEP_LAST=3, ELASTIC_EXT_CHECKPOINT_WAIT_S=60,
+                           ELASTIC_EXT_CHECKPOINT_KEEP_LAST=3,
                            ELASTIC_EXT_EVENTS_PATH=str(out / f"events-{name}.jsonl"))
 
 

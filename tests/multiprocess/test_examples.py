@@ -63,7 +63,7 @@ def assert_killed_and_recovered(lines, out, kill_step, commit_every, survivors, 
     recovered = [e for e in events if e["event"] == "recovered" and e["rank"] == 0 and e["cause"] == "collective_failed"]
     assert [e["steps_rolled_back"] for e in recovered] == [kill_step - resume], recovered
     if printed:
-        expected = (f"[elastic] recovered from collective_failed in ", f"{kill_step - resume} steps rolled back, "
+        expected = ("[elastic] recovered from collective_failed in ", f"{kill_step - resume} steps rolled back, "
                     f"resuming at step {resume}")
         assert [line for line in lines if line.startswith(expected[0]) and line.endswith(expected[1])], \
             f"no recovery line like {expected} in rank 0's output: {lines}"

@@ -8,7 +8,6 @@ job resumes at, so tests that resume at the same commit share one launch
 (tests/multiprocess/references.py).
 """
 
-import os
 
 import pytest
 
