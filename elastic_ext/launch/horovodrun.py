@@ -43,6 +43,27 @@ def restart_in_place_when_checkpointing(environ: MutableMapping[str, str]) -> bo
     return on
 
 
+# Horovod 0.28.1's tuning parameters (fusion threshold, cycle time) live in one vector, and a value set
+# ("fixed") by its variable or flag is taken out of it. The hvd.init() that follows a reset sets the
+# fusion threshold's default first, by the index it had before any was taken out: with both fixed the
+# vector is empty and the worker crashes (SIGSEGV in ParameterManager::BayesianParameter::SetValue).
+_TUNING = (("HOROVOD_FUSION_THRESHOLD", "fusion_threshold_mb", "--fusion-threshold-mb"),
+           ("HOROVOD_CYCLE_TIME", "cycle_time_ms", "--cycle-time-ms"))
+
+
+def crashing_tuning(args: Any, environ: MutableMapping[str, str]) -> Optional[str]:
+    """Why an elastic job's workers would crash at their first reset with these settings, or None.
+
+    ``args``: horovodrun's parsed arguments; ``environ``: the environment the workers inherit.
+    """
+    fixed = [flag if getattr(args, dest, None) is not None else name
+             for name, dest, flag in _TUNING if getattr(args, dest, None) is not None or environ.get(name)]
+    if len(fixed) < len(_TUNING):
+        return None
+    return (f"{' and '.join(fixed)} are both set: Horovod 0.28.1's workers crash (SIGSEGV) in the hvd.init() "
+            "after an elastic reset when the fusion threshold and the cycle time are both fixed; set one of them")
+
+
 WORKER_MODULE = "elastic_ext.launch.worker"
 # Interpreter options that may stand before the script: alone, or with a value (-W, -X).
 _FLAGS = {"-u", "-O", "-OO", "-B", "-E", "-s", "-S", "-I", "-b", "-bb", "-q", "-d", "-v"}
@@ -77,6 +98,9 @@ def _through_the_worker_entry() -> None:
         args = parse_args()
         command = worker_command(args.command or [])
         if args.min_num_proc is not None:  # an elastic job: its workers choose their resets' Gloo timeout by it
+            crash = crashing_tuning(args, os.environ)
+            if crash:
+                sys.exit(f"elastic-horovodrun: {crash}")
             os.environ[ENV_MIN_NP] = str(args.min_num_proc)
         if command != (args.command or []):
             os.environ[ENV_LAUNCHER] = "1"  # the workers' entry module runs: early start is possible

@@ -48,12 +48,8 @@ def base_env(**extra: Any) -> Dict[str, str]:
     # and with more than two ranks the ring's chunking (so the summation
     # order) follows the buffer layout: runs then differ in the last bits.
     env.setdefault("HOROVOD_FUSION_THRESHOLD", "0")
-    # Horovod's background thread wakes every HOROVOD_CYCLE_TIME ms (default 1)
-    # and coordinates with the other ranks each time, work or not: 7-13 % of a
-    # core per idle rank here, 2-3 % at 5 ms. Jobs of 4 workers on 2 cores
-    # spend much of their time waiting (for a newcomer, a detector, a peer),
-    # and a collective waits at most 5 ms more.
-    env.setdefault("HOROVOD_CYCLE_TIME", "5")
+    # Not HOROVOD_CYCLE_TIME as well: Horovod 0.28.1 crashes in the hvd.init()
+    # after a reset when both are set (elastic_ext.launch.horovodrun says why).
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

@@ -46,10 +46,15 @@ def run_plain(tmp_path, name, *worker_args, np_=2):
 
 def run_reference(directory, resumes_at):
     """The world-size schedule of a SIGKILL test without the failure: 4 workers until commit
-    ``resumes_at``, then the second host leaves gracefully. Asserts that it never rolls back."""
+    ``resumes_at``, then the second host leaves gracefully. Asserts that it never rolls back.
+
+    PyTorch's commit overlaps its collective with the steps after it, so the host's removal,
+    announced before the commit one interval earlier, takes effect at ``resumes_at``."""
     hosts_file = directory / "reference" / "hosts"
     reference = run_elastic(directory, "reference", "--optimizer", "adam",
-                            "--resize-at", f"{resumes_at}:{hosts_file}:localhost:2")
+                            "--resize-at", f"{resumes_at - COMMIT_EVERY}:{hosts_file}:localhost:2")
+    resized = ledger.starts(ledger.read(str(reference)))
+    assert resized[2][2] == resumes_at, f"the reference resized at step {resized[2][2]}, expected {resumes_at}"
     ref_events = analysis.read_events(str(reference / "events.jsonl"))
     assert not [e for e in ref_events if e["event"] == "rollback"], "the reference run must not roll back"
     return analysis.load_finals(reference)

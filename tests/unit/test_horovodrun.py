@@ -6,6 +6,9 @@ Each test runs with the changes and, where it shows what they change,
 without them (Horovod's own behaviour).
 """
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -442,3 +445,42 @@ def test_without_the_drivers_rounds_a_keeper_is_not_told(monkeypatch):
         assert round_watch.slot_assigned(env) is None
     finally:
         job.stop()
+
+
+def horovodrun_args(*argv):
+    """horovodrun's own parse of ``argv`` (it reads sys.argv)."""
+    from unittest import mock
+
+    from horovod.runner import launch
+    with mock.patch("sys.argv", ["horovodrun", *argv]):
+        return launch.parse_args()
+
+
+@pytest.mark.parametrize("argv, environ, crashes", [
+    (["--cycle-time-ms", "5"], {"HOROVOD_FUSION_THRESHOLD": "0"}, True),
+    (["--fusion-threshold-mb", "0", "--cycle-time-ms", "5"], {}, True),
+    ([], {"HOROVOD_FUSION_THRESHOLD": "0", "HOROVOD_CYCLE_TIME": "5"}, True),
+    ([], {"HOROVOD_FUSION_THRESHOLD": "0"}, False),                          # one fixed: no crash
+    (["--cycle-time-ms", "5"], {}, False),
+    ([], {"HOROVOD_FUSION_THRESHOLD": "0", "HOROVOD_CYCLE_TIME": ""}, False),  # empty is unset
+])
+def test_an_elastic_job_whose_workers_would_crash_at_a_reset_is_refused(argv, environ, crashes):
+    # Found by the job tiers: with both set, each survivor of a SIGKILL died in its next hvd.init().
+    args = horovodrun_args("-np", "2", "--min-np", "1", "--host-discovery-script", "d.sh", *argv, "python", "t.py")
+    why = horovodrun.crashing_tuning(args, environ)
+    assert (why is not None) is crashes, why
+    if crashes:
+        assert "--cycle-time-ms" in why or "HOROVOD_CYCLE_TIME" in why, why
+        assert "set one of them" in why
+
+
+def test_the_launcher_exits_before_starting_a_worker_that_would_crash_at_a_reset(tmp_path):
+    marker = tmp_path / "started"
+    env = dict(os.environ, HOROVOD_FUSION_THRESHOLD="0", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    proc = subprocess.run([sys.executable, "-m", "elastic_ext.launch.horovodrun", "-np", "1", "--min-np", "1",
+                           "--host-discovery-script", "true", "--cycle-time-ms", "5",
+                           sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "HOROVOD_FUSION_THRESHOLD and --cycle-time-ms are both set" in proc.stderr, proc.stderr
+    assert not marker.exists()
