@@ -292,9 +292,11 @@ def test_a_long_eval_and_a_whole_job_suspension_kill_nobody(tmp_path):
 def test_a_sigterm_leave_makes_its_commit_durable_even_when_not_due(tmp_path):
     # Three workers, one per pseudo-host. checkpoint_every is far above the
     # job's 7 commits: no checkpoint is ever due, so a durable one can only
-    # come from a leave. Rank 2 is told to go at step 10 and leaves at the
-    # commit of step 12 (commit 3); then rank 0, which writes checkpoints, at
-    # step 18, leaving at the commit of step 20 (commit 5), and reports it durable.
+    # come from a leave. PyTorch's commit overlaps its collective with the
+    # next steps, so a leave asked for at a commit is agreed at the one after:
+    # rank 2 is told to go at step 10, asks at the commit of step 12 and
+    # leaves at step 16's (commit 4); then rank 0, which writes checkpoints,
+    # at step 18, leaving at the commit of step 24 (commit 6), and reports it durable.
     hosts = ["localhost:1", "127.0.0.1:1", f"{launch.third_host()}:1"]
     out, _ = launch.run_job(tmp_path, "lifecycle.py", "--faults", "2:10:term,0:18:term", "--step-sleep-s", "0.02",
                             hosts=hosts, np_=3, min_np=1, max_np=3, commit_every=COMMIT_EVERY,
@@ -302,13 +304,13 @@ def test_a_sigterm_leave_makes_its_commit_durable_even_when_not_due(tmp_path):
                                  "ELASTIC_EXT_CHECKPOINT_EVERY": "1000", "ELASTIC_EXT_CHECKPOINT_KEEP_LAST": "20"})
     events = analysis.read_events(str(out / "events.jsonl"))
     leaves = [e for e in events if e["event"] == "leave"]
-    assert [(e["rank"], e["commit_id"]) for e in leaves] == [(2, 3), (0, 5)], leaves
+    assert [(e["rank"], e["commit_id"]) for e in leaves] == [(2, 4), (0, 6)], leaves
     durable = analysis.durable_commit_ids(tmp_path / "ckpt")
-    assert 3 in durable and min(durable) == 3, f"phase 'rank 2 leaves': commit 3 is not the first durable one: {durable}"
-    assert 5 in durable, f"phase 'rank 0 leaves': commit 5 is not durable; on disk: {durable}"
-    assert leaves[1]["durable_commit_id"] == 5, f"phase 'rank 0 leaves': {leaves[1]}"
+    assert 4 in durable and min(durable) == 4, f"phase 'rank 2 leaves': commit 4 is not the first durable one: {durable}"
+    assert 6 in durable, f"phase 'rank 0 leaves': commit 6 is not durable; on disk: {durable}"
+    assert leaves[1]["durable_commit_id"] == 6, f"phase 'rank 0 leaves': {leaves[1]}"
     loaded = CheckpointStore(str(tmp_path / "ckpt")).load_newest()
-    assert loaded is not None and loaded.commit_id >= 5
+    assert loaded is not None and loaded.commit_id >= 6
     assert [e for e in events if e["event"] == "rollback"] == [], "a leave caused a rollback"
     analysis.assert_exactly_once(out, DIGITS, 1)
     assert sorted(analysis.load_finals(out)) == [0]
@@ -434,7 +436,9 @@ def test_survivors_wait_for_a_newcomer_slower_than_horovods_30s_rendezvous_timeo
     assert "Wait timeout" not in output
     records = ledger.read(str(out))
     assert {r["size"] for r in records if "gen" in r} == {2, 4}
-    assert ledger.starts(records)[2][2] == 8, "the job must grow at the commit where the host was added"
+    # Added before the commit of step 8, whose collective (overlapped with the next steps, as
+    # PyTorch's commits are) every rank reads at step 12's: the job grows there.
+    assert ledger.starts(records)[2][2] == 12, "the job must grow at the commit after the host was added"
     analysis.assert_exactly_once(out, DIGITS, 1)
     analysis.assert_ranks_identical(analysis.load_finals(out))
 

@@ -12,8 +12,9 @@ Soft failures: --guard (State(guard=NumericGuard())), --nan "RANK:STEP" (that
 rank's loss is NaN at that global step, once), --straggler
 "FACTOR:WINDOW:WARMUP" (StragglerPolicy(..., min_size=1), exclude file
 OUT/exclude), --compute-s S (simulated compute in the training graph, before
-the gradients: S seconds per step) and --slow "RANK:STEP:FACTOR" (from STEP
-the process that started as RANK computes FACTOR x longer).
+the gradients: S seconds per step) and --slow "WHO:STEP:FACTOR" (from STEP
+the process that started as rank WHO, or every process on host WHO, computes
+FACTOR x longer).
 """
 
 import argparse
@@ -68,6 +69,7 @@ X = tf.constant(digits.data / 16.0, dtype=tf.float32)
 Y = tf.constant(digits.target, dtype=tf.int64)
 
 first_rank = hvd.rank()  # --slow follows the process, not whoever holds its rank after a resize
+HOST = os.environ.get("HOROVOD_HOSTNAME", "")
 POISON = tf.Variable(0.0, trainable=False)  # NaN while the --nan batch trains
 cross_entropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -76,8 +78,8 @@ def compute_seconds():
     """This step's simulated compute: --compute-s, times the --slow factor on the slow process."""
     seconds = args.compute_s
     if args.slow:
-        rank, start, factor = args.slow.split(":")
-        if first_rank == int(rank) and state.step >= int(start):
+        who, start, factor = args.slow.rsplit(":", 2)
+        if (first_rank == int(who) if who.isdigit() else HOST == who) and state.step >= int(start):
             seconds *= float(factor)
     return seconds
 
