@@ -91,10 +91,14 @@ def test_a_slow_link_then_a_partitioned_host_that_heals_and_rejoins(cluster, tmp
 
     sizes = [size for size in (sorted({r["size"] for r in jobs.steps(out) if r["gen"] == g})
                                for g in sorted({r["gen"] for r in jobs.steps(out)}))]
-    assert sizes[-1] == [3] and [2] in sizes, f"phase 3: world sizes by generation {sizes}; eeh3 never came back"
+    assert [2] in sizes, f"phase 2: world sizes by generation {sizes}; the job did not go on without eeh3"
+    # eeh3's new worker joins at a commit once it has started (early start): on a loaded machine that
+    # may be the job's last commit, where a newcomer is taken in and trains no step.
+    back = [e["time"] for e in events if e["event"] == "recovered" and e["time"] > healed_at and e["size"] == 3]
+    assert back, f"phase 3: no reset to 3 workers after the heal; world sizes by generation {sizes}"
     report, finals = jobs.assert_exactly_once_and_equal(out, EPOCHS, "whole job")
-    assert sorted(finals) == [0, 1, 2]
-    rejoined = min(e["time"] for e in events if e["event"] == "recovered" and e["time"] > healed_at and e["size"] == 3)
+    assert sorted(finals) == [0, 1, 2], f"phase 3: eeh3's worker is not in the job at its end: {sorted(finals)}"
+    rejoined = min(back)
     jobs.record(out, fault="network", slow_link=mechanism, slow_link_handshake_s=round(rtt, 3),
                 partition_to_next_step_s=round(jobs.first_step_after(out, partitioned_at) - partitioned_at, 2),
                 partition_to_member_failed_s=round(min(e["time"] for e in failed) - partitioned_at, 2),

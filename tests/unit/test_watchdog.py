@@ -1,5 +1,6 @@
 """The stall check's decision and the phase API, in one process."""
 
+import importlib
 import threading
 
 import pytest
@@ -204,8 +205,7 @@ def test_a_collective_failing_before_the_first_sync_is_survived(monkeypatch):
     from horovod.common.exceptions import HorovodInternalError
 
     import elastic_ext
-    import sys
-    run_module = sys.modules["elastic_ext.runtime.run"]
+    run_module = importlib.import_module("elastic_ext.runtime.run")  # (the package loads it lazily)
     from elastic_ext.config import ElasticConfig
     from elastic_ext.runtime.connections import CollectiveConnections
     from elastic_ext.testing import SoloBinding, state_on
