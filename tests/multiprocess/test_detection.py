@@ -11,8 +11,8 @@ test_lifecycle.py::test_a_slow_rank_and_short_slowdowns_under_the_straggler_poli
 Two workers, one per pseudo-host: what is tested happens in the failing
 worker and its peer. That the failure then reaches every survivor at once,
 not after Gloo's timeout, needs peers that are not the victim's ring
-neighbours: the 4-worker jobs of test_lifecycle.py (the abort) and
-test_torch_elastic.py check it.
+neighbours: the 4-worker abort job of test_lifecycle.py checks it
+(test_the_abort_cuts_only_the_collective_connections: no Gloo timeout).
 """
 
 import json
