@@ -55,6 +55,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from typing import Callable, List, Optional
 
 from elastic_ext import config as _config
@@ -123,6 +124,12 @@ def _main_thread_waits_or_fails() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _main_thread_stack(depth: int = 8) -> str:
+    """The main thread's innermost ``depth`` frames, for the log of a stall (where it was stuck)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    return "".join(traceback.format_stack(frame)[-depth:]) if frame is not None else "(no frame)"
 
 
 class Watchdog:
@@ -218,7 +225,8 @@ class Watchdog:
             verdict = self.stall_check(now, in_collective, self._main.moved(now))
             if verdict is not None:
                 idle = time.monotonic() - live.last_progress
-                logger.critical("%s: this worker is stuck; killing it so the job can recover", verdict)
+                logger.critical("%s: this worker is stuck; killing it so the job can recover. Its main thread "
+                                "is in:\n%s", verdict, _main_thread_stack())
                 if self._on_stall is not None:
                     self._on_stall(idle)
                 os.kill(os.getpid(), signal.SIGKILL)
