@@ -10,7 +10,6 @@ commit) and fire once each.
 import argparse
 import json
 import os
-import signal
 import time
 
 import numpy as np
