@@ -51,10 +51,21 @@ def decide_at_commit(hosts: HostUpdates, straggler: StragglerWatch, binding: Bin
     digest = replica.slots(rank, size, commit_id) if replica is not None else None
     extra = slots if digest is None else np.concatenate([digest] + ([] if slots is None else [slots]))
     before = hosts.prestart
+    evicted, decided = None, []
+
+    def evicts(table: Optional[np.ndarray]) -> bool:
+        # Each agreed table is observed once (the policy counts steps), in agreement order.
+        nonlocal evicted
+        if table is not None and evicted is None and not any(t is table for t in decided):
+            decided.append(table)
+            evicted = straggler.decide(table, size)
+        return evicted is not None
+
     # A checked commit's collective blocks even where commits overlap: the heal must come before the
     # wrong ranks train on (its buffers are this commit's until the next snapshot).
     skip_sync, reduced = hosts.agree(binding, commit_id, liveness.leaving(), extra,
-                                     stop=checkpoints_failing is not None, blocking=digest is not None)
+                                     stop=checkpoints_failing is not None, blocking=digest is not None,
+                                     changes_world=evicts)
     if hosts.stopped:
         raise CheckpointError(
             f"stopping at commit {commit_id}: durable checkpoints keep failing on rank 0 "
@@ -65,10 +76,8 @@ def decide_at_commit(hosts: HostUpdates, straggler: StragglerWatch, binding: Bin
         replica.act(reduced[:size], binding, commit_id, liveness, term_grace_s)
         reduced = reduced[size:] if slots is not None else None
     _report_prestart(hosts, before, commit_id, events)
-    evicted = None
     for table in (hosts.earlier_extra, reduced):  # an overlapped commit's table, then this one's
-        if table is not None and evicted is None:
-            evicted = straggler.decide(table, size)
+        evicts(table)
     if evicted is not None:
         # Every rank decided alike: a removal at this commit, like a SIGTERM leave.
         fields = evicted.fields()

@@ -168,8 +168,9 @@ class HostUpdates:
         return newest, flags
 
     def agree(self, binding: Binding, commit_id: int, leaving: bool,
-              extra: Optional[np.ndarray] = None, stop: bool = False,
-              blocking: bool = False) -> Tuple[Optional[bool], Optional[np.ndarray]]:
+              extra: Optional[np.ndarray] = None, stop: bool = False, blocking: bool = False,
+              changes_world: Optional[Callable[[Optional[np.ndarray]], bool]] = None,
+              ) -> Tuple[Optional[bool], Optional[np.ndarray]]:
         """Runs a commit's allreduce. Returns (None if nothing changed, else
         ``skip_sync`` for the ``HostsUpdatedInterrupt`` every rank then raises together;
         the reduced ``extra``). With ``overlap``, both are those of the previous
@@ -178,7 +179,11 @@ class HostUpdates:
         previous one acts first (its extra in :attr:`earlier_extra`) and this
         one runs blocking. :attr:`current` says whether the extra returned is
         this commit's. ``stop``: this rank asks every rank to stop;
-        :attr:`stopped` says whether some rank did.
+        :attr:`stopped` says whether some rank did. ``changes_world(extra)``
+        (overlap only): the caller's decision on the previous commit's
+        reduced extra (an eviction); when it changes the world, no allreduce
+        is left in flight, as for a resize: a rank slower to start it would
+        find the leaver gone and fail where the others resize.
 
         Raises:
             StateDivergenceError: ranks hold different commit ids.
@@ -201,6 +206,8 @@ class HostUpdates:
             result = self._act(read_agreement(reduced, agreed_id, has_extra))
             if result[0] is not None:
                 return result  # every rank resizes now: nothing more runs on this Horovod context
+        if not blocking and changes_world is not None and changes_world(result[1]):
+            return result  # the same on every rank: they resize now
         if blocking:
             self.earlier_extra, self.current = result[1], True
             return self._act(read_agreement(binding.allreduce_max(vector, "elastic_ext.hosts"), commit_id,

@@ -128,6 +128,21 @@ def test_with_a_background_collective_no_commit_waits_for_its_own():
     assert binding.calls == ["started", "waited", "started", "waited", "started"]
 
 
+def test_an_eviction_read_from_the_previous_collective_leaves_none_in_flight():
+    """Found by test_straggler.py: the eviction, agreed from commit k's table read at commit k + 1,
+    was acted on after commit k + 1's collective had started; a rank slower to start it found the
+    evicted rank gone and failed (a rollback) where the others resized. A decision that changes
+    the world starts no collective, as a resize does not."""
+    binding, hosts = CountingBinding(), HostUpdates(overlap=True)
+    seen = []
+    assert hosts.agree(binding, 1, leaving=False, changes_world=lambda t: seen.append(t) or False) == (None, None)
+    assert seen == [None]  # no earlier collective: nothing to decide on yet
+    result = hosts.agree(binding, 2, leaving=False, changes_world=lambda t: True)
+    assert result == (None, None)
+    assert binding.calls == ["started", "waited"]  # commit 2's collective was never started
+    assert hosts._in_flight is None
+
+
 def test_a_leaver_whose_grace_ends_before_the_next_commit_leaves_at_this_one(monkeypatch):
     """Its leave would act at the commit after this one (it is in this commit's collective, read at
     the next). With less grace left than a commit interval, it leaves now, after waiting for this
