@@ -1,7 +1,10 @@
 """The Slurm discovery script driving a real horovodrun job: a drained node
 leaves and the job shrinks without a rollback; resumed, it returns and the
-job grows again. Exactly once throughout."""
+job grows again. Exactly once throughout. The job trains until the test has
+seen the three phases (then it ends at the next epoch's end, ``--stop-file``),
+at most EPOCHS epochs."""
 
+import json
 import sys
 import time
 
@@ -11,7 +14,7 @@ from elastic_ext.testing import ledger
 from tests.multiprocess import analysis, launch
 
 DIGITS = 1797
-EPOCHS = 14
+EPOCHS = 30  # a bound: the job ends at the stop file
 
 
 def wait_for(predicate, what, timeout_s):
@@ -36,8 +39,9 @@ def test_drain_shrinks_and_resume_grows_without_rollback(slurm_cluster, tmp_path
     out.mkdir()
     script = f"{launch.REPO}/host_discovery/slurm.py --nodelist node[01-02] --slots 2 --address addr"
     cmd = [f"{launch.VENV_BIN}/horovodrun", "-np", "4", "--min-np", "2", "--max-np", "4", "--network-interfaces",
-           "lo", "--host-discovery-script", script, sys.executable, f"{launch.WORKERS}/train_torch.py",
-           "--out", str(out), "--epochs", str(EPOCHS), "--commit-every", "2", "--step-sleep-s", "0.1"]
+           "lo", "--host-discovery-script", script, sys.executable, f"{launch.WORKERS}/lifecycle.py",
+           "--out", str(out), "--epochs", str(EPOCHS), "--commit-every", "2", "--step-sleep-s", "0.1",
+           "--stop-file", str(out / "stop")]
     # The workers that rejoin on the resumed node import torch before their first
     # rendezvous; on a loaded 2-core machine that took longer than Gloo's default
     # 30 s store wait once in CI, and the job died. run() now sets the survivors'
@@ -51,6 +55,7 @@ def test_drain_shrinks_and_resume_grows_without_rollback(slurm_cluster, tmp_path
         slurm_cluster.resume("node02")
         slurm_cluster.wait_state("node02", "idle", timeout_s=30)
         wait_for(lambda: sizes_seen(out)[-1] == 4 and 2 in sizes_seen(out), "the job to grow back to 4", 120)
+        (out / "stop").touch()
     finally:
         code, output = job.wait(timeout_s=300)
     assert code == 0, output[-5000:]
@@ -61,7 +66,8 @@ def test_drain_shrinks_and_resume_grows_without_rollback(slurm_cluster, tmp_path
     assert not [e for e in events if e["event"] == "rollback"], "a drained node must not cause a rollback"
     resizes = [e for e in events if e["event"] == "resize" and e["rank"] == 0]
     assert [e["skip_sync"] for e in resizes] == [True, False], resizes
-    report = analysis.assert_exactly_once(out, DIGITS, EPOCHS)
+    epochs = json.load(open(out / "final-0.json"))["epoch"] + 1
+    report = analysis.assert_exactly_once(out, DIGITS, epochs)
     assert report["lost_steps"] == 0
     analysis.assert_ranks_identical(analysis.load_finals(out))
 

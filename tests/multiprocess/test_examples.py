@@ -86,9 +86,11 @@ def assert_exactly_once(out):
 
 @pytest.mark.timeout(200)
 def test_pytorch_example_survives_a_sigkill_on_four_workers(tmp_path):
-    # Rank 3 is killed on a pseudo-host of 2 slots; the launcher keeps its host
-    # mate, the 3 survivors go on at once, and a new worker started early in the
-    # failed slot joins them at a later commit (at the latest at the job's end).
+    # Rank 3 is killed on a pseudo-host of 2 slots. Horovod's driver would blacklist
+    # its host and remove the host's healthy worker too (the job would go on with 2);
+    # the launcher keeps the host, whose other worker recorded itself ready: the 3
+    # survivors go on at once, and a new worker started early in the failed slot joins
+    # them at a later commit (at the latest at the job's end), so the job ends with 4.
     kill_step, commit_every = 28, 5
     lines, out = run_example(tmp_path, "pytorch_elastic.py", ["localhost:2", "127.0.0.1:2"], 4, 2,
                              "--commit-every", str(commit_every), "--faults", f"3:{kill_step}:kill")
@@ -96,6 +98,10 @@ def test_pytorch_example_survives_a_sigkill_on_four_workers(tmp_path):
     assert accuracy > MIN_ACCURACY, lines
     assert workers == 4, lines
     assert_killed_and_recovered(lines, out, kill_step, commit_every, survivors=3, back_to=4)
+    output = (out / "horovodrun.log").read_text()
+    assert "has been removed from elastic job" not in output, "the killed worker's host mate was removed"
+    assert re.search(r"not blacklisting (localhost|127\.0\.0\.1): another of its workers is ready", output), \
+        output[-5000:]
     report = assert_exactly_once(out)
     assert report["lost_steps"] >= 1, "the steps after the last commit should have been thrown away"
 

@@ -110,10 +110,12 @@ def test_zoo_survives_a_sigkill_and_a_scale_up_with_identical_parameters(tmp_pat
 
 @pytest.mark.timeout(240)
 def test_removal_only_resize_with_a_spare_slot_finishes_exactly_once(tmp_path):
-    """Rank 1 is told to leave (SIGTERM) at step 10; it goes at the commit of
-    step 12 and Horovod's driver fills its slot from the spare third host.
-    The survivor and the newcomer must meet in the same first collective
-    (they used to wait forever in two different allgathers)."""
+    """Rank 1 is told to leave (SIGTERM) at step 10: the commit of step 12 carries the leave;
+    PyTorch's commit overlaps its collective with the next steps, so every rank reads it, and
+    the worker leaves, at step 16's (commit 4), without a rollback and without losing a step.
+    Horovod's driver fills its slot from the spare third host. The survivor and the newcomer
+    must meet in the same first collective (they used to wait forever in two different
+    allgathers)."""
     out = tmp_path / "job"
     out.mkdir()
     hosts = str(out / "hosts")
@@ -124,13 +126,16 @@ def test_removal_only_resize_with_a_spare_slot_finishes_exactly_once(tmp_path):
                               str(out / "horovodrun.log"), timeout_s=200)
     assert code == 0, output[-5000:]
     events = analysis.read_events(str(out / "events.jsonl"))
+    assert "rollback" not in {e["event"] for e in events}, "a SIGTERMed worker must not cause a rollback"
     leaves = [e for e in events if e["event"] == "leave"]
-    assert len(leaves) == 1 and leaves[0]["rank"] == 1, leaves
+    assert [(e["rank"], e["commit_id"]) for e in leaves] == [(1, 4)], leaves
     resizes = [e for e in events if e["event"] == "resize" and e["rank"] == 0]
     assert resizes and resizes[0]["skip_sync"] is True, resizes
     syncs = [e for e in events if e["event"] == "sync" and e.get("newcomers")]
     assert any(e["generation"] == 2 and e["newcomers"] == 1 for e in syncs), syncs  # the slot was filled
-    analysis.assert_exactly_once(out, DIGITS, 1)
+    assert ledger.starts(ledger.read(str(out)))[2][2] == 16, "the job must resume where the leaver committed"
+    report = analysis.assert_exactly_once(out, DIGITS, 1)
+    assert report["lost_steps"] == 0, "no step may be thrown away"
     finals = analysis.load_finals(out)
     assert sorted(finals) == [0, 1]
     analysis.assert_ranks_identical(finals)

@@ -4,8 +4,9 @@ Keras 2 (tf_keras, --keras 2) or Keras 3 (--keras 3).
 Same outputs and fault flags as train_torch.py: a sample ledger, final-<rank>.npz
 with weights and optimizer variables, and faults "RANK:STEP:HOW[:WHERE]" (WHERE:
 step or commit). The gradients are reduced by elastic_ext's
-DistributedGradientTape, so the tape goes through every join, leave and
-rollback of the jobs that run this worker.
+DistributedGradientTape inside the ``tf.function`` step, so the tape goes
+through every join, leave and rollback of the jobs that run this worker (the
+eager step is the TensorFlow example's, tests/multiprocess/test_examples.py).
 """
 
 import argparse
@@ -63,6 +64,7 @@ loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction
 commit_probe = CommitFaultProbe(faults, hvd.rank)
 
 
+@tf.function(input_signature=[tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.bool)])
 def train_step(indices, pad):
     keep = tf.cast(tf.logical_not(pad), tf.float32)
     x, y = tf.gather(X, indices), tf.gather(Y, indices)
