@@ -14,6 +14,9 @@ is blacklisted only when it lost every worker; the rounds are published to
 the workers; a replaced worker's late exit is not charged to its successor),
 and with :mod:`elastic_ext.launch.noticed_hosts` (a host with a preemption
 notice leaves discovery; SIGUSR1, Slurm's ``--signal``, reaches every worker).
+Horovod's build checks (was it built with Gloo? with MPI?), which import
+TensorFlow before the first worker starts, are answered from a cache
+(:mod:`elastic_ext.launch.build_check`).
 
 The workers restart in place (:mod:`elastic_ext.launch.keeper`) when the
 job has durable checkpoints (``ELASTIC_EXT_CHECKPOINT_DIR``): a restarted
@@ -28,7 +31,7 @@ import sys
 from typing import Any, List, MutableMapping, Optional
 
 from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_LAUNCHER, ENV_MIN_NP, ENV_RESTART_IN_PLACE
-from elastic_ext.launch import driver, noticed_hosts, ssh_keepalive
+from elastic_ext.launch import build_check, driver, noticed_hosts, ssh_keepalive
 
 
 def restart_in_place_when_checkpointing(environ: MutableMapping[str, str]) -> bool:
@@ -120,6 +123,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     driver.install()
     noticed_hosts.install()  # preemption notices: noticed hosts leave discovery; Slurm's signal reaches every worker
     ssh_keepalive.install()
+    build_check.install()  # Horovod's Gloo/MPI checks import TensorFlow: about 3 s before any worker starts
     _through_the_worker_entry()
     from horovod.runner.launch import run_commandline
     sys.argv = ["horovodrun", *(sys.argv[1:] if argv is None else argv)]
