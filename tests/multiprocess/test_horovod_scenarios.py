@@ -95,9 +95,10 @@ def assert_went_on_without_rank_0s_host(code, output, epochs, out, slots):
 
 @pytest.mark.timeout(400)
 def test_hosts_added_and_removed(tmp_path):
-    # Two host changes are two resets: a reset limit of 2 must let the job finish.
-    code, output, epochs, out = run_scenario(tmp_path, "torch", ADD_THEN_REMOVE, "--epoch-wait-s", "3", np_=1,
-                                             min_np=1, max_np=2, horovodrun_args=("--reset-limit", "2"))
+    # Two host changes are two resets: a reset limit of 2 must let the job finish. After epochs 0
+    # and 1 (when the discovery script changes its answer) rank 0 waits for Horovod's notice.
+    code, output, epochs, out = run_scenario(tmp_path, "torch", ADD_THEN_REMOVE, "--notice-after", "0,1",
+                                             np_=1, min_np=1, max_np=2, horovodrun_args=("--reset-limit", "2"))
     assert code == 0, output[-5000:]
     assert [e["size"] for e in epochs] == [1, 2, 1], epochs
     assert [e["hostname"] for e in epochs] == ["localhost", "localhost", "127.0.0.1"], epochs
@@ -111,8 +112,8 @@ def test_hosts_added_and_removed(tmp_path):
 @pytest.mark.timeout(400)
 def test_reset_limit_exceeded_fails_the_job_with_horovods_message(tmp_path):
     # The same two host changes with a limit of one reset: the second change stops the job.
-    code, output, epochs, _ = run_scenario(tmp_path, "torch", ADD_THEN_REMOVE, "--epoch-wait-s", "3", np_=1,
-                                           min_np=1, max_np=2, horovodrun_args=("--reset-limit", "1"))
+    code, output, epochs, _ = run_scenario(tmp_path, "torch", ADD_THEN_REMOVE, "--notice-after", "0,1",
+                                           np_=1, min_np=1, max_np=2, horovodrun_args=("--reset-limit", "1"))
     assert code != 0, "a job past its reset limit must fail"
     assert "number of resets during elastic job exceeded limit: 1" in output, output[-3000:]
     # Epoch 0 on the first host, epoch 1 after the one allowed reset on both; no third epoch.
@@ -145,14 +146,14 @@ def test_fault_tolerance_without_scaling_on_fixed_hosts(tmp_path):
 def test_blacklisted_host_comes_back_after_its_cooldown(tmp_path):
     # Rank 1, alone on its host, fails in epoch 1: the host is blacklisted for
     # 1-2 s, then discovery offers it again and the job grows back to two
-    # workers. (A host of two slots would also lose its other worker: had that
+    # workers (rank 0 waits for that notice at the end of epoch 1). (A host of two slots would also lose its other worker: had that
     # one been left to Horovod's driver to end, it could outlive the 1-2 s
     # cooldown (the driver allows 10 s, and an elastic_ext worker told to go
     # leaves at its next commit), and Horovod would charge its exit to the new
     # worker in its slot (see test_horovodrun.py's replaced-worker test;
     # elastic_ext.launch.horovodrun ignores such exits).)
     code, output, epochs, out = run_scenario(tmp_path, "torch", TWO_SINGLE_HOSTS, "--exit-schedule",
-                                             '{"1,0": [1]}', "--epochs", "4", "--epoch-wait-s", "2", np_=2,
+                                             '{"1,0": [1]}', "--epochs", "4", "--notice-after", "1:2", np_=2,
                                              min_np=1, max_np=2,
                                              horovodrun_args=("--blacklist-cooldown-range", "1", "2"))
     assert code == 0, output[-5000:]

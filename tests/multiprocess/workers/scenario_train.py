@@ -30,7 +30,10 @@ p.add_argument("--batches", type=int, default=6, help="global steps per epoch")
 p.add_argument("--commit-every", type=int, default=2)
 p.add_argument("--exit-schedule", default="{}")
 p.add_argument("--exit-mode", choices=["exception", "kill"], default="exception")
-p.add_argument("--epoch-wait-s", type=float, default=0.0, help="pause after each epoch, for discovery to act")
+p.add_argument("--notice-after", default="",
+               help="EPOCH[:SIZE],...: after those epochs rank 0 waits (up to 60 s) for Horovod's notice of a host "
+                    "change, unless the job already has SIZE workers: the change the discovery script makes once "
+                    "the epoch is logged, or a blacklisted host back after its cooldown")
 args = p.parse_args()
 
 import numpy as np  # noqa: E402
@@ -64,6 +67,8 @@ else:
 
 hvd.init()
 start_rank = hvd.rank()
+notice_after = {int(e): int(size or 1 << 30) for e, _, size in (spec.partition(":") for spec in
+                                                                 args.notice_after.split(",") if spec)}
 fired = set()
 
 
@@ -83,8 +88,10 @@ def log_epoch(state, epoch):
             handle.write(json.dumps({"epoch": epoch, "rank": hvd.rank(), "start_rank": start_rank,
                                      "size": hvd.size(), "hostname": hostname,
                                      "generation": state.generation}) + "\n")
-    if args.epoch_wait_s:
-        time.sleep(args.epoch_wait_s)
+    if hvd.rank() == 0 and epoch in notice_after and hvd.size() < notice_after[epoch]:
+        deadline = time.monotonic() + 60
+        while not state.host_update_pending() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def record(state, epoch, cursor, indices, pad):
