@@ -146,11 +146,12 @@ def test_fault_tolerance_without_scaling_on_fixed_hosts(tmp_path):
 def test_blacklisted_host_comes_back_after_its_cooldown(tmp_path):
     # Rank 1, alone on its host, fails in epoch 1: the host is blacklisted for
     # 1-2 s, then discovery offers it again and the job grows back to two
-    # workers (rank 0 waits for that notice at the end of epoch 1). (A host of two slots would also lose its other worker: had that
-    # one been left to Horovod's driver to end, it could outlive the 1-2 s
-    # cooldown (the driver allows 10 s, and an elastic_ext worker told to go
-    # leaves at its next commit), and Horovod would charge its exit to the new
-    # worker in its slot (see test_horovodrun.py's replaced-worker test;
+    # workers (rank 0 waits for that notice at the end of epoch 1). (A host
+    # of two slots would also lose its other worker: had that one been left
+    # to Horovod's driver to end, it could outlive the 1-2 s cooldown (the
+    # driver allows 10 s, and an elastic_ext worker told to go leaves at its
+    # next commit), and Horovod would charge its exit to the new worker in
+    # its slot (see test_horovodrun.py's replaced-worker test;
     # elastic_ext.launch.horovodrun ignores such exits).)
     code, output, epochs, out = run_scenario(tmp_path, "torch", TWO_SINGLE_HOSTS, "--exit-schedule",
                                              '{"1,0": [1]}', "--epochs", "4", "--notice-after", "1:2", np_=2,
