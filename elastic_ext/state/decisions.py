@@ -51,14 +51,13 @@ def decide_at_commit(hosts: HostUpdates, straggler: StragglerWatch, binding: Bin
     digest = replica.slots(rank, size, commit_id) if replica is not None else None
     extra = slots if digest is None else np.concatenate([digest] + ([] if slots is None else [slots]))
     before = hosts.prestart
-    evicted, decided = None, []
+    evicted = seen = None
 
     def evicts(table: Optional[np.ndarray]) -> bool:
-        # Each agreed table is observed once (the policy counts steps), in agreement order.
-        nonlocal evicted
-        if table is not None and evicted is None and not any(t is table for t in decided):
-            decided.append(table)
-            evicted = straggler.decide(table, size)
+        # Each agreed table is observed once (the policy counts steps): agree() may have asked already.
+        nonlocal evicted, seen
+        if table is not None and evicted is None and table is not seen:
+            seen, evicted = table, straggler.decide(table, size)
         return evicted is not None
 
     # A checked commit's collective blocks even where commits overlap: the heal must come before the
