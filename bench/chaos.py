@@ -103,7 +103,7 @@ def run_chaos(system: str, work: str, hosts: List[str], kills: List[Tuple[float,
         os.makedirs(log_dir)
         hosts_file = os.path.join(log_dir, "hosts")
         launch.write_hosts(hosts_file, [f"{host}:{compare.SLOTS_PER_HOST}" for host in hosts[:2]])
-        checkpoint = os.path.join(work, system, "checkpoint.pt")  # torchrun's; survives a relaunch
+        checkpoint = os.path.join(work, system, "checkpoint.pt")  # torchrun's, ext's beside it; survive a relaunch
         run = compare.Attempt(system, log_dir, compare.launch_jobs(system, log_dir, hosts_file, checkpoint, args),
                               time.time())
         attempts.append(run)

@@ -8,7 +8,9 @@ One run, the same model, data, global batch and failure schedule for every syste
   c10d rendezvous, rank 0 saves every N steps): bench/workers/compare_torchrun.py;
 - ``ext``: elastic_ext (``elastic_ext.State``, ``@elastic_ext.run``, its
   ``ElasticSampler``) launched as the README says, by ``elastic-horovodrun``
-  with the defaults: bench/workers/compare_ext.py;
+  with the defaults and a checkpoint directory (``ELASTIC_EXT_CHECKPOINT_DIR``,
+  checkpoints written in the background at the default cadence):
+  bench/workers/compare_ext.py;
 - ``ext_horovodrun`` (only when asked for): the same worker under plain
   ``horovodrun``, which gives up what the launcher does (a failed worker's
   host mate leaves with it; no early start of newcomers);
@@ -49,8 +51,9 @@ again each time it is back to 4 after a failure, the driver SIGKILLs the
 worker with the highest rank, ``--failures`` times; ``--uptime-s`` after the
 last recovery it stops the job at a step boundary (a stop file the workers
 read at commit steps). A job that dies instead of recovering is relaunched
-once for the failures left (a relaunched torchrun job resumes from its
-checkpoint; Horovod jobs keep no durable state here and start over).
+once for the failures left (a relaunched torchrun or elastic_ext job resumes
+from its newest checkpoint; plain Horovod jobs keep no durable state and
+start over).
 Then each system runs two failure-free jobs of ``--overhead-s`` seconds,
 in the order A B C C B A, for the throughput without failures.
 
@@ -127,6 +130,10 @@ def launch_jobs(system: str, log_dir: str, hosts_file: str, checkpoint: str,
             cmd = launch.under_elastic_ext_driver(cmd)  # elastic-horovodrun, the same arguments
         env = launch.base_env(HOROVOD_FUSION_THRESHOLD=harness.HOROVOD_DEFAULT_FUSION,
                               ELASTIC_EXT_EVENTS_PATH=os.path.join(log_dir, "events-{rank}.jsonl"))
+        if system.startswith("ext"):
+            # Durable checkpoints beside torchrun's file, as a user's job has them: a relaunch
+            # resumes from the newest, and the launcher restarts workers in place.
+            env["ELASTIC_EXT_CHECKPOINT_DIR"] = os.path.join(os.path.dirname(checkpoint), "ext-checkpoints")
         return [launch.Job(cmd, env, os.path.join(log_dir, "horovodrun.log"))]
     port = harness.free_port()
     # With the rendezvous TCP store shared with the workers (the default), the workers of the
@@ -248,7 +255,7 @@ def run_attempt(system: str, log_dir: str, hosts: List[str], failures: int, chec
 def run_system(system: str, work: str, hosts: List[str], args: argparse.Namespace) -> List[Attempt]:
     attempts: List[Attempt] = []
     left = args.failures
-    checkpoint = os.path.join(work, system, "checkpoint.pt")  # torchrun only; survives a relaunch
+    checkpoint = os.path.join(work, system, "checkpoint.pt")  # torchrun's, ext's beside it; survive a relaunch
     for index in range(ATTEMPTS):
         run = run_attempt(system, os.path.join(work, system, f"attempt-{index}"), hosts, left, checkpoint, args,
                           first_failure=args.failures - left)
