@@ -6,13 +6,14 @@ pytest.ini for all of them, or the test's own ``pytest.mark.timeout``.
 Jobs launched by the job tiers start no hang guardian unless the test asks
 for one (:func:`no_guardian_unless_hangs_are_tested`).
 
-How the suite shares the machine (pytest-xdist, ``-n`` in pytest.ini): the
-job tiers (every directory of tests/ but tests/unit) run one test at a time,
-in one worker (:class:`TierScheduler`), because their jobs keep both cores
-busy; the unit tier runs beside them. A test marked ``exclusive`` (it gives
-a detector a short timeout, or its assertion needs the machine quiet) runs
-alone: it waits for the running tests to end, and no test starts until it
-ends (:func:`pytest_runtest_protocol`).
+How the suite shares the machine (pytest-xdist, ``-n`` in pytest.ini): two
+workers, each running one scope at a time (:class:`TierScheduler`): a
+module, or a directory whose tests share one cluster. The job tiers' scopes
+go first, the longest first, so two jobs run at once for most of the run
+and the unit tier's modules fill the end. A test marked ``exclusive`` (it
+gives a detector a short timeout, or its assertion needs the machine quiet)
+runs alone: it waits for the running tests to end, and no test starts until
+it ends (:func:`pytest_runtest_protocol`).
 """
 
 import fcntl
@@ -28,7 +29,6 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 UNIT_TIER = os.path.join(REPO, "tests", "unit")
-JOB_TIERS_SCOPE = "job tiers"
 
 
 def in_a_job_tier(path):
@@ -51,22 +51,75 @@ def no_guardian_unless_hangs_are_tested(request, monkeypatch):
 
 
 class TierScheduler:
-    """pytest-xdist's load-by-scope scheduling, with every test of the job tiers in one scope.
+    """pytest-xdist's load-by-scope scheduling: one scope runs in one worker, in collection order.
 
-    One scope runs in one worker, in collection order; the unit tier's
-    modules are scopes of their own and fill the other workers.
+    A scope is a module, or a directory whose tests share a session-wide
+    cluster (:func:`scope_of`), so a module's session fixtures (a reference
+    run, a cluster) are made once. Scopes are taken in collection order
+    (:func:`pytest_collection_modifyitems` puts the longest first), and a
+    worker takes its next scope as it starts the last test of the one it
+    has, not two scopes ahead: jobs run two at a time, the unit tier's
+    modules fill the end, and the workers end together.
     """
 
     @staticmethod
     def pytest_xdist_make_scheduler(config, log):
         from xdist.scheduler import LoadScopeScheduling
 
+        config.option.loadscopereorder = False  # the collection's order (by size otherwise)
+
         class TierScheduling(LoadScopeScheduling):
             def _split_scope(self, nodeid):
-                path = nodeid.split("::", 1)[0]
-                return JOB_TIERS_SCOPE if in_a_job_tier(os.path.join(str(config.rootpath), path)) else path
+                return scope_of(nodeid)
+
+            def _reschedule(self, node):
+                # A worker runs a test once it knows the next one: with one test left it needs more.
+                if not node.shutting_down and self.workqueue and self._pending_of(self.assigned_work[node]) > 1:
+                    return
+                super()._reschedule(node)
 
         return TierScheduling(config, log)
+
+
+# The job tiers' scopes that run longest, longest first (measured on 2 cores).
+# A scope not listed runs after these; the unit tier's modules run last.
+LONGEST_FIRST = (
+    "tests/multiprocess/test_lifecycle.py",
+    "tests/multihost",
+    "tests/multiprocess/test_keras_fit.py",
+    "tests/multiprocess/test_zoo.py",
+    "tests/discovery",
+    "tests/multiprocess/test_horovod_scenarios.py",
+    "tests/multiprocess/test_torch_elastic.py",
+    "tests/multiprocess/test_prestart.py",
+    "tests/multiprocess/test_demo.py",
+    "tests/multiprocess/test_resize.py",
+    "tests/multiprocess/test_checkpoint_resume.py",
+    "tests/multiprocess/test_tf_checkpoint_resume.py",
+    "tests/multiprocess/test_examples.py",
+    "tests/multiprocess/test_numeric_guard.py",
+    "tests/multiprocess/test_replica.py",
+)
+
+
+def scope_of(nodeid):
+    """The unit of scheduling of a test: its directory where the tests share a session-wide
+    cluster (tests/discovery's Slurm, tests/multihost's hosts), else its module."""
+    path = nodeid.split("::", 1)[0]
+    for shared in ("tests/discovery", "tests/multihost"):
+        if path.startswith(shared + "/"):
+            return shared
+    return path
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The longest scopes of the job tiers first, the other job scopes next, the unit tier last."""
+    def rank(item):
+        scope = scope_of(item.nodeid)
+        if not in_a_job_tier(item.path):
+            return 2, 0
+        return (0, LONGEST_FIRST.index(scope)) if scope in LONGEST_FIRST else (1, 0)
+    items.sort(key=rank)  # stable: a scope's tests keep their order
 
 
 # The directory of the locks by which the workers of one pytest-xdist run share the machine.
@@ -91,30 +144,42 @@ def pytest_unconfigure(config):
         os.environ.pop(ROOM_ENV, None)
 
 
+# The room, held alone from one exclusive test to the next exclusive test of this worker.
+_ALONE = []
+
+
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
     """Under pytest-xdist: tests share the machine, but an ``exclusive`` one runs alone.
 
     Every test holds the room shared, an exclusive test holds it alone. A
     turnstile that an exclusive test holds while it waits for the room keeps
-    new tests from entering meanwhile (fcntl locks favour no one). The wait
-    comes before the test's own timeout starts (this wraps pytest-timeout's
-    hook).
+    new tests from entering meanwhile (fcntl locks favour no one). Exclusive
+    tests that follow each other in a worker keep the room from one to the
+    next: one wait for the other worker's test, not one each. The wait comes
+    before the test's own timeout starts (this wraps pytest-timeout's hook).
     """
     directory = os.environ.get(ROOM_ENV)
     if not directory or not hasattr(item.config, "workerinput"):
         yield
         return
-    with open(os.path.join(directory, "turnstile"), "a") as turnstile, \
-            open(os.path.join(directory, "room"), "a") as room:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        if item.get_closest_marker("exclusive") is not None:
-            fcntl.flock(room, fcntl.LOCK_EX)
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
+    exclusive = item.get_closest_marker("exclusive") is not None
+    room = _ALONE.pop() if _ALONE else None  # held since the previous test, exclusive too
+    if room is None:
+        room = open(os.path.join(directory, "room"), "a")
+        with open(os.path.join(directory, "turnstile"), "a") as turnstile:
+            fcntl.flock(turnstile, fcntl.LOCK_EX)
+            if exclusive:
+                fcntl.flock(room, fcntl.LOCK_EX)
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
+            else:
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
+                fcntl.flock(room, fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        if exclusive and nextitem is not None and nextitem.get_closest_marker("exclusive") is not None:
+            _ALONE.append(room)  # the next test needs the room alone too: no wait for the others' tests
         else:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
-            fcntl.flock(room, fcntl.LOCK_SH)
-        try:
-            yield
-        finally:
             fcntl.flock(room, fcntl.LOCK_UN)
+            room.close()
