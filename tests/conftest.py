@@ -9,8 +9,8 @@ for one (:func:`no_guardian_unless_hangs_are_tested`).
 How the suite shares the machine (pytest-xdist, ``-n`` in pytest.ini): two
 workers, each running one scope at a time (:class:`TierScheduler`): a
 module, or a directory whose tests share one cluster. The job tiers' scopes
-go first, the longest first, so two jobs run at once for most of the run
-and the unit tier's modules fill the end. A test marked ``exclusive`` (it
+go first (FIRST_SCOPES), so two jobs run at once for most of the run and the
+unit tier's modules fill the end. A test marked ``exclusive`` (it
 gives a detector a short timeout, or its assertion needs the machine quiet)
 runs alone: it waits for the running tests to end, and no test starts until
 it ends (:func:`pytest_runtest_protocol`).
@@ -56,7 +56,7 @@ class TierScheduler:
     A scope is a module, or a directory whose tests share a session-wide
     cluster (:func:`scope_of`), so a module's session fixtures (a reference
     run, a cluster) are made once. Scopes are taken in collection order
-    (:func:`pytest_collection_modifyitems` puts the longest first), and a
+    (:func:`pytest_collection_modifyitems`: see FIRST_SCOPES), and a
     worker takes its next scope as it starts the last test of the one it
     has, not two scopes ahead: jobs run two at a time, the unit tier's
     modules fill the end, and the workers end together.
@@ -81,24 +81,28 @@ class TierScheduler:
         return TierScheduling(config, log)
 
 
-# The job tiers' scopes that run longest, longest first (measured on 2 cores).
-# A scope not listed runs after these; the unit tier's modules run last.
-LONGEST_FIRST = (
-    "tests/multiprocess/test_lifecycle.py",
+# The order in which the job tiers' scopes are taken (measured on 2 cores): those
+# that begin with exclusive tests first, so that those run while the other
+# worker has not started a long job to wait for (and a worker's consecutive
+# exclusive tests keep the room), then the longest first, so that the workers
+# end together. A scope not listed runs after these; the unit tier's modules last.
+FIRST_SCOPES = (
+    "tests/multiprocess/test_lifecycle.py",   # 2 exclusive, then 6 jobs
+    "tests/multiprocess/test_detection.py",   # 1 exclusive
+    "tests/multiprocess/test_zoo.py",         # 2 exclusive, then 2 jobs
     "tests/multihost",
     "tests/multiprocess/test_keras_fit.py",
-    "tests/multiprocess/test_zoo.py",
     "tests/discovery",
     "tests/multiprocess/test_horovod_scenarios.py",
     "tests/multiprocess/test_torch_elastic.py",
     "tests/multiprocess/test_prestart.py",
+    "tests/multiprocess/test_tf_checkpoint_resume.py",
     "tests/multiprocess/test_demo.py",
     "tests/multiprocess/test_resize.py",
     "tests/multiprocess/test_checkpoint_resume.py",
-    "tests/multiprocess/test_tf_checkpoint_resume.py",
     "tests/multiprocess/test_examples.py",
-    "tests/multiprocess/test_numeric_guard.py",
     "tests/multiprocess/test_replica.py",
+    "tests/multiprocess/test_numeric_guard.py",
 )
 
 
@@ -113,12 +117,12 @@ def scope_of(nodeid):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The longest scopes of the job tiers first, the other job scopes next, the unit tier last."""
+    """The job tiers' scopes in the order of FIRST_SCOPES, the other job scopes next, the unit tier last."""
     def rank(item):
         scope = scope_of(item.nodeid)
         if not in_a_job_tier(item.path):
             return 2, 0
-        return (0, LONGEST_FIRST.index(scope)) if scope in LONGEST_FIRST else (1, 0)
+        return (0, FIRST_SCOPES.index(scope)) if scope in FIRST_SCOPES else (1, 0)
     items.sort(key=rank)  # stable: a scope's tests keep their order
 
 

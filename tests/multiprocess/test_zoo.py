@@ -41,12 +41,12 @@ def synced_records(out):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model, fault, resumes_at", [
-    ("torch", "3:6:kill", None),
     # The Keras jobs run alone on the machine (exclusive): a stall timeout of 10 s (see below).
     # Rank 0 dies between steps: back to commit 1 (step 4).
     pytest.param("keras3", "0:6:kill", 4, marks=pytest.mark.exclusive),
     # Rank 3 dies copying commit 2: the survivors hold it.
     pytest.param("keras2", "3:8:kill:commit", 8, marks=pytest.mark.exclusive),
+    ("torch", "3:6:kill", None),
 ])
 def test_zoo_survives_a_sigkill_and_a_scale_up_with_identical_parameters(tmp_path, model, fault, resumes_at):
     out = tmp_path / "job"
