@@ -145,8 +145,11 @@ class CollectiveConnections:
                     pass
                 finally:
                     dup.close()
+            left = sorted(f"{local[0]}:{local[1]}->{remote[0]}:{remote[1]}"
+                          for _, local, remote in current - self.known)
             logger.warning("collective failed (%s): shut down %d collective connection(s) (of %d open) so that "
-                           "every peer fails now", reason[:200], count, len(current))
+                           "every peer fails now%s", reason[:200], count, len(current),
+                           f"; left open: {', '.join(left[:8])}" if left else "")
         except Exception:  # noqa: BLE001 - best effort; the failure is being handled already
             logger.exception("could not abort collective connections")
         return count
