@@ -17,6 +17,7 @@ Horovod's wrappers, so the numbers are Horovod's.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import tensorflow as tf
@@ -27,6 +28,13 @@ from elastic_ext.errors import ConfigError
 from elastic_ext.tensorflow import guard as _guard
 
 __all__ = ["_GradientReducer", "_groups_argument", "_variable_key"]
+
+
+# Eager reductions, traced once per set of options and shared by the reducers
+# that have them: a DistributedGradientTape is wrapped anew every step, and a
+# tf.function of its own would be traced anew every step (about a tenth of a
+# second of CPU each time, and TensorFlow's retracing warnings).
+_EAGER_REDUCTIONS: Dict[tuple, Callable] = {}
 
 
 def _variable_key(variable: Any) -> Any:
@@ -113,7 +121,6 @@ class _GradientReducer:
         self.scale_local_gradients = bool(scale_local_gradients)
         # key -> variable: holding the variable keeps an id()-based key unique.
         self.local: Dict[Any, Any] = {}
-        self._graph_fns: Dict[bool, Callable] = {}
         self.loss: Any = None  # a Keras 3 optimizer's step loss, between scale_loss() and apply()
 
     def take_loss(self) -> Any:
@@ -176,17 +183,26 @@ class _GradientReducer:
         if tf.executing_eagerly():
             # One graph for all tensors, as Horovod does: their collectives are
             # enqueued together instead of one eager op at a time.
-            fn = self._graph_fns.get(generic)
-            if fn is None:
-                fn = tf.function(lambda ts, rs: self._reduce_graph(ts, rs, generic), reduce_retracing=True)
-                self._graph_fns[generic] = fn
-            reduced = list(fn(tensors, local_runs))
+            reduced = list(self._eager_reduction(generic)(tensors, local_runs))
         else:
             reduced = self._reduce_graph(tensors, local_runs, generic)
         out = list(grads)
         for i, g in zip(present, reduced):
             out[i] = g
         return out + ([reduced[-1]] if extra is not None else [])
+
+    def _eager_reduction(self, generic: bool) -> Callable:
+        """The traced reduction for this reducer's options (:data:`_EAGER_REDUCTIONS`)."""
+        key = (self.name, self.device_dense, self.device_sparse, self.compression, self.op, self.prescale,
+               self.postscale, self.process_set.process_set_id, generic)
+        fn = _EAGER_REDUCTIONS.get(key)
+        if fn is None:
+            options = copy.copy(self)  # what the graph reads; not this tape's local variables
+            options.local = {}
+            options.loss = None
+            fn = tf.function(lambda ts, rs: options._reduce_graph(ts, rs, generic), reduce_retracing=True)
+            _EAGER_REDUCTIONS[key] = fn
+        return fn
 
     def _runs(self, present: List[int], variables: List[Any]) -> Optional[List[List[int]]]:
         """Indices grouped for grouped_allreduce, or None for one allreduce per tensor."""

@@ -207,6 +207,15 @@ tape = etf.DistributedGradientTape(tape)
 reduced = tape.gradient(loss, net.trainable_variables)
 for a, b in zip(plain, reduced):
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), "a world of one must not change gradients"
+# A tape wrapped anew every step, as users write it, reuses one traced reduction: no retracing per step.
+from elastic_ext.tensorflow import gradients as _gradients  # noqa: E402
+
+for _ in range(4):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(net(X[:32])))
+    etf.DistributedGradientTape(tape).gradient(loss, net.trainable_variables)
+traces = {key: fn.experimental_get_tracing_count() for key, fn in _gradients._EAGER_REDUCTIONS.items()}
+assert len(traces) == 1 and list(traces.values()) == [1], f"traced reductions per option set: {traces}"
 for kwargs, words in (({"op": hvd.Adasum}, "op"), ({"op": hvd.Sum, "gradient_predivide_factor": 2.0}, "2.0"),
                       ({"groups": -1}, "groups (-1)"), ({"num_groups": 2, "groups": 2}, "not both")):
     try:
