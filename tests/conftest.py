@@ -8,12 +8,14 @@ for one (:func:`no_guardian_unless_hangs_are_tested`).
 
 How the suite shares the machine (pytest-xdist, ``-n`` in pytest.ini): two
 workers, each running one scope at a time (:class:`TierScheduler`): a
-module, or a directory whose tests share one cluster. The job tiers' scopes
-go first (FIRST_SCOPES), so two jobs run at once for most of the run and the
-unit tier's modules fill the end. A test marked ``exclusive`` (it
-gives a detector a short timeout, or its assertion needs the machine quiet)
-runs alone: it waits for the running tests to end, and no test starts until
-it ends (:func:`pytest_runtest_protocol`).
+module, a directory whose tests share one cluster, or all the tests marked
+``exclusive`` (a detector with a short timeout, or an assertion that needs
+the machine quiet). Those run first, one worker running them one after the
+other while the other worker runs the unit tier beside them; then the job
+tiers' scopes (FIRST_SCOPES), two jobs at a time. An exclusive test runs
+alone among the jobs: it waits for the running job to end, and no job
+starts until it ends (:func:`pytest_runtest_protocol`). Unit tests (one
+light process each) run beside anything.
 """
 
 import fcntl
@@ -53,13 +55,13 @@ def no_guardian_unless_hangs_are_tested(request, monkeypatch):
 class TierScheduler:
     """pytest-xdist's load-by-scope scheduling: one scope runs in one worker, in collection order.
 
-    A scope is a module, or a directory whose tests share a session-wide
-    cluster (:func:`scope_of`), so a module's session fixtures (a reference
-    run, a cluster) are made once. Scopes are taken in collection order
-    (:func:`pytest_collection_modifyitems`: see FIRST_SCOPES), and a
-    worker takes its next scope as it starts the last test of the one it
-    has, not two scopes ahead: jobs run two at a time, the unit tier's
-    modules fill the end, and the workers end together.
+    A scope (:func:`scope_of`) is a module, a directory whose tests share a
+    session-wide cluster (so a module's session fixtures, a reference run or
+    a cluster, are made once), or all the exclusive tests (listed by the
+    workers at collection: :func:`pytest_collection_modifyitems`). Scopes
+    are taken in collection order, and a worker takes its next scope as it
+    starts the last test of the one it has, not two scopes ahead, so the
+    workers end together.
     """
 
     @staticmethod
@@ -67,10 +69,13 @@ class TierScheduler:
         from xdist.scheduler import LoadScopeScheduling
 
         config.option.loadscopereorder = False  # the collection's order (by size otherwise)
+        exclusive = []  # read once, when the workers have collected
 
         class TierScheduling(LoadScopeScheduling):
             def _split_scope(self, nodeid):
-                return scope_of(nodeid)
+                if not exclusive:
+                    exclusive.append(read_exclusive_ids())
+                return EXCLUSIVE_SCOPE if nodeid in exclusive[0] else scope_of(nodeid)
 
             def _reschedule(self, node):
                 # A worker runs a test once it knows the next one: with one test left it needs more.
@@ -81,34 +86,33 @@ class TierScheduler:
         return TierScheduling(config, log)
 
 
-# The order in which the job tiers' scopes are taken (measured on 2 cores): those
-# that begin with exclusive tests first, so that those run while the other
-# worker has not started a long job to wait for (and a worker's consecutive
-# exclusive tests keep the room), then the longest first, so that the workers
-# end together. A scope not listed runs after these; the unit tier's modules last.
+EXCLUSIVE_SCOPE = "exclusive"
+
+# The order in which the job tiers' scopes are taken after the exclusive tests
+# and the unit tier (measured on 2 cores): the longest first, so that the
+# workers end together. A scope not listed runs after these.
 FIRST_SCOPES = (
-    "tests/multiprocess/test_lifecycle.py",   # 2 exclusive, then 6 jobs
-    "tests/multiprocess/test_detection.py",   # 1 exclusive
-    "tests/multiprocess/test_zoo.py",         # 2 exclusive, then 2 jobs
-    "tests/multihost",
     "tests/multiprocess/test_keras_fit.py",
-    "tests/discovery",
+    "tests/multihost",
+    "tests/multiprocess/test_lifecycle.py",
     "tests/multiprocess/test_horovod_scenarios.py",
-    "tests/multiprocess/test_torch_elastic.py",
-    "tests/multiprocess/test_prestart.py",
-    "tests/multiprocess/test_tf_checkpoint_resume.py",
-    "tests/multiprocess/test_demo.py",
     "tests/multiprocess/test_resize.py",
+    "tests/multiprocess/test_prestart.py",
+    "tests/multiprocess/test_torch_elastic.py",
+    "tests/multiprocess/test_tf_checkpoint_resume.py",
+    "tests/discovery",
     "tests/multiprocess/test_checkpoint_resume.py",
+    "tests/multiprocess/test_demo.py",
     "tests/multiprocess/test_examples.py",
     "tests/multiprocess/test_replica.py",
+    "tests/multiprocess/test_zoo.py",
     "tests/multiprocess/test_numeric_guard.py",
 )
 
 
 def scope_of(nodeid):
-    """The unit of scheduling of a test: its directory where the tests share a session-wide
-    cluster (tests/discovery's Slurm, tests/multihost's hosts), else its module."""
+    """The unit of scheduling of a test that is not exclusive: its directory where the tests share a
+    session-wide cluster (tests/discovery's Slurm, tests/multihost's hosts), else its module."""
     path = nodeid.split("::", 1)[0]
     for shared in ("tests/discovery", "tests/multihost"):
         if path.startswith(shared + "/"):
@@ -117,13 +121,35 @@ def scope_of(nodeid):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The job tiers' scopes in the order of FIRST_SCOPES, the other job scopes next, the unit tier last."""
+    """The exclusive tests first, the unit tier next, then the job tiers' scopes in the order of
+    FIRST_SCOPES and the other job scopes. A pytest-xdist worker lists the exclusive tests for the
+    scheduler (every worker collects the same tests)."""
     def rank(item):
-        scope = scope_of(item.nodeid)
+        if item.get_closest_marker("exclusive") is not None:
+            return 0, 0
         if not in_a_job_tier(item.path):
-            return 2, 0
-        return (0, FIRST_SCOPES.index(scope)) if scope in FIRST_SCOPES else (1, 0)
+            return 1, 0
+        scope = scope_of(item.nodeid)
+        return (2, FIRST_SCOPES.index(scope)) if scope in FIRST_SCOPES else (3, 0)
     items.sort(key=rank)  # stable: a scope's tests keep their order
+    directory = os.environ.get(ROOM_ENV)
+    if directory and hasattr(config, "workerinput"):
+        listing = os.path.join(directory, f"exclusive-{config.workerinput['workerid']}")
+        with open(listing + ".tmp", "w") as handle:
+            handle.writelines(item.nodeid + "\n" for item in items if item.get_closest_marker("exclusive"))
+        os.replace(listing + ".tmp", listing)
+
+
+def read_exclusive_ids():
+    """The node ids of the exclusive tests, as the workers listed them (empty without a room)."""
+    directory = os.environ.get(ROOM_ENV)
+    ids = set()
+    if directory:
+        for name in os.listdir(directory):
+            if name.startswith("exclusive-") and not name.endswith(".tmp"):
+                with open(os.path.join(directory, name)) as handle:
+                    ids.update(line.strip() for line in handle if line.strip())
+    return ids
 
 
 # The directory of the locks by which the workers of one pytest-xdist run share the machine.
@@ -156,7 +182,8 @@ _ALONE = []
 def pytest_runtest_protocol(item, nextitem):
     """Under pytest-xdist: tests share the machine, but an ``exclusive`` one runs alone.
 
-    Every test holds the room shared, an exclusive test holds it alone. A
+    Every job holds the room shared, an exclusive test holds it alone, a
+    unit test that is not exclusive does not take it (it runs beside anything). A
     turnstile that an exclusive test holds while it waits for the room keeps
     new tests from entering meanwhile (fcntl locks favour no one). Exclusive
     tests that follow each other in a worker keep the room from one to the
@@ -168,6 +195,9 @@ def pytest_runtest_protocol(item, nextitem):
         yield
         return
     exclusive = item.get_closest_marker("exclusive") is not None
+    if not exclusive and not in_a_job_tier(item.path):
+        yield
+        return
     room = _ALONE.pop() if _ALONE else None  # held since the previous test, exclusive too
     if room is None:
         room = open(os.path.join(directory, "room"), "a")
