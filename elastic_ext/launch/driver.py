@@ -61,7 +61,7 @@ from elastic_ext.launch.round_watch import ASSIGNED, CURRENT, SCOPE, failed_key
 
 logger = logging.getLogger(__name__)
 
-REGROW_POLL_S = 1.0  # how often the coordinator is told that capacity is back, until a round takes it
+REGROW_POLL_S = 0.1  # how often the coordinator is told that capacity is back, until a round takes it
 
 Slot = Tuple[str, int]
 _originals: Dict[Tuple[type, str], Any] = {}  # what install() replaced: (class, name) -> the original
