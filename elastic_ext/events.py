@@ -83,6 +83,10 @@ The run loop (``run.py``):
   member of this worker's round failed (its host went silent: no TCP reset
   told the collective); this worker cut its collective links so the job
   rolls back now; ``round``, ``member`` (``host:local_rank``), ``links_cut``.
+- ``links_closed`` (:data:`LINKS_CLOSED`, :mod:`elastic_ext.runtime.closed_links`):
+  this worker waited ``waited_s`` seconds in a collective whose every
+  connection (``links``) was closed, and kills itself so the job re-forms
+  without waiting for Gloo's timeout.
 - ``fenced`` (:data:`FENCED`, from the driver watch): this worker could not
   reach its driver for ``unreachable_s`` seconds (``attempts`` failed
   requests, the last ``error``) and exits rather than train cut off from
@@ -152,12 +156,13 @@ JOB_RESTART = "job_restart"
 RESTARTED_IN_PLACE = "restarted_in_place"
 MEMBER_FAILED = "member_failed"
 FENCED = "fenced"
+LINKS_CLOSED = "links_closed"
 
 #: Every event name elastic_ext emits (the module docstring says what each means).
 ALL_EVENTS = (SYNC, ROLLBACK, ROLLBACK_LIMIT, RESIZE, PRESTART, NEWCOMERS_JOINED, RESET, RECOVERED,
               FINISH, STALL, SUSPENDED, LEAVE, CHECKPOINT, CHECKPOINT_SKIPPED, CHECKPOINT_FAILED, CHECKPOINT_FAILING,
               CHECKPOINT_RESUMED, CHECKPOINT_CADENCE, NUMERIC_ROLLBACK, STRAGGLER, REPLICA_MISMATCH, JOB_RESTART,
-              RESTARTED_IN_PLACE, MEMBER_FAILED, FENCED)
+              RESTARTED_IN_PLACE, MEMBER_FAILED, FENCED, LINKS_CLOSED)
 
 
 class EventLog:

@@ -87,9 +87,26 @@ class CollectiveConnections:
     def __init__(self) -> None:
         self.known: Set[Key] = set()
         self._before: Optional[Set[Key]] = None
+        self.in_round = False  # the known connections are those of the round this worker trains in
+
+    def all_closed(self) -> bool:
+        """True when this worker trains in a round whose every collective connection is closed.
+
+        A collective of more than one rank cannot complete then: its peers
+        failed and the collective library dropped the connections. False
+        between rounds (after an abort, during a reset), and in a world of one.
+        """
+        if not self.in_round or not self.known:
+            return False
+        try:
+            return not (set(established()) & self.known)
+        except Exception:  # noqa: BLE001 - a check that cannot look says nothing
+            logger.exception("cannot list TCP connections")
+            return False
 
     def before_init(self) -> None:
         """Call right before Horovod (re)initialises."""
+        self.in_round = False
         try:
             self._before = set(established())
         except Exception:  # noqa: BLE001 - bookkeeping must not fail a recovery
@@ -119,6 +136,7 @@ class CollectiveConnections:
         rows = [[rank, endpoint_id(k[1]), endpoint_id(k[2])] for k in mine] + [[-1, rank, 0]]
         table = binding.allgather(np.asarray(rows, dtype=np.int64), "elastic_ext.runtime.connections")
         self.known = mirrored(mine, rank, np.asarray(table).reshape(-1, 3))
+        self.in_round = True
         logger.debug("[rank %d] %d of %d TCP connections are the collective library's",
                      rank, len(self.known), len(mine))
         return len(self.known)
@@ -131,6 +149,7 @@ class CollectiveConnections:
         descriptors.
         """
         count = 0
+        self.in_round = False
         try:
             current = set(established())
             for fd, _, _ in current & self.known:

@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 import numpy as np
 
 from elastic_ext.errors import NumericFaultError, RollbackLimitError, error_detail
-from elastic_ext.events import LEAVE, RECOVERED, RESET, RESIZE, ROLLBACK, ROLLBACK_LIMIT
+from elastic_ext.events import LEAVE, LINKS_CLOSED, RECOVERED, RESET, RESIZE, ROLLBACK, ROLLBACK_LIMIT
 from elastic_ext.launch.gloo_timeout import reset_timeout
+from elastic_ext.runtime.closed_links import ClosedLinksWatch
 from elastic_ext.runtime.connections import CollectiveConnections
 from elastic_ext.runtime.driver_watch import DriverWatch
 from elastic_ext.runtime.numeric_recovery import NumericRecovery
@@ -87,11 +88,18 @@ class Recoverer:
         self.pending: Optional[Recovery] = None
         # A member lost without a TCP reset, or this worker cut off from its driver (never under MPI).
         self.driver = DriverWatch.for_this_worker(self.links.abort, state.events) if kind == "gloo" else None
+        # A collective stuck on connections Gloo already closed (never under MPI).
+        self.closed_links = ClosedLinksWatch(
+            self.links, liveness, lambda waited: state.events.emit(LINKS_CLOSED, waited_s=round(waited, 3),
+                                                                   links=len(self.links.known))
+        ).start() if kind == "gloo" else None
 
     def close(self) -> None:
         """Stops what runs beside the training (when ``run`` returns or raises)."""
         if self.driver is not None:
             self.driver.stop()
+        if self.closed_links is not None:
+            self.closed_links.stop()
 
     def sync(self) -> None:
         """Brings every rank to the agreed commit; reports the recovery that led here, if any."""

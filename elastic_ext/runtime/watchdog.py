@@ -101,13 +101,10 @@ def _main_thread_waits_or_fails() -> bool:
     """True if the main thread may be waiting on its peers or is on its way out
     of a failed step, so that it is not the worker everybody waits for.
 
-    Waiting: in a Python frame of Horovod, or inside TensorFlow's executor
-    (graph code can hold a Horovod op; the stall check then leaves the decision
-    to the guardian and to the other ranks, rather than kill a rank that only
-    waits for a slow peer). Failing: handling an exception (a collective failed
-    and Keras or TensorFlow builds its traceback, seconds on a loaded machine);
-    the exception reaches ``@elastic_ext.run``, which recovers, so killing the
-    worker then only loses a healthy one.
+    Failing: handling an exception (a collective failed and Keras or
+    TensorFlow builds its traceback, seconds on a loaded machine); the
+    exception reaches ``@elastic_ext.run``, which recovers, so killing the
+    worker then only loses a healthy one. Waiting: :func:`main_thread_waits`.
     """
     main = threading.main_thread().ident
     handled = sys._current_exceptions().get(main)
@@ -115,7 +112,13 @@ def _main_thread_waits_or_fails() -> bool:
     # exception), later versions the exception or None.
     if (handled[1] if isinstance(handled, tuple) else handled) is not None:
         return True
-    frame = sys._current_frames().get(main)
+    return main_thread_waits()
+
+
+def main_thread_waits() -> bool:
+    """True if the main thread is in a Python frame of Horovod, or inside TensorFlow's executor
+    (graph code can hold a Horovod op): it may be waiting on its peers in a collective."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
     while frame is not None:
         filename = frame.f_code.co_filename
         if f"{os.sep}horovod{os.sep}" in filename:

@@ -1,0 +1,95 @@
+"""A collective that waits on connections already closed: end the worker instead of waiting for Gloo's timeout.
+
+When a connection of Gloo (the version Horovod 0.28.1 builds) fails, Gloo
+wakes the operations pending on it with an error, except a send that is
+already in the connection's transmit queue (a ring segment larger than the
+socket buffer, or written while the peer died): its wait ends only at
+Gloo's timeout, 120 s under elastic_ext (``rendezvous_timeout_s``). Seen in
+a four-worker Keras job: after a SIGKILL, one survivor re-formed at once and
+the other waited 120 s ("Timed out waiting 120000ms for send operation to
+complete"), every one of its collective connections long closed, and the
+job with it, since the next round needs every survivor.
+
+While this worker trains in a round, :class:`ClosedLinksWatch` looks every
+:data:`POLL_S`: when the main thread waits in a collective (not handling an
+exception) and none of the round's collective connections
+(:meth:`~elastic_ext.runtime.connections.CollectiveConnections.all_closed`)
+is still established, for :data:`STUCK_S` in a row, the collective cannot
+complete. The worker then writes a ``links_closed`` event and kills itself
+(SIGKILL, as the stall check does): Horovod's driver sees a failed worker
+and forms the next round from the others, which hold the same commit.
+:data:`STUCK_S` is far above the time a failed collective takes to reach
+the training loop as an exception (milliseconds, seconds on a loaded
+machine), and far below Gloo's timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from elastic_ext.runtime.watchdog import main_thread_waits
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 1.0
+STUCK_S = 10.0
+
+
+class ClosedLinksWatch:
+    """The thread of the module docstring, for one worker.
+
+    Args:
+        links: the worker's ``CollectiveConnections``.
+        liveness: the worker's liveness record (``in_training``).
+        on_stuck: called with the seconds waited, before the worker dies (writes the event).
+        waits: whether the main thread waits in a collective (``main_thread_waits``; replaced in tests).
+        kill: ends the process (SIGKILL to itself; replaced in tests).
+        clock: monotonic seconds.
+    """
+
+    def __init__(self, links: Any, liveness: Any, on_stuck: Callable[[float], None],
+                 waits: Callable[[], bool] = main_thread_waits,
+                 kill: Callable[[], Any] = lambda: os.kill(os.getpid(), signal.SIGKILL),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._links, self._liveness, self._on_stuck = links, liveness, on_stuck
+        self._waits, self._kill, self._clock = waits, kill, clock
+        self._since: Optional[float] = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> "ClosedLinksWatch":
+        self._thread = threading.Thread(target=self._run, name="elastic_ext-closed-links", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=POLL_S * 3)
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            self.check()
+
+    def check(self) -> None:
+        """One look (the cheap conditions first: the connection list is read only while the main thread waits)."""
+        now = self._clock()
+        if not (self._liveness.in_training and self._waits() and self._links.all_closed()):
+            self._since = None
+            return
+        if self._since is None:
+            self._since = now
+            return
+        waited = now - self._since
+        if waited < STUCK_S:
+            return
+        logger.critical("this worker has waited %.1fs in a collective whose every connection (%d) is closed: its "
+                        "peers failed and the collective cannot complete (Gloo would wait for its timeout); "
+                        "killing this worker so the job re-forms without it now", waited, len(self._links.known))
+        self._on_stuck(waited)
+        self._kill()
