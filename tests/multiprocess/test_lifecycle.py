@@ -506,7 +506,7 @@ def test_a_newcomer_sigtermed_before_it_trains_leaves_at_its_first_commit(tmp_pa
     # epoch until the stop file exists, written once the leave is seen: the newcomers' start,
     # however slow on a loaded machine, cannot outlast the job.
     stop = out / "stop"
-    cmd = launch.under_elastic_ext_driver(grow_at_step_8(out, "--epochs", "50", "--step-sleep-s", "0.1",
+    cmd = launch.under_elastic_ext_driver(grow_at_step_8(out, "--epochs", "80", "--step-sleep-s", "0.05",
                                                          "--stop-file", str(stop)))
     job = launch.Job(cmd, env, str(out / "horovodrun.log"))
     leaver = first_newcomer(out, job)
