@@ -1,14 +1,14 @@
 """A survivor stuck on a send Gloo never wakes, with elastic_ext's closed-links watch and without it.
 
-Three workers, one per pseudo-host, under plain ``horovodrun``, train a
+Three workers, one per pseudo-host, under ``elastic-horovodrun``, train a
 Keras 3 model whose 16.8 MB of gradients go through one ring allreduce per
 step (bench/workers/stuck_send_worker.py). Once the job has trained
 ``--warmup-steps`` steps, one worker, chosen and timed by the trial's seed
 (the same for both modes), is SIGKILLed; the two survivors must go on
 without it. Gloo (as Horovod 0.28.1 builds it) does not wake a send queued
 on the failed connection: a survivor caught so waits for Gloo's timeout
-(120 s, elastic_ext's ``rendezvous_timeout_s`` under plain horovodrun), the
-other waits for it in the next round. With the watch
+(120 s in the job's first round, elastic_ext's ``rendezvous_timeout_s``),
+the other waits for it in the next round. With the watch
 (:mod:`elastic_ext.runtime.closed_links`) that survivor kills itself 10 s
 into the wait and the job goes on with one worker. Reported per mode:
 the time from the SIGKILL until a survivor completes a step again (the job
@@ -43,8 +43,9 @@ def trial(work: str, number: int, watch: bool, args: argparse.Namespace) -> dict
     hosts = os.path.join(out, "hosts")
     names = harness.local_host_names()[:3]
     launch.write_hosts(hosts, [f"{name}:1" for name in names])
-    cmd = harness.horovodrun(WORKER, ["--out", out, "--steps", str(args.steps)] + ([] if watch else ["--no-watch"]),
-                             hosts, np_=3, min_np=1, max_np=3)
+    cmd = launch.under_elastic_ext_driver(harness.horovodrun(
+        WORKER, ["--out", out, "--steps", str(args.steps)] + ([] if watch else ["--no-watch"]), hosts, np_=3,
+        min_np=1, max_np=3))
     env = launch.base_env(ELASTIC_EXT_EVENTS_PATH=os.path.join(out, "events.jsonl"),
                           HOROVOD_FUSION_THRESHOLD=harness.HOROVOD_DEFAULT_FUSION)
     job = launch.Job(cmd, env, os.path.join(out, "horovodrun.log"))

@@ -85,8 +85,10 @@ The run loop (``run.py``):
   rolls back now; ``round``, ``member`` (``host:local_rank``), ``links_cut``.
 - ``links_closed`` (:data:`LINKS_CLOSED`, :mod:`elastic_ext.runtime.closed_links`):
   this worker waited ``waited_s`` seconds in a collective whose every
-  connection (``links``) was closed, and kills itself so the job re-forms
-  without waiting for Gloo's timeout.
+  connection (``links``) was closed; ``killed``: it kills itself so the job
+  re-forms without waiting for Gloo's timeout (under ``elastic-horovodrun``),
+  or it waits for that timeout (plain ``horovodrun``, where its death would
+  cost its whole host).
 - ``fenced`` (:data:`FENCED`, from the driver watch): this worker could not
   reach its driver for ``unreachable_s`` seconds (``attempts`` failed
   requests, the last ``error``) and exits rather than train cut off from

@@ -1,5 +1,5 @@
 """Benchmark worker for bench.stuck_send: a Keras 3 model of 4.2M parameters (16.8 MB of gradients per step)
-trained by elastic_ext under plain ``horovodrun``, its gradients averaged inside ``tf.function`` by elastic_ext's
+trained by elastic_ext under ``elastic-horovodrun``, its gradients averaged inside ``tf.function`` by elastic_ext's
 ``DistributedGradientTape``, so every step's ring allreduce sends segments larger than a socket buffer.
 
 Writes ``steps-<pid>.jsonl`` (time, step, world size of each completed step) under ``--out``; ends

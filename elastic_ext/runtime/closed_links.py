@@ -15,9 +15,14 @@ While this worker trains in a round, :class:`ClosedLinksWatch` looks every
 exception) and none of the round's collective connections
 (:meth:`~elastic_ext.runtime.connections.CollectiveConnections.all_closed`)
 is still established, for :data:`STUCK_S` in a row, the collective cannot
-complete. The worker then writes a ``links_closed`` event and kills itself
-(SIGKILL, as the stall check does): Horovod's driver sees a failed worker
-and forms the next round from the others, which hold the same commit.
+complete. Under ``elastic-horovodrun`` the worker then writes a
+``links_closed`` event and kills itself (SIGKILL, as the stall check does):
+the launcher's driver sees one failed worker and forms the next round from
+the others, which hold the same commit. Under plain ``horovodrun`` a
+worker's death costs its whole host (Horovod blacklists the host of every
+failed worker and ends its other workers), so there the worker only says
+what it waits for (the event with ``killed`` false, and an error in its
+log) and waits for Gloo's timeout.
 :data:`STUCK_S` is far above the time a failed collective takes to reach
 the training loop as an exception (milliseconds, seconds on a loaded
 machine), and far below Gloo's timeout.
@@ -46,17 +51,20 @@ class ClosedLinksWatch:
     Args:
         links: the worker's ``CollectiveConnections``.
         liveness: the worker's liveness record (``in_training``).
-        on_stuck: called with the seconds waited, before the worker dies (writes the event).
+        on_stuck: called with the seconds waited and whether the worker is killed, before it dies
+            (writes the event).
+        kill_worker: kill the worker (under ``elastic-horovodrun``) or only say it waits.
         waits: whether the main thread waits in a collective (``main_thread_waits``; replaced in tests).
         kill: ends the process (SIGKILL to itself; replaced in tests).
         clock: monotonic seconds.
     """
 
-    def __init__(self, links: Any, liveness: Any, on_stuck: Callable[[float], None],
+    def __init__(self, links: Any, liveness: Any, on_stuck: Callable[[float, bool], None], kill_worker: bool,
                  waits: Callable[[], bool] = main_thread_waits,
                  kill: Callable[[], Any] = lambda: os.kill(os.getpid(), signal.SIGKILL),
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._links, self._liveness, self._on_stuck = links, liveness, on_stuck
+        self._links, self._liveness, self._on_stuck, self._kill_worker = links, liveness, on_stuck, kill_worker
+        self._told = False  # this wait was reported (a worker that is not killed says it once)
         self._waits, self._kill, self._clock = waits, kill, clock
         self._since: Optional[float] = None
         self._stop = threading.Event()
@@ -80,16 +88,24 @@ class ClosedLinksWatch:
         """One look (the cheap conditions first: the connection list is read only while the main thread waits)."""
         now = self._clock()
         if not (self._liveness.in_training and self._waits() and self._links.all_closed()):
-            self._since = None
+            self._since, self._told = None, False
             return
         if self._since is None:
             self._since = now
             return
         waited = now - self._since
-        if waited < STUCK_S:
+        if waited < STUCK_S or self._told:
+            return
+        self._told = True
+        if not self._kill_worker:
+            logger.error("this worker has waited %.1fs in a collective whose every connection (%d) is closed: its "
+                         "peers failed and Gloo will end the wait only at its timeout (HOROVOD_GLOO_TIMEOUT_SECONDS); "
+                         "under plain horovodrun ending this worker would cost its whole host. elastic-horovodrun "
+                         "ends it instead", waited, len(self._links.known))
+            self._on_stuck(waited, False)
             return
         logger.critical("this worker has waited %.1fs in a collective whose every connection (%d) is closed: its "
                         "peers failed and the collective cannot complete (Gloo would wait for its timeout); "
                         "killing this worker so the job re-forms without it now", waited, len(self._links.known))
-        self._on_stuck(waited)
+        self._on_stuck(waited, True)
         self._kill()

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 
 import numpy as np
 
+from elastic_ext.config import launched
 from elastic_ext.errors import NumericFaultError, RollbackLimitError, error_detail
 from elastic_ext.events import LEAVE, LINKS_CLOSED, RECOVERED, RESET, RESIZE, ROLLBACK, ROLLBACK_LIMIT
 from elastic_ext.launch.gloo_timeout import reset_timeout
@@ -90,9 +91,9 @@ class Recoverer:
         self.driver = DriverWatch.for_this_worker(self.links.abort, state.events) if kind == "gloo" else None
         # A collective stuck on connections Gloo already closed (never under MPI).
         self.closed_links = ClosedLinksWatch(
-            self.links, liveness, lambda waited: state.events.emit(LINKS_CLOSED, waited_s=round(waited, 3),
-                                                                   links=len(self.links.known))
-        ).start() if kind == "gloo" else None
+            self.links, liveness, lambda waited, killed: state.events.emit(
+                LINKS_CLOSED, waited_s=round(waited, 3), links=len(self.links.known), killed=killed),
+            kill_worker=launched()).start() if kind == "gloo" else None
 
     def close(self) -> None:
         """Stops what runs beside the training (when ``run`` returns or raises)."""

@@ -64,7 +64,7 @@ def test_abort_and_a_reset_end_the_round(pairs):
 class Look:
     """A watch whose conditions, clock, kill and event the test sets and reads."""
 
-    def __init__(self):
+    def __init__(self, kill_worker=True):
         self.now, self.waits, self.closed, self.training = 100.0, True, True, True
         self.killed, self.stuck = 0, []
         test = self
@@ -80,8 +80,8 @@ class Look:
             def in_training(self):
                 return test.training
 
-        self.watch = ClosedLinksWatch(Links(), Liveness(), self.stuck.append, waits=lambda: self.waits,
-                                      kill=self.kill, clock=lambda: self.now)
+        self.watch = ClosedLinksWatch(Links(), Liveness(), lambda waited, killed: self.stuck.append((waited, killed)),
+                                      kill_worker, waits=lambda: self.waits, kill=self.kill, clock=lambda: self.now)
 
     def kill(self):
         self.killed += 1
@@ -98,7 +98,20 @@ def test_a_wait_on_closed_connections_kills_the_worker_after_stuck_s_once_writte
         look.look()
         assert look.killed == 0, f"killed at {look.now}, before {STUCK_S}s of waiting"
     look.look()
-    assert look.killed == 1 and look.stuck == [pytest.approx(STUCK_S)]
+    assert look.killed == 1 and look.stuck == [(pytest.approx(STUCK_S), True)]
+
+
+def test_under_plain_horovodrun_the_worker_says_once_that_it_waits_and_is_not_killed():
+    look = Look(kill_worker=False)
+    for _ in range(3 * int(STUCK_S / POLL_S)):
+        look.look()
+    assert look.killed == 0 and look.stuck == [(pytest.approx(STUCK_S), False)], look.stuck
+    look.closed = False  # the wait ended (Gloo's timeout): a later one is reported again
+    look.look()
+    look.closed = True
+    for _ in range(int(STUCK_S / POLL_S) + 1):
+        look.look()
+    assert look.killed == 0 and len(look.stuck) == 2, look.stuck
 
 
 @pytest.mark.parametrize("broken", ["waits", "closed", "training"])
