@@ -5,10 +5,11 @@ wakes the operations pending on it with an error, except a send that is
 already in the connection's transmit queue (a ring segment larger than the
 socket buffer, or written while the peer died): its wait ends only at
 Gloo's timeout, 120 s under elastic_ext (``rendezvous_timeout_s``). Seen in
-a four-worker Keras job: after a SIGKILL, one survivor re-formed at once and
+a three-worker Keras job: after a SIGKILL, one survivor re-formed at once and
 the other waited 120 s ("Timed out waiting 120000ms for send operation to
 complete"), every one of its collective connections long closed, and the
-job with it, since the next round needs every survivor.
+job with it, since the next round needs every survivor. Cutting the links
+(:mod:`elastic_ext.runtime.connections`) does not wake that send either.
 
 While this worker trains in a round, :class:`ClosedLinksWatch` looks every
 :data:`POLL_S`: when the main thread waits in a collective (not handling an
@@ -37,7 +38,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from elastic_ext.runtime.watchdog import main_thread_waits
+from elastic_ext.runtime.watchdog import main_thread_handles_exception, main_thread_waits
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +55,13 @@ class ClosedLinksWatch:
         on_stuck: called with the seconds waited and whether the worker is killed, before it dies
             (writes the event).
         kill_worker: kill the worker (under ``elastic-horovodrun``) or only say it waits.
-        waits: whether the main thread waits in a collective (``main_thread_waits``; replaced in tests).
+        waits: whether the main thread waits in a collective and handles no exception (replaced in tests).
         kill: ends the process (SIGKILL to itself; replaced in tests).
         clock: monotonic seconds.
     """
 
     def __init__(self, links: Any, liveness: Any, on_stuck: Callable[[float, bool], None], kill_worker: bool,
-                 waits: Callable[[], bool] = main_thread_waits,
+                 waits: Callable[[], bool] = lambda: main_thread_waits() and not main_thread_handles_exception(),
                  kill: Callable[[], Any] = lambda: os.kill(os.getpid(), signal.SIGKILL),
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._links, self._liveness, self._on_stuck, self._kill_worker = links, liveness, on_stuck, kill_worker

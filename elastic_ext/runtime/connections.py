@@ -94,7 +94,10 @@ class CollectiveConnections:
 
         A collective of more than one rank cannot complete then: its peers
         failed and the collective library dropped the connections. False
-        between rounds (after an abort, during a reset), and in a world of one.
+        before the round's connections are learned (a reset ends the round),
+        and in a world of one. An :meth:`abort` does not end the round: the
+        driver watch cuts the links from its thread while the main thread may
+        still wait in the collective.
         """
         if not self.in_round or not self.known:
             return False
@@ -149,7 +152,6 @@ class CollectiveConnections:
         descriptors.
         """
         count = 0
-        self.in_round = False
         try:
             current = set(established())
             for fd, _, _ in current & self.known:

@@ -106,13 +106,15 @@ def _main_thread_waits_or_fails() -> bool:
     exception reaches ``@elastic_ext.run``, which recovers, so killing the
     worker then only loses a healthy one. Waiting: :func:`main_thread_waits`.
     """
-    main = threading.main_thread().ident
-    handled = sys._current_exceptions().get(main)
+    return main_thread_handles_exception() or main_thread_waits()
+
+
+def main_thread_handles_exception() -> bool:
+    """True if the main thread is handling an exception (an ``except`` or ``finally`` block runs)."""
+    handled = sys._current_exceptions().get(threading.main_thread().ident)
     # Python 3.11 gives an exc_info tuple ((None, None, None) when there is no
     # exception), later versions the exception or None.
-    if (handled[1] if isinstance(handled, tuple) else handled) is not None:
-        return True
-    return main_thread_waits()
+    return (handled[1] if isinstance(handled, tuple) else handled) is not None
 
 
 def main_thread_waits() -> bool:
