@@ -57,7 +57,7 @@ def horovodrun(script: str, script_args: Sequence[str], hosts_file: str, np_: in
         raise ValueError(f"script must be an absolute path, got {script!r}")
     # os.path.join(launch.WORKERS, script) is script itself when script is absolute.
     cmd = launch.elastic_cmd(np_, min_np, max_np, hosts_file, script, *script_args)
-    return cmd[:1] + list(options) + cmd[1:]
+    return launch.with_options(cmd, options)
 
 
 def local_host_names() -> List[str]:

@@ -23,6 +23,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 VENV_BIN = os.path.dirname(sys.executable)
 WORKERS = os.path.join(REPO, "tests", "multiprocess", "workers")
 STATIC = os.path.join(REPO, "host_discovery", "static.py")
+# How test and benchmark commands start plain Horovod: the ``horovodrun`` script by default;
+# the test suite sets CACHED_CHECKS (tests/conftest.py, see elastic_ext.launch.plain_horovodrun).
+HOROVODRUN_SCRIPT = [os.path.join(VENV_BIN, "horovodrun")]
+CACHED_CHECKS = [sys.executable, "-m", "elastic_ext.launch.plain_horovodrun"]
+RUNNER = HOROVODRUN_SCRIPT
 # Every process of a Job inherits this variable, set to the job's own tag, so
 # that the job's processes are found at its end even when nobody saw them
 # start (Horovod runs each worker in a session of its own, and a worker whose
@@ -183,19 +188,33 @@ def write_hosts(path: str, lines: Sequence[str]) -> None:
 def elastic_cmd(np_: int, min_np: int, max_np: int, hosts_file: str, script: str, *script_args: str,
                 nics: str = "lo") -> List[str]:
     """horovodrun, elastic on the host file, running a test worker (its collectives on ``nics``)."""
-    return [os.path.join(VENV_BIN, "horovodrun"), "-np", str(np_), "--min-np", str(min_np),
+    return [*RUNNER, "-np", str(np_), "--min-np", str(min_np),
             "--max-np", str(max_np), "--host-discovery-script", f"{STATIC} {hosts_file}",
             "--network-interfaces", nics, sys.executable, os.path.join(WORKERS, script), *script_args]
 
 
 def under_elastic_ext_driver(cmd: Sequence[str]) -> List[str]:
     """A ``horovodrun`` command line run by ``python -m elastic_ext.launch.horovodrun`` instead (the same arguments)."""
-    return [sys.executable, "-m", "elastic_ext.launch.horovodrun", *cmd[1:]]
+    return [sys.executable, "-m", "elastic_ext.launch.horovodrun", *horovodrun_args(cmd)]
+
+
+def horovodrun_args(cmd: Sequence[str]) -> List[str]:
+    """The arguments of a ``horovodrun`` command line made here (what follows :data:`RUNNER`, or the script)."""
+    for runner in (RUNNER, CACHED_CHECKS, HOROVODRUN_SCRIPT):
+        if list(cmd[:len(runner)]) == runner:
+            return list(cmd[len(runner):])
+    return list(cmd[1:])
+
+
+def with_options(cmd: Sequence[str], options: Sequence[str]) -> List[str]:
+    """A ``horovodrun`` command line made here, with ``options`` before its other arguments."""
+    args = horovodrun_args(cmd)
+    return list(cmd[:len(cmd) - len(args)]) + list(options) + args
 
 
 def static_cmd(np_: int, script: str, *script_args: str) -> List[str]:
     """horovodrun with a fixed world of ``np_`` local Gloo workers, running a test worker."""
-    return [os.path.join(VENV_BIN, "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
+    return [*RUNNER, "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
             "--network-interfaces", "lo", sys.executable, os.path.join(WORKERS, script), *script_args]
 
 

@@ -51,3 +51,22 @@ def test_the_entry_runs_a_module_and_says_how_to_call_it(tmp_path):
     assert (done.returncode, done.stdout.strip()) == (3, "__main__ ['x']"), done.stderr
     bare = subprocess.run([sys.executable, "-m", WORKER_MODULE], env=env, capture_output=True, text=True, timeout=120)
     assert bare.returncode == 2 and "usage: python -m elastic_ext.launch.worker" in bare.stderr
+
+
+@pytest.mark.parametrize("runner", ["script", "cached checks"])
+def test_a_test_jobs_horovodrun_line_moves_to_the_launcher_and_takes_options_with_its_arguments(runner, monkeypatch):
+    from elastic_ext.testing import launch
+    monkeypatch.setattr(launch, "RUNNER", launch.HOROVODRUN_SCRIPT if runner == "script" else launch.CACHED_CHECKS)
+    cmd = launch.elastic_cmd(4, 2, 4, "/tmp/hosts", "train.py", "--epochs", "1")
+    args = launch.horovodrun_args(cmd)
+    assert cmd == [*launch.RUNNER, *args] and args[:2] == ["-np", "4"], cmd
+    assert launch.under_elastic_ext_driver(cmd) == [sys.executable, "-m", "elastic_ext.launch.horovodrun", *args]
+    assert launch.with_options(cmd, ["--verbose"]) == [*launch.RUNNER, "--verbose", *args]
+
+
+def test_plain_horovodrun_with_cached_checks_is_horovods_runner(tmp_path):
+    # --check-build prints Horovod's own table of what it was built with.
+    result = subprocess.run([sys.executable, "-m", "elastic_ext.launch.plain_horovodrun", "--check-build"],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Horovod v0.28.1" in result.stdout and "[X] Gloo" in result.stdout, result.stdout
