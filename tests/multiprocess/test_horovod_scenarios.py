@@ -172,4 +172,6 @@ def test_all_ranks_failing_fails_the_job(tmp_path):
                                            '{"1,0": [0, 1]}', np_=2, min_np=1, timeout_s=240)
     assert code != 0, "a job whose every worker failed must fail"
     assert "exited with non-zero status" in output, output[-3000:]
-    assert [e["epoch"] for e in epochs] == [0], epochs
+    # Neither rank got past epoch 0, though the survivor of the first exit may
+    # have rolled back and logged epoch 0 again before its own.
+    assert {e["epoch"] for e in epochs} == {0}, epochs

@@ -10,9 +10,10 @@ script (schedule_discovery.py) reads the number of lines of that file to
 pick the hosts, as in Horovod's own integration tests.
 
 --exit-schedule '{"EPOCH,BATCH": [RANKS]}' makes those ranks fail at the
-start of that batch, in the job's first generation only (the ranks are
-those of the original world, as in Horovod's tests): --exit-mode exception raises an error
-(the worker exits 1), kill SIGKILLs itself. The sample ledger goes to --out.
+start of that batch the first time they reach it, in whatever generation
+(the ranks are those of the original world, as in Horovod's tests; newcomers
+never fail): --exit-mode exception raises an error (the worker exits 1),
+kill SIGKILLs itself. The sample ledger goes to --out.
 """
 
 import argparse
@@ -69,17 +70,24 @@ hvd.init()
 start_rank = hvd.rank()
 notice_after = {int(e): int(size or 1 << 30) for e, _, size in (spec.partition(":") for spec in
                                                                  args.notice_after.split(",") if spec)}
-fired = set()
+origin = []  # (generation, rank) at this process's first batch
 
 
 def maybe_exit(state, epoch, batch):
-    """Fails here if the schedule says so for this rank of the original world."""
-    if state.generation != 1 or (epoch, batch) in fired or hvd.rank() not in exits.get((epoch, batch), ()):
+    """Fails here if the schedule says so for this process's rank in the original world.
+
+    A listed process fails the first time it reaches the batch, in whatever
+    generation: a peer's earlier failure can roll it back before it gets
+    there, and it must still fail when it replays the batch. A newcomer (a
+    process whose first batch is after generation 1) never fails."""
+    if not origin:
+        origin.append((state.generation, hvd.rank()))
+    first_generation, rank = origin[0]
+    if first_generation != 1 or rank not in exits.get((epoch, batch), ()):
         return
-    fired.add((epoch, batch))
     if args.exit_mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    raise RuntimeError(f"scheduled exit of rank {hvd.rank()} at epoch {epoch} batch {batch}")
+    raise RuntimeError(f"scheduled exit of rank {rank} at epoch {epoch} batch {batch}")
 
 
 def log_epoch(state, epoch):
