@@ -15,11 +15,13 @@ needs at that moment and what ``import elastic_ext`` therefore never does:
 4. SIGTERM means "leave at the first commit" (:mod:`elastic_ext.launch.sigterm`),
    also while the script builds its model and the job re-forms;
 5. a preemption notice (the cloud's metadata endpoint, Slurm's signal) means
-   the same (:mod:`elastic_ext.launch.notices`).
+   the same (:mod:`elastic_ext.launch.notices`);
+6. Horovod's PyTorch binding waits for its collectives without spinning on a
+   core (:mod:`elastic_ext.launch.torch_wait`).
 
 Then it runs the script as ``__main__`` in this interpreter, with
 ``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS`` would set them.
-Each step does nothing outside a worker of an elastic ``horovodrun``.
+Steps 1 to 5 do nothing outside a worker of an elastic ``horovodrun``.
 """
 
 from __future__ import annotations
@@ -33,14 +35,15 @@ USAGE = "usage: python -m elastic_ext.launch.worker (SCRIPT | -m MODULE) [ARGS..
 
 
 def prepare() -> None:
-    """Steps 1 to 5 of the module docstring, in that order (the keeper forks before anything else runs)."""
-    from elastic_ext.launch import gloo_timeout, keeper, newcomer, notices, sigterm
+    """Steps 1 to 6 of the module docstring, in that order (the keeper forks before anything else runs)."""
+    from elastic_ext.launch import gloo_timeout, keeper, newcomer, notices, sigterm, torch_wait
 
     keeper.install()
     newcomer.install()
     gloo_timeout.first_rendezvous_timeout()
     sigterm.install_early_sigterm()
     notices.install()
+    torch_wait.install()
 
 
 def main(argv: Optional[List[str]] = None) -> None:
