@@ -24,7 +24,14 @@ Reported per system, beside bench.compare's figures (bench/compare_report.py):
   run time`` over the SIGKILLs delivered, so that a kill during a recovery
   costs only what it adds (torchft's "82.3 % against an 83.3 % bound" is
   ``1 - R / MTBF`` with its restart time); also with the median time back to
-  4 workers as R (a lower bound for systems that train on fewer meanwhile).
+  4 workers as R (a lower bound for systems that train on fewer meanwhile);
+- **bound at the reduced throughput**, for a system that trains on fewer
+  workers until the failed one is back: each failure loses the whole
+  throughput for R and ``1 - c`` of it from then until the median time back
+  to 4 workers F, where c is the system's throughput on 3 workers over its
+  throughput on 4 in this run (median samples per second over the whole
+  seconds at each size; 3/4 where the run has fewer than 5 such seconds at
+  3 workers); overlapping failures count once, each instant at its worst.
 
     .venv/bin/python -m bench.chaos --systems torchft,torchrun,ext [--duration-s 600] [--mtbf-s 15] [--seed 0]
 
@@ -169,6 +176,30 @@ def lost(kills_at: List[float], recovery_s: float, end: float) -> float:
     return total
 
 
+def reduced_throughput(timeline: List[List[Any]], fewer: int = WORKERS_PER_JOB - 1) -> Tuple[float, bool]:
+    """(throughput on ``fewer`` workers over throughput at full size, measured?) from the run's
+    timeline (per second: [second, samples, size]): the median over the seconds whose neighbours
+    are at the same size; ``fewer / WORKERS_PER_JOB`` when fewer than 5 such seconds."""
+    def steady(size: int) -> List[float]:
+        return [row[1] for before, row, after in zip(timeline, timeline[1:], timeline[2:])
+                if before[2] == row[2] == after[2] == size and row[1] > 0]
+    full, reduced = steady(WORKERS_PER_JOB), steady(fewer)
+    if len(full) < 5 or len(reduced) < 5:
+        return fewer / WORKERS_PER_JOB, False
+    return min(1.0, harness.median(reduced) / harness.median(full)), True
+
+
+def lost_capacity(kills_at: List[float], resume_s: float, full_s: float, reduced: float, end: float,
+                  tick_s: float = 0.01) -> float:
+    """Seconds of full throughput lost: all of it in [kill, kill + resume_s], ``1 - reduced`` of it until
+    kill + full_s; where failures overlap, each instant counts at its worst (cut at ``end``)."""
+    loss = [0.0] * (int(end / tick_s) + 1)
+    for at in kills_at:
+        for i in range(max(0, int(at / tick_s)), min(len(loss), int((at + max(full_s, resume_s)) / tick_s))):
+            loss[i] = max(loss[i], 1.0 if i * tick_s < at + resume_s else 1.0 - reduced)
+    return sum(loss) * tick_s
+
+
 def efficiency(result: Dict[str, Any]) -> Dict[str, Optional[float]]:
     """Step efficiency and its analytic bounds (see the module docstring)."""
     wall, throughput = result.get("training_wall_s"), result.get("throughput_samples_per_s")
@@ -182,6 +213,13 @@ def efficiency(result: Dict[str, Any]) -> Dict[str, Optional[float]]:
             out[key] = max(0.0, 1.0 - lost(kills_at, result[field], wall) / wall)
     if out["bound"] is not None:
         out["points_below_bound"] = 100.0 * (out["bound"] - out["step_efficiency"])
+    resume, full = result.get("resume_median_s"), result.get("full_size_median_s")
+    if resume is not None and full is not None:
+        reduced, measured = reduced_throughput(result.get("timeline") or [])
+        out["throughput_on_3_over_4"], out["throughput_on_3_measured"] = reduced, measured
+        out["bound_reduced_throughput"] = max(0.0, 1.0 - lost_capacity(kills_at, resume, full, reduced, wall) / wall)
+        out["points_below_bound_reduced_throughput"] = 100.0 * (out["bound_reduced_throughput"]
+                                                                - out["step_efficiency"])
     return out
 
 
@@ -189,6 +227,9 @@ ROWS = [("SIGKILLs / job deaths", None), ("scheduled SIGKILLs dropped", "kills_d
         ("goodput (samples/s)", "goodput_samples_per_s"), ("throughput w/o failures", "throughput_samples_per_s"),
         ("step efficiency", "step_efficiency"), ("analytic bound", "bound"),
         ("  points below the bound", "points_below_bound"), ("bound with back-to-4 time", "bound_full_size"),
+        ("bound at the reduced throughput", "bound_reduced_throughput"),
+        ("  points below it", "points_below_bound_reduced_throughput"),
+        ("  throughput on 3 / on 4", "throughput_on_3_over_4"),
         ("time to resume, median (s)", "resume_median_s"), ("back to 4 workers, median (s)", "full_size_median_s"),
         ("steps discarded", "steps_discarded"), ("per-rank batches discarded", "batches_discarded"),
         ("duplicated samples", "duplicated_samples"), ("skipped samples", "skipped_samples"),

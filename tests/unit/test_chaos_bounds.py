@@ -1,0 +1,36 @@
+"""bench.chaos's analytic bounds: lost time with overlapping failures, and the throughput on fewer workers."""
+
+import pytest
+
+from bench import chaos
+
+
+def test_a_lone_failure_loses_the_stall_and_the_missing_share_until_full_size():
+    # 1 s standing still, then 3 s at 0.75 of the throughput: 1 + 0.25 * 3.
+    assert chaos.lost_capacity([10.0], 1.0, 4.0, 0.75, 100.0) == pytest.approx(1.75, abs=0.02)
+
+
+def test_overlapping_failures_count_each_instant_at_its_worst():
+    # The second failure's stall [11, 12] falls in the first's reduced part; from 12 on,
+    # the reduced part runs to 15 (the second failure's full size).
+    assert chaos.lost_capacity([10.0, 11.0], 1.0, 4.0, 0.75, 100.0) == pytest.approx(2.0 + 0.25 * 3, abs=0.02)
+
+
+def test_a_failure_near_the_end_is_cut_there():
+    assert chaos.lost_capacity([99.5], 1.0, 4.0, 0.5, 100.0) == pytest.approx(0.5, abs=0.02)
+
+
+def test_without_a_reduced_phase_it_is_the_union_of_the_stalls():
+    kills = [5.0, 5.5, 30.0]
+    assert chaos.lost_capacity(kills, 2.0, 2.0, 0.75, 60.0) == pytest.approx(chaos.lost(kills, 2.0, 60.0), abs=0.02)
+
+
+def test_the_throughput_on_three_is_measured_over_steady_seconds_only():
+    timeline = [[i, 1000, 4] for i in range(10)] + [[10, 300, 3]] + [[i, 780, 3] for i in range(11, 20)]
+    timeline += [[20, 500, 4]] + [[i, 1000, 4] for i in range(21, 25)]
+    assert chaos.reduced_throughput(timeline) == (pytest.approx(0.78), True)
+
+
+def test_too_few_seconds_on_three_gives_the_share_of_workers():
+    timeline = [[i, 1000, 4] for i in range(10)] + [[10, 700, 3], [11, 700, 3]]
+    assert chaos.reduced_throughput(timeline) == (0.75, False)
