@@ -13,8 +13,8 @@ in two modes that differ in one thing:
 Each configuration (workers, emulated compute per sample) runs the modes in
 the order A B B A (``--rounds`` times); each job trains ``--warmup-s``
 seconds at full size, then is measured for ``--seconds``: rank 0's mean
-step time (the measured seconds over its steps) and median, the median and 90th percentile of the step's
-allreduce-and-update part (the step log's step record to its done record:
+step time (the measured seconds over its steps) and median, the median and
+90th percentile of the step's allreduce-and-update part (the step log's step record to its done record:
 where the wait is), and the CPU the workers used per step (all their
 threads). Reported side by side, with the ratio spin / sleep.
 
@@ -89,7 +89,7 @@ def one_job(work: str, data: str, workers: int, ms_per_sample: float, mode: str,
 
 def worker_pids(seen: harness.Watch) -> List[int]:
     """The workers: the processes that write a steps file (steps-<pid>.jsonl)."""
-    return sorted({int(os.path.basename(path)[len("steps-"):-len(".jsonl")]) for path in seen.offsets})
+    return sorted({harness.writer_pid(path) for path in seen.offsets})
 
 
 def cpu_s(proc: psutil.Process) -> float:

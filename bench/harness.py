@@ -111,6 +111,11 @@ def kill_delay(number: int, uptime_s: float, jitter_s: float) -> float:
     return uptime_s + random.Random(number).uniform(0, jitter_s)
 
 
+def writer_pid(path: str) -> int:
+    """The pid of the worker that writes the steps file ``path`` (``steps-<pid>.jsonl``)."""
+    return int(os.path.basename(path)[len("steps-"):-len(".jsonl")])
+
+
 class Watch:
     """Launched jobs (one or several processes) and the ``steps-*.jsonl`` lines their workers append."""
 

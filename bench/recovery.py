@@ -128,7 +128,7 @@ def read_jsonl(path):
 
 def read_steps(out):
     """Every worker's completed steps, each with the pid its file ``steps-<pid>.jsonl`` names."""
-    return [dict(record, pid=int(os.path.basename(path)[len("steps-"):-len(".jsonl")]))
+    return [dict(record, pid=harness.writer_pid(path))
             for path in glob.glob(os.path.join(out, "steps-*.jsonl")) for record in read_jsonl(path)]
 
 

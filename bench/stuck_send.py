@@ -75,8 +75,7 @@ def trial(work: str, number: int, watch: bool, args: argparse.Namespace) -> dict
 
 def victim_pid(out: str, number: int) -> int:
     """One of the three workers (by their steps files), chosen by the trial's seed; 0 if not three."""
-    writers = sorted(int(os.path.basename(p)[len("steps-"):-len(".jsonl")])
-                     for p in glob.glob(os.path.join(out, "steps-*.jsonl")))
+    writers = sorted(harness.writer_pid(p) for p in glob.glob(os.path.join(out, "steps-*.jsonl")))
     return random.Random(number).choice(writers) if len(writers) == 3 else 0
 
 
