@@ -38,7 +38,10 @@ The run loop (``run.py``):
 - ``reset`` (:data:`RESET`): Horovod re-initialised after a rollback or a
   resize; ``duration_s``, ``cause``, ``reinit_s`` (Horovod's shutdown and
   init: the rendezvous with the driver's new round and the Gloo context),
-  ``callbacks_s`` (the State's reset callbacks).
+  ``callbacks_s`` (the State's reset callbacks); after a rollback whose
+  restore went to a thread (:mod:`elastic_ext.state.restore`) also
+  ``restore_background_s`` (the thread's time) and ``restore_wait_s`` (what
+  the reset waited for it after Horovod's init), which ``recovered`` repeats.
 - ``recovered`` (:data:`RECOVERED`): the first sync after a rollback or
   resize is done; the fields of that ``rollback``/``resize`` plus ``size``,
   ``generation``, ``recovery_s``, ``learn_connections_s`` (the collective

@@ -30,9 +30,12 @@ p.add_argument("--kill-step", type=int, default=10)
 p.add_argument("--steps-after", type=int, default=6)
 p.add_argument("--step-sleep-s", type=float, default=0.05)
 p.add_argument("--commit-every", type=int, default=4)
-p.add_argument("--model", choices=["mlp", "cnn_bn", "big"], default="mlp",
-               help="cnn_bn: a small CNN with BatchNorm2d, whose running statistics differ between ranks")
+p.add_argument("--model", choices=["mlp", "cnn_bn", "big", "table"], default="mlp",
+               help="cnn_bn: a small CNN with BatchNorm2d, whose running statistics differ between ranks; "
+                    "table: the mlp and a 432 MB table in the State, one slice of it updated per step")
 args = p.parse_args()
+TABLE_ELEMENTS = 108_000_000
+TABLE_SLICE = 1_000_000  # elements updated in place per step
 
 torch.set_num_threads(1)
 calls = open(os.path.join(args.out, f"calls-{os.getpid()}.jsonl"), "a", buffering=1)
@@ -56,7 +59,8 @@ def timed(name):
 timed("init")
 timed("shutdown")
 hvd.init()
-if args.model == "mlp":
+table = None
+if args.model in ("mlp", "table"):
     model = mlp([64, 256, 10])
     shape = (32, 64)
 elif args.model == "big":  # 36.1M parameters: 432 MB with Adam's two moments
@@ -69,15 +73,19 @@ else:
                                 torch.nn.Flatten(), torch.nn.Linear(16 * 8 * 8, 10))
     shape = (32, 1, 8, 8)
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+if args.model == "table":  # 108M float32: 432 MB the survivors must restore, the step stays the mlp's
+    table = torch.zeros(TABLE_ELEMENTS)
 log = open(os.path.join(args.out, f"steps-{os.getpid()}.jsonl"), "a", buffering=1)
 kills_path = os.path.join(args.out, "kills.jsonl")
 
 if args.system == "plain":
-    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, step=0)
+    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, step=0,
+                                   **({} if table is None else {"table": table}))
     run = hvd.elastic.run
 else:
     import elastic_ext
-    state = elastic_ext.State(model=model, optimizer=optimizer, step=0)
+    state = elastic_ext.State(model=model, optimizer=optimizer, step=0,
+                              **({} if table is None else {"table": table}))
     run = elastic_ext.run
 
 
@@ -92,6 +100,9 @@ def train(state):
         for i, param in enumerate(model.parameters()):
             hvd.allreduce_(param.grad, op=hvd.Average, name=f"g{i}")
         optimizer.step()
+        if table is not None:
+            start = (state.step * TABLE_SLICE) % TABLE_ELEMENTS
+            table[start:start + TABLE_SLICE].add_(1.0)
         state.step += 1
         log.write(json.dumps({"t": time.time(), "step": state.step, "size": hvd.size(), "rank": hvd.rank()}) + "\n")
         time.sleep(args.step_sleep_s)

@@ -97,6 +97,10 @@ class Recoverer:
 
     def close(self) -> None:
         """Stops what runs beside the training (when ``run`` returns or raises)."""
+        try:
+            self.state._settle_restore()
+        except Exception:  # noqa: BLE001 - run is raising already, or its last sync joined it
+            logger.exception("the background restore failed")
         if self.driver is not None:
             self.driver.stop()
         if self.closed_links is not None:
@@ -149,7 +153,9 @@ class Recoverer:
                 f"{count} rollbacks in a row without a new commit (commit id {state.commit_id}) "
                 f"exceed rollback_limit ({config.rollback_limit}); last cause: {exc}") from exc
         if state.committed:
-            state.restore()
+            # The large entries are copied back, and the commit digested, on a thread
+            # while reset() re-forms Horovod; reset() waits for it before the callbacks.
+            state._start_restore(background=True)
         # else: a fresh process failed before its first sync (in the collective that
         # learns the connections): nothing to roll back; the next sync brings the state.
         self.numeric.reapply(state)  # skips of numeric rollbacks no commit holds yet
@@ -158,7 +164,8 @@ class Recoverer:
         self.pending = Recovery("collective_failed", state.commit_id, t0, {
             "detail": error_detail(exc), "rollbacks_in_a_row": count,
             "steps_rolled_back": steps_back, "lost_work_s": lost_s,
-            "failed_at": failed_at, "abort_s": aborted - t0, "restore_s": time.perf_counter() - aborted})
+            "failed_at": failed_at, "abort_s": aborted - t0,
+            "restore_s": time.perf_counter() - aborted})  # the calling thread's part
         state.events.emit(ROLLBACK, cause=self.pending.cause, **self.pending.fields, commit_id=self.pending.commit_id)
 
     def hosts_updated(self, skip_sync: bool) -> None:
@@ -210,14 +217,21 @@ class Recoverer:
             reset_timeout(self.state.config, self.state.binding.size())
         self.links.before_init()
         reinit = time.perf_counter()
-        self.state.binding.reset()
-        reinit_done = time.perf_counter()
+        try:
+            self.state.binding.reset()
+        finally:
+            reinit_done = time.perf_counter()
+            restore_s = self.state._settle_restore()  # a rollback's restore, beside the re-forming
+        waited = time.perf_counter()
         self.links.after_init()
         callbacks = time.perf_counter()
         self.state.on_reset()
         done = time.perf_counter()
+        background = {} if restore_s is None else {"restore_background_s": restore_s,
+                                                   "restore_wait_s": waited - reinit_done}
+        self.pending.fields.update(background)
         self.state.events.emit(RESET, duration_s=done - started, cause=self.pending.cause,
-                               reinit_s=reinit_done - reinit, callbacks_s=done - callbacks)
+                               reinit_s=reinit_done - reinit, callbacks_s=done - callbacks, **background)
 
 
 def leave(state: "State", liveness: Liveness, kind: str, cause: str) -> None:

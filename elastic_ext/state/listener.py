@@ -25,6 +25,7 @@ class HorovodListener:
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
+        self._settle_restore()  # the callbacks may use the objects a rollback restores
         self._hosts.clear()
         self._straggler.reset()
         self.reset()

@@ -47,6 +47,7 @@ from elastic_ext.policies import numeric_rollback as _numeric
 from elastic_ext.policies.guard import NumericGuard
 from elastic_ext.state.records import CommitRecord, RollbackRecord
 from elastic_ext.state.replica import ReplicaCheck
+from elastic_ext.state.restore import BackgroundRestore, split
 from elastic_ext.data.sampler import ElasticPartitioner
 from elastic_ext.policies.straggler import StragglerPolicy
 from elastic_ext.state.tracked import Tracked
@@ -135,6 +136,8 @@ class State(HorovodListener, DurableCommits, SoftFailures):
         s(self, "_events", EventLog(self._config.events_path, binding.rank, binding.size))
         s(self, "_replica", ReplicaCheck(self._config.replica_check_every, self._tracked, self._buffers,
                                          self._events, self._config.exclude_file))
+        s(self, "_digests", _sync.Digests())
+        s(self, "_restoring", None)  # a BackgroundRestore under way
         s(self, "_checkpointer", None)
         if self._config.checkpoint_dir is not None:
             from elastic_ext.checkpoint import Checkpointer
@@ -230,6 +233,7 @@ class State(HorovodListener, DurableCommits, SoftFailures):
 
     def save(self) -> None:
         """The local half of :meth:`commit`: snapshot without any collective."""
+        self._settle_restore()
         captures = self._tracked.capture()
         try:
             self._buffers.copy(captures)
@@ -254,15 +258,48 @@ class State(HorovodListener, DurableCommits, SoftFailures):
             NotCommittedError: nothing was committed yet.
             StateError: the last commit is torn (an interrupted copy).
         """
+        self._start_restore(background=False)
+
+    def _start_restore(self, background: bool) -> None:
+        """:meth:`restore`; with ``background``, the large entries are restored, and the commit digested
+        for the next sync, on a thread that the next use of the objects or the commit joins
+        (:mod:`elastic_ext.state.restore`: after a failed collective, beside Horovod's re-forming)."""
+        self._settle_restore()
         if self._buffers.entries is None:
             raise NotCommittedError("restore() called before any commit(); call commit() first")
         if self._buffers.torn:
             raise StateError(f"commit {self.commit_id} is torn (a commit was interrupted while copying); "
                              "it cannot be restored. Use commit_buffers=2 to keep the previous commit intact")
-        for name, entry in self._buffers.entries.items():
+        entries = self._buffers.entries
+        now, later = split(entries, self._may_restore_later) if background else (entries, {})
+        for name, entry in now.items():
             self._tracked.apply(name, entry)
+        if later:
+            synced = {name: entries[name] for name in self._tracked.synced(entries)}
+            keys = {name: self._tracked.buffer_keys(name) for name in synced}
+            object.__setattr__(self, "_restoring", BackgroundRestore(self._tracked.apply, later, synced, keys,
+                                                                     self._digests))
         self._guarded.drop()  # the step in flight is undone
         self._straggler.reset()  # replayed steps are not measured against the others
+
+    def _may_restore_later(self, name: str) -> bool:
+        """True if object ``name`` may be restored on the background restore's thread (not a sampler,
+        not TensorFlow's: see :mod:`elastic_ext.state.restore`)."""
+        return not isinstance(self._tracked.objects[name], ElasticPartitioner) \
+            and getattr(self._tracked.adapter(name), "framework", None) != "tensorflow"
+
+    def _settle_restore(self) -> Optional[float]:
+        """Waits for a background restore under way, if any; raises what it raised.
+
+        Returns:
+            how long that restore's thread ran (None when none was under way).
+        """
+        restoring = self._restoring
+        if restoring is None:
+            return None
+        object.__setattr__(self, "_restoring", None)
+        restoring.join()
+        return restoring.duration_s
 
     def sync(self) -> None:
         """Makes every rank hold the same commit and the same live synced objects.
@@ -278,6 +315,7 @@ class State(HorovodListener, DurableCommits, SoftFailures):
                 (the message names the first differing entry).
             CheckpointError: a fresh job cannot resume from its checkpoints.
         """
+        self._settle_restore()
         if self._buffers.entries is None or self._buffers.torn:
             # A newcomer (or a torn survivor) snapshots what it has, so that
             # a fresh job starts from rank 0's initial objects.
@@ -286,7 +324,7 @@ class State(HorovodListener, DurableCommits, SoftFailures):
             self._record.commit_id = 0
             self._record.participated = False
         party = _sync.Party(self._binding, self._tracked, self._buffers, self._record, self._hosts,
-                            self._rollbacks, self._events, self._checkpointer)
+                            self._rollbacks, self._events, self._checkpointer, self._digests)
         _sync.sync(party)
 
 def reserved_names() -> FrozenSet[str]:

@@ -85,6 +85,9 @@ def test_sigkill_rolls_back_and_matches_a_failure_free_run(tmp_path, references,
     events = analysis.read_events(str(failed / "events.jsonl"))
     rollbacks = [e for e in events if e["event"] == "rollback"]
     assert rollbacks, "the SIGKILL did not cause a rollback"
+    # The worker's 2 MiB table was restored on the background thread, beside Horovod's re-forming.
+    recovered = [e for e in events if e["event"] == "recovered" and e["cause"] == "collective_failed"]
+    assert recovered and all("restore_background_s" in e for e in recovered), recovered
     analysis.assert_exactly_once(failed, DIGITS, EPOCHS)
     analysis.assert_no_step_went_back_past_a_commit(failed, COMMIT_EVERY)
     starts = ledger.starts(ledger.read(str(failed)))

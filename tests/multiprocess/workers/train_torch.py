@@ -1,8 +1,8 @@
 """Test worker: elastic (or plain) PyTorch training on the UCI digits.
 
 Writes, under --out: steps-<pid>.jsonl (every step: generation, epoch,
-cursor, rank, size, sample indices), final-<rank>.npz (weights and optimizer
-state at the end), and recovery events (ELASTIC_EXT_EVENTS_PATH).
+cursor, rank, size, sample indices), final-<rank>.npz (weights, optimizer
+state and the table at the end), and recovery events (ELASTIC_EXT_EVENTS_PATH).
 Faults come from --faults "RANK:STEP:HOW[:WHERE]" (WHERE: step, allreduce,
 commit) and fire once each.
 """
@@ -55,6 +55,9 @@ else:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
 sampler = ElasticSampler(len(X), global_batch_size=args.global_batch, seed=1, policy="pad")
 book = Ledger(args.out)
+# 2 MiB the State restores on its background thread after a failed collective (elastic_ext.state.restore):
+# each step adds to one slot, so a replayed step whose table was not restored shows in the final table.
+table = torch.zeros(1 << 19)
 
 
 commit_probe = CommitFaultProbe(faults, hvd.rank)
@@ -78,6 +81,7 @@ def train_step(state, indices, pad):
     loss.backward()
     allreduce_gradients(state.step)
     optimizer.step()
+    table[(state.step * 4099) % table.numel()] += 1.0
 
 
 def maybe_resize(state):
@@ -115,6 +119,7 @@ def train(state):
 
 def save_final():
     arrays = {f"model/{k}": v.numpy() for k, v in model.state_dict().items()}
+    arrays["table"] = table.numpy()
     for pid, st in optimizer.state_dict()["state"].items():
         for k, v in st.items():
             arrays[f"opt/{pid}/{k}"] = v.numpy() if torch.is_tensor(v) else np.asarray(v)
@@ -125,7 +130,7 @@ def save_final():
 
 state_step = [0]
 if args.mode == "elastic":
-    state = elastic_ext.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0,
+    state = elastic_ext.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0, table=table,
                               commit_probe=commit_probe, adapters=[commit_probe])
     elastic_ext.run(train)(state)
     state_step[0] = state.step
