@@ -312,15 +312,18 @@ def ranks_with_prestart(size, overlap):
 def test_an_addition_keeps_training_until_every_newcomer_waits(overlap):
     hosts, made, commit = ranks_with_prestart(3, overlap)
     hosts[0].put(100, HOSTS_ADDED)  # Horovod notifies the coordinator only
-    lag = 1 if overlap else 0
-    for _ in range(2 + lag):
-        assert commit() == [None] * 3  # no reset: training goes on
-    assert [len(m) for m in made] == [1, 1, 1]  # every rank started one early start, at the same commit
+    assert commit() == [None] * 3  # no reset: training goes on
+    # every rank started one early start at the commit that carried the addition (the first commits
+    # after the start read their own collective, overlapped or not)
+    assert [len(m) for m in made] == [1, 1, 1]
+    for _ in range(2):
+        assert commit() == [None] * 3
     for _ in range(3):
         assert commit() == [None] * 3
+    # While the early start is under way no collective is left in flight: the commit that carries
+    # "all there" resizes at once, with or without overlapped commits.
+    assert all(h._in_flight is None for h in hosts)
     made[0][0].finish("all_there")  # rank 0 saw every newcomer
-    for _ in range(lag):
-        assert commit() == [None] * 3
     assert commit() == [False] * 3  # every rank resizes at the same commit, with a sync for the newcomers
     assert [h.joined.why for h in hosts] == ["all_there", "agreed", "agreed"]
     assert all(m[0].cancelled for m in made)
