@@ -51,9 +51,6 @@ class EarlyStart(Protocol):
 HOSTS_REMOVED = 1
 HOSTS_ADDED = 2
 FIELDS = 8  # the vector's fixed part; the extra follows
-# Commits after a reset (or the start) whose collective blocks even with overlap: a failure's regrowth
-# is announced to the coordinator right after the reset, and acts at the commit that carries it.
-BLOCKING_AFTER_RESET = 3
 _now = time.monotonic  # the clock of commit intervals (tests replace it)
 
 
@@ -115,18 +112,12 @@ class HostUpdates:
     start newcomers early) a pure host addition
     starts the newcomers while training goes on; the resize comes at the
     first commit that agrees they are all waiting. A removal or a leave
-    meanwhile resizes at once, with the newcomers.
-
-    The allreduces of the first :data:`BLOCKING_AFTER_RESET` commits after a
-    reset (or the start) and of the commits while an early start is under
-    way block even with ``overlap``: after a failure the launcher's driver
-    announces the failed slot's return to the coordinator right after the
-    reset, and the newcomers announce themselves during the early start;
-    either acts at the commit that carries it, so the survivors train one
-    commit interval less on the smaller world. That costs a few
-    milliseconds at each of those few commits. Every rank counts the same
-    commits since the reset they went through together, so all of them
-    block at the same commits.
+    meanwhile resizes at once, with the newcomers. While an early start is
+    under way the commits' allreduces block even with ``overlap``: the
+    newcomers' arrival acts at the commit that carries it, so the survivors
+    do not train one more commit interval on the smaller world once the
+    newcomers are there. That costs the allreduce's latency (milliseconds)
+    at each of those few commits.
     """
 
     def __init__(self, overlap: bool = False,
@@ -145,7 +136,6 @@ class HostUpdates:
         self.earlier_extra: Optional[np.ndarray] = None  # a blocking commit's: the previous commit's reduced extra
         self.current = False  # the last agree() returned its own commit's extra (not the previous one's)
         self.interval_s: Optional[float] = None   # the time between its last two
-        self._blocking_left = BLOCKING_AFTER_RESET  # commits that still block (see BLOCKING_AFTER_RESET)
 
     def put(self, timestamp: int, update_res: int) -> None:
         self._messages.put((timestamp, int(update_res)))
@@ -157,7 +147,6 @@ class HostUpdates:
         self._messages = queue.Queue()
         self._in_flight = None  # a collective of the previous Horovod context: never waited for
         self._settled = None
-        self._blocking_left = BLOCKING_AFTER_RESET
         if self.prestart is not None:  # a reset: the driver counts the newcomers in already
             self.prestart.cancel()
             self.prestart = None
@@ -191,9 +180,8 @@ class HostUpdates:
         ``skip_sync`` for the ``HostsUpdatedInterrupt`` every rank then raises together;
         the reduced ``extra``). With ``overlap``, both are those of the previous
         commit's allreduce, (None, None) if there is none, unless ``blocking``
-        (a commit whose extra must act at once: the replica check), the
-        commit is one of the first after a reset or an early start is under
-        way: then the previous one acts first (its extra in :attr:`earlier_extra`) and this
+        (a commit whose extra must act at once: the replica check) or an
+        early start is under way: then the previous one acts first (its extra in :attr:`earlier_extra`) and this
         one runs blocking. :attr:`current` says whether the extra returned is
         this commit's. ``stop``: this rank asks every rank to stop;
         :attr:`stopped` says whether some rank did. ``changes_world(extra)``
@@ -212,7 +200,6 @@ class HostUpdates:
         self.interval_s = None if self._agreed_at is None else now - self._agreed_at
         self._agreed_at = now
         self.earlier_extra, self.current = None, not self.overlap
-        after_reset, self._blocking_left = self._blocking_left > 0, max(0, self._blocking_left - 1)
         if not self.overlap:
             return self._act(read_agreement(binding.allreduce_max(vector, "elastic_ext.hosts"), commit_id,
                                             extra is not None))
@@ -226,10 +213,9 @@ class HostUpdates:
                 return result  # every rank resizes now: nothing more runs on this Horovod context
         if not blocking and changes_world is not None and changes_world(result[1]):
             return result  # the same on every rank: they resize now
-        # Right after a reset, and while an early start is under way (every rank counts the same commits
-        # and started it at the same one), the collective blocks: the commit that carries a regrowth, or
-        # "the newcomers are all there", acts at once, not one commit later.
-        if blocking or after_reset or self.prestart is not None:
+        # While an early start is under way (every rank started it at the same commit), the collective
+        # blocks: the commit that carries "the newcomers are all there" resizes at once, not one later.
+        if blocking or self.prestart is not None:
             self.earlier_extra, self.current = result[1], True
             return self._act(read_agreement(binding.allreduce_max(vector, "elastic_ext.hosts"), commit_id,
                                             extra is not None))

@@ -1,8 +1,7 @@
 """Overlapped commits: where the binding runs the commit's collective in the background (PyTorch), a
 commit's collective is read at the next commit. Every rank still acts together, one commit later; a
 reset drops the collective in flight; a leaver whose grace is shorter than a commit interval leaves at
-its commit, once every rank has taken it; the first commits after the start and after each reset
-read their own collective (ranks simulated by threads)."""
+its commit, once every rank has taken it (ranks simulated by threads)."""
 
 import numpy as np
 import pytest
@@ -39,19 +38,8 @@ def commit_all(world, states):
 
 
 def overlapping(world, states):
-    """The world past its first commits, which block (``BLOCKING_AFTER_RESET``): commits overlap from here."""
     assert all(state._hosts.overlap for state in states)
-    for _ in range(host_updates.BLOCKING_AFTER_RESET):
-        assert commit_all(world, states) == [None] * len(states)
     return world, states
-
-
-def steady(binding, hosts):
-    """``hosts`` past its first commits, which block; the binding's record cleared. Returns the next commit id."""
-    for commit_id in range(1, host_updates.BLOCKING_AFTER_RESET + 1):
-        assert hosts.agree(binding, commit_id, leaving=False) == (None, None)
-    binding.calls.clear()
-    return host_updates.BLOCKING_AFTER_RESET + 1
 
 
 @pytest.mark.parametrize("background, acts_at", [(False, 1), (True, 2)])
@@ -92,8 +80,7 @@ def test_differing_commit_ids_fail_at_the_next_commit_on_every_rank():
     assert world.run(commit) == [None, None]  # this commit's allreduce is only read at the next commit
     results = commit_all(world, states)
     assert all(isinstance(r, StateDivergenceError) for r in results), results
-    first = host_updates.BLOCKING_AFTER_RESET + 1
-    assert f"from {first} to {first + 1}" in str(results[0])
+    assert "from 1 to 2" in str(results[0])
 
 
 def test_a_reset_drops_the_collective_in_flight():
@@ -104,26 +91,6 @@ def test_a_reset_drops_the_collective_in_flight():
         state.on_reset()  # a failure's reset: a new Horovod context
     assert commit_all(world, states) == [None, None]
     assert commit_all(world, states) == [None, None]
-
-
-def test_right_after_a_reset_a_regrowth_acts_at_the_commit_that_carries_it():
-    """After a failure the launcher's driver tells the coordinator that the failed slot is back right
-    after the reset; the first commits after a reset read their own collective, so every rank acts
-    at the commit that carries it (starting the newcomers one commit interval earlier). Then commits
-    overlap again."""
-    world, states = overlapping(*world_of(3, True))
-    for state in states:
-        state.on_reset()
-    states[0].on_hosts_updated(100, HOSTS_ADDED)
-    results = commit_all(world, states)
-    assert all(isinstance(r, HostsUpdatedInterrupt) and not r.skip_sync for r in results), results
-    for state in states:
-        state.on_reset()
-    for _ in range(host_updates.BLOCKING_AFTER_RESET):
-        assert commit_all(world, states) == [None] * 3
-    states[0].on_hosts_updated(200, HOSTS_ADDED)
-    assert commit_all(world, states) == [None] * 3  # overlapped again: read at the next commit
-    assert all(isinstance(r, HostsUpdatedInterrupt) for r in commit_all(world, states))
 
 
 class CountingBinding:
@@ -156,23 +123,9 @@ class CountingBinding:
 
 def test_with_a_background_collective_no_commit_waits_for_its_own():
     binding, hosts = CountingBinding(), HostUpdates(overlap=True)
-    first = steady(binding, hosts)
-    for commit_id in range(first, first + 3):
+    for commit_id in (1, 2, 3):
         assert hosts.agree(binding, commit_id, leaving=False) == (None, None)
     assert binding.calls == ["started", "waited", "started", "waited", "started"]
-
-
-def test_the_first_commits_after_the_start_and_after_each_reset_block():
-    binding, hosts = CountingBinding(), HostUpdates(overlap=True)
-    first = host_updates.BLOCKING_AFTER_RESET
-    for commit_id in range(1, first + 3):
-        hosts.agree(binding, commit_id, leaving=False)
-    assert binding.calls == ["blocking"] * first + ["started", "waited", "started"]
-    binding.calls.clear()
-    hosts.clear()  # a reset
-    for commit_id in range(first + 3, 2 * first + 4):
-        hosts.agree(binding, commit_id, leaving=False)
-    assert binding.calls == ["blocking"] * first + ["started"]
 
 
 def test_an_eviction_read_from_the_previous_collective_leaves_none_in_flight():
@@ -181,13 +134,12 @@ def test_an_eviction_read_from_the_previous_collective_leaves_none_in_flight():
     evicted rank gone and failed (a rollback) where the others resized. A decision that changes
     the world starts no collective, as a resize does not."""
     binding, hosts = CountingBinding(), HostUpdates(overlap=True)
-    first = steady(binding, hosts)
     seen = []
-    assert hosts.agree(binding, first, leaving=False, changes_world=lambda t: seen.append(t) or False) == (None, None)
-    assert seen == [None]  # no earlier collective in flight: nothing to decide on yet
-    result = hosts.agree(binding, first + 1, leaving=False, changes_world=lambda t: True)
+    assert hosts.agree(binding, 1, leaving=False, changes_world=lambda t: seen.append(t) or False) == (None, None)
+    assert seen == [None]  # no earlier collective: nothing to decide on yet
+    result = hosts.agree(binding, 2, leaving=False, changes_world=lambda t: True)
     assert result == (None, None)
-    assert binding.calls == ["started", "waited"]  # the second commit's collective was never started
+    assert binding.calls == ["started", "waited"]  # commit 2's collective was never started
     assert hosts._in_flight is None
 
 
@@ -196,7 +148,7 @@ def test_a_leaver_whose_grace_ends_before_the_next_commit_leaves_at_this_one(mon
     the next). With less grace left than a commit interval, it leaves now, after waiting for this
     commit's collective: every rank then holds this commit, and rolls back to it."""
     from elastic_ext.liveness import Liveness
-    world, states = overlapping(*world_of(2, True))
+    world, states = world_of(2, True)
     live = Liveness()
     monkeypatch.setattr(states[1], "_liveness", live)
     clock = iter([0.0, 0.0, 10.0, 10.0])  # rank 0's and rank 1's collectives, commit 1 then 2: 10 s apart
@@ -238,8 +190,6 @@ def test_a_commit_waits_for_the_previous_collective_before_its_snapshot():
 
     binding.allreduce_max_start = start
     state.sync()
-    first = host_updates.BLOCKING_AFTER_RESET + 1  # the commits before it block
-    for _ in range(first + 2):
+    for _ in range(3):
         state.commit()
-    # each overlapped commit's collective read while the newest snapshot was still its own, not the next
-    assert seen == [first, first + 1]
+    assert seen == [1, 2]  # commit 1's collective read while the newest snapshot was still 1, not 2
