@@ -181,8 +181,8 @@ class HostUpdates:
         the reduced ``extra``). With ``overlap``, both are those of the previous
         commit's allreduce, (None, None) if there is none, unless ``blocking``
         (a commit whose extra must act at once: the replica check) or an
-        early start is under way: then the previous one acts first (its extra in :attr:`earlier_extra`) and this
-        one runs blocking. :attr:`current` says whether the extra returned is
+        early start is under way: then the previous one acts first (its
+        extra in :attr:`earlier_extra`) and this one runs blocking. :attr:`current` says whether the extra returned is
         this commit's. ``stop``: this rank asks every rank to stop;
         :attr:`stopped` says whether some rank did. ``changes_world(extra)``
         (overlap only): the caller's decision on the previous commit's
