@@ -88,7 +88,8 @@ The run loop (``run.py``):
   rolls back now; ``round``, ``member`` (``host:local_rank``), ``links_cut``.
 - ``links_closed`` (:data:`LINKS_CLOSED`, :mod:`elastic_ext.runtime.closed_links`):
   this worker waited ``waited_s`` seconds in a collective whose every
-  connection (``links``) was closed; ``killed``: it kills itself so the job
+  connection (``links``) was closed; ``killed``: it ends itself (exit status
+  76, which the launcher's driver does not charge to its host) so the job
   re-forms without waiting for Gloo's timeout (under ``elastic-horovodrun``),
   or it waits for that timeout (plain ``horovodrun``, where its death would
   cost its whole host).

@@ -33,7 +33,13 @@ turns into a longer or larger one:
    no host at all. A host whose every slot's worker failed in one round (a
    lost machine) is still blacklisted; one whose last worker of a round of
    survivors failed is not (two process failures in a row, not a machine:
-   seen under a failure every 15 s, where the job lost a host for good).
+   seen under a failure every 15 s, where the job lost a host for good),
+   nor one of whose workers ended itself because its round's peers failed
+   (:data:`~elastic_ext.launch.round_watch.PEERS_FAILED_EXIT_CODE`, from
+   :mod:`elastic_ext.runtime.closed_links`): seen on real hosts, where one
+   worker was SIGKILLed and its host mate, stuck on a send to it, ended
+   itself 10 s later; the host counted as lost left the job below
+   ``--min-np``.
 3. **Workers learn that their round is lost** (:mod:`elastic_ext.launch.round_watch`):
    the rendezvous server's store holds the current round's number and
    slots, and a key per round in which a member failed.
@@ -54,10 +60,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from elastic_ext.launch import prestart
-from elastic_ext.launch.round_watch import ASSIGNED, CURRENT, SCOPE, failed_key
+from elastic_ext.launch.round_watch import ASSIGNED, CURRENT, PEERS_FAILED_EXIT_CODE, SCOPE, failed_key
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +107,8 @@ class DriverState:
     survivors: Optional[Dict[str, List[int]]] = None
     # While building a survivors' round: the slot count per host that _get_host_assignments uses.
     only: Optional[Dict[str, int]] = None
+    # Hosts with a worker that ended itself because its round's peers failed, until the round is recorded.
+    peers_failed: Set[str] = dataclasses.field(default_factory=set)
     regrow: bool = False                 # the current round left capacity out: tell the coordinator
     regrow_thread: Optional[threading.Thread] = None
 
@@ -154,6 +162,10 @@ def install() -> None:
                 logger.warning("elastic_ext: not blacklisting %s: another of its workers is ready (a worker "
                                "failed, not the host)", host)
                 return
+            if host in ext.peers_failed:
+                logger.warning("elastic_ext: not blacklisting %s: one of its workers ended itself (exit status %d) "
+                               "because its peers failed, not the host", host, PEERS_FAILED_EXIT_CODE)
+                return
             held = len(self._driver.host_assignments.get(host, ()))
             if held < manager.current_hosts.get_slots(host):
                 # A round of survivors held only part of the host: its last worker failed, not the whole
@@ -170,6 +182,7 @@ def install() -> None:
         finally:
             del manager.blacklist  # the class's method again
             ext.survivors = None   # consumed by the round it formed, if it formed one
+            ext.peers_failed.clear()
 
     def get_host_assignments(self: Any, current_hosts: Any) -> Any:
         only = _ext(self).only
@@ -226,6 +239,8 @@ def install() -> None:
             slot_info = dataclasses.replace(slot_info, local_rank=local_rank)
         if exit_code != 0 and not self.finished() and self.has_rank_assignment(host, local_rank):
             _store(self, failed_key(self._worker_registry.last_rendezvous()), f"{host}[{local_rank}]".encode())
+            if exit_code == PEERS_FAILED_EXIT_CODE:
+                _ext(self).peers_failed.add(host)
         original["_handle_worker_exit"](self, slot_info, exit_code, timestamp)
 
     for cls, name, replacement in ((WorkerStateRegistry, "reset", reset),

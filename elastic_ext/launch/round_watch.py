@@ -37,6 +37,10 @@ from elastic_ext.errors import ConfigError
 SCOPE = "elastic_ext_round"  # in the rendezvous server's store; cleared by Horovod at every new round
 CURRENT = "current"          # the number of the current round
 ASSIGNED = "assigned"        # the current round's slots, "host:local_rank" joined by commas
+# The exit status of a worker that ended itself because its round's peers failed
+# (elastic_ext.runtime.closed_links): the driver does not count it as a failure of its host.
+# Distinct from signals (128+n), Python errors (1), the leave code (143) and a fenced worker's (75).
+PEERS_FAILED_EXIT_CODE = 76
 POLL_S = 0.25
 REQUEST_TIMEOUT_S = 2.0
 

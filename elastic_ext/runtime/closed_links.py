@@ -17,9 +17,14 @@ exception) and none of the round's collective connections
 (:meth:`~elastic_ext.runtime.connections.CollectiveConnections.all_closed`)
 is still established, for :data:`STUCK_S` in a row, the collective cannot
 complete. Under ``elastic-horovodrun`` the worker then writes a
-``links_closed`` event and kills itself (SIGKILL, as the stall check does):
-the launcher's driver sees one failed worker and forms the next round from
-the others, which hold the same commit. Under plain ``horovodrun`` a
+``links_closed`` event and ends itself at once (:func:`end_worker`, exit status
+:data:`~elastic_ext.launch.round_watch.PEERS_FAILED_EXIT_CODE`): the
+launcher's driver sees one failed worker and forms the next round from the
+others, which hold the same commit. That status tells the driver that the
+worker's peers failed, not its host: a host whose other workers were lost in
+the same round (one SIGKILLed, its host mate stuck on the dead worker's
+connection) is not taken for a lost machine and blacklisted
+(:mod:`elastic_ext.launch.driver`). Under plain ``horovodrun`` a
 worker's death costs its whole host (Horovod blacklists the host of every
 failed worker and ends its other workers), so there the worker only says
 what it waits for (the event with ``killed`` false, and an error in its
@@ -33,17 +38,23 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import time
 from typing import Any, Callable, Optional
 
+from elastic_ext.launch.round_watch import PEERS_FAILED_EXIT_CODE
 from elastic_ext.runtime.watchdog import main_thread_handles_exception, main_thread_waits
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 1.0
 STUCK_S = 10.0
+
+
+def end_worker() -> None:
+    """Ends this process now with :data:`PEERS_FAILED_EXIT_CODE`, from any thread (no cleanup runs:
+    the main thread is stuck in the collective library). Never returns."""
+    os._exit(PEERS_FAILED_EXIT_CODE)
 
 
 class ClosedLinksWatch:
@@ -56,13 +67,13 @@ class ClosedLinksWatch:
             (writes the event).
         kill_worker: kill the worker (under ``elastic-horovodrun``) or only say it waits.
         waits: whether the main thread waits in a collective and handles no exception (replaced in tests).
-        kill: ends the process (SIGKILL to itself; replaced in tests).
+        kill: ends the process (:func:`end_worker`; replaced in tests).
         clock: monotonic seconds.
     """
 
     def __init__(self, links: Any, liveness: Any, on_stuck: Callable[[float, bool], None], kill_worker: bool,
                  waits: Callable[[], bool] = lambda: main_thread_waits() and not main_thread_handles_exception(),
-                 kill: Callable[[], Any] = lambda: os.kill(os.getpid(), signal.SIGKILL),
+                 kill: Callable[[], Any] = end_worker,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._links, self._liveness, self._on_stuck, self._kill_worker = links, liveness, on_stuck, kill_worker
         self._told = False  # this wait was reported (a worker that is not killed says it once)
@@ -107,6 +118,7 @@ class ClosedLinksWatch:
             return
         logger.critical("this worker has waited %.1fs in a collective whose every connection (%d) is closed: its "
                         "peers failed and the collective cannot complete (Gloo would wait for its timeout); "
-                        "killing this worker so the job re-forms without it now", waited, len(self._links.known))
+                        "ending this worker (exit status %d: its peers failed, not its host) so the job re-forms "
+                        "without it now", waited, len(self._links.known), PEERS_FAILED_EXIT_CODE)
         self._on_stuck(waited, True)
         self._kill()

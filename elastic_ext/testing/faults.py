@@ -2,7 +2,7 @@
 
 :class:`FaultSchedule` declares injected faults up front: which rank (or
 pid-stable slot) dies, at which step, and how (SIGKILL, SIGSTOP, SIGTERM,
-exception), or which array it corrupts with a flipped bit (silent data
+exception, the end the closed-links watch gives a worker whose peers failed), or which array it corrupts with a flipped bit (silent data
 corruption, :func:`flip_bit`); each fires once, recorded in a marker file so
 that a restarted worker does not fire it again.
 """
@@ -21,7 +21,7 @@ import numpy as np
 from elastic_ext.errors import ConfigError
 
 
-HOW = ("kill", "stop", "term", "exit", "raise", "hang", "flip")
+HOW = ("kill", "stop", "term", "exit", "raise", "hang", "flip", "peers_failed")
 WHERE = ("step", "allreduce", "commit", "before_commit")
 #: The bit a "flip" fault flips in the first element of its target: a low mantissa bit of a
 #: float32, so the value stays finite and close (nothing but a digest can tell).
@@ -154,6 +154,9 @@ class FaultSchedule:
                 time.sleep(0.01)
         elif fault.how == "exit":
             os._exit(FAULT_EXIT_CODE)
+        elif fault.how == "peers_failed":
+            from elastic_ext.runtime.closed_links import end_worker
+            end_worker()
         elif fault.how == "flip":
             flip_bit(targets[fault.target])
         else:

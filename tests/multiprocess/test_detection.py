@@ -75,3 +75,25 @@ def test_a_sigstopped_worker_and_a_step_that_never_ends_each_cost_one_worker_and
     assert len(rollbacks) == 2, f"rank 0 must roll back once per hang: {rollbacks}"
     analysis.assert_exactly_once(out, DIGITS, 1)
     assert sorted(analysis.load_finals(out)) == [0]
+
+
+@pytest.mark.timeout(300)
+def test_a_host_whose_worker_ended_itself_on_closed_links_beside_a_killed_one_stays_in_the_job(tmp_path):
+    # Ranks 0 and 1 share the first pseudo-host. At step 10 rank 0 is SIGKILLed and rank 1 ends as the
+    # closed-links watch ends a worker stuck on its dead peers' connections (a send Gloo never wakes,
+    # seen on real hosts). Horovod's driver takes a host whose every worker failed in one round for a
+    # lost machine; elastic-horovodrun's driver reads rank 1's exit status as "its peers failed" and
+    # keeps the host: ranks 2 and 3 go on at once and the host's two slots come back, to 4 workers.
+    out, output = launch.run_job(tmp_path, "train_torch.py", "--faults", "0:10:kill,1:10:peers_failed",
+                                 np_=4, min_np=2, max_np=4, commit_every=COMMIT_EVERY, launcher=True)
+    marks = fired(out)
+    assert sorted(marks) == ["kill", "peers_failed"], f"the faults that fired: {marks}"
+    sizes = analysis.sizes_by_generation(ledger.read(str(out)))
+    assert sizes[0] == [4] and sizes[1] == [2], f"phase 'failure': world sizes by generation {sizes}"
+    finals = analysis.load_finals(out)
+    assert sorted(finals) == [0, 1, 2, 3], f"phase 'regrow': the host's two slots must come back: {sorted(finals)}"
+    assert "not blacklisting" in output and "because its peers failed" in output, (
+        f"phase 'failure': the driver must say why it kept the host: {output[-5000:]}")
+    assert "removed from elastic job" not in output, output[-5000:]
+    analysis.assert_exactly_once(out, DIGITS, 1)
+    analysis.assert_ranks_identical(finals)

@@ -138,3 +138,18 @@ def test_the_watch_thread_looks_again_and_again_until_stopped(monkeypatch):
     assert thrice.wait(30), f"{len(looked)} looks"
     look.watch.stop()
     assert not look.watch._thread.is_alive()
+
+
+def test_the_watch_ends_its_worker_from_a_thread_with_the_peers_failed_status():
+    # The watch's default end, called from a thread while the main thread waits (as in a stuck
+    # collective): the process ends with the status the launcher's driver does not charge to the host.
+    import subprocess
+    import sys
+
+    from elastic_ext.launch.round_watch import PEERS_FAILED_EXIT_CODE
+    code = ("import threading\n"
+            "from elastic_ext.runtime.closed_links import end_worker\n"
+            "threading.Thread(target=end_worker).start()\n"
+            "threading.Event().wait()\n")
+    ended = subprocess.run([sys.executable, "-c", code], timeout=60)
+    assert ended.returncode == PEERS_FAILED_EXIT_CODE == 76, ended.returncode
