@@ -2,7 +2,8 @@
 
 :class:`FaultSchedule` declares injected faults up front: which rank (or
 pid-stable slot) dies, at which step, and how (SIGKILL, SIGSTOP, SIGTERM,
-exception, the end the closed-links watch gives a worker whose peers failed), or which array it corrupts with a flipped bit (silent data
+exception, or the end the closed-links watch gives a worker whose peers
+failed), or which array it corrupts with a flipped bit (silent data
 corruption, :func:`flip_bit`); each fires once, recorded in a marker file so
 that a restarted worker does not fire it again.
 """

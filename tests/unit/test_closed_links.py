@@ -2,9 +2,12 @@
 for ``all_closed``; the watch's look is called directly, with a clock the test moves."""
 
 import socket
+import subprocess
+import sys
 
 import pytest
 
+from elastic_ext.launch.round_watch import PEERS_FAILED_EXIT_CODE
 from elastic_ext.runtime import closed_links
 from elastic_ext.runtime.closed_links import POLL_S, STUCK_S, ClosedLinksWatch
 from elastic_ext.runtime.connections import CollectiveConnections, established
@@ -143,10 +146,6 @@ def test_the_watch_thread_looks_again_and_again_until_stopped(monkeypatch):
 def test_the_watch_ends_its_worker_from_a_thread_with_the_peers_failed_status():
     # The watch's default end, called from a thread while the main thread waits (as in a stuck
     # collective): the process ends with the status the launcher's driver does not charge to the host.
-    import subprocess
-    import sys
-
-    from elastic_ext.launch.round_watch import PEERS_FAILED_EXIT_CODE
     code = ("import threading\n"
             "from elastic_ext.runtime.closed_links import end_worker\n"
             "threading.Thread(target=end_worker).start()\n"
