@@ -74,6 +74,14 @@ def kill_tree(pid: int) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
+def command_line(proc: psutil.Process) -> List[str]:
+    """``proc``'s command line, or an empty one once it ended (a short-lived child may end while a test lists it)."""
+    try:
+        return proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
+
+
 def script_process(worker: psutil.Process) -> psutil.Process:
     """The process running a worker's script: ``worker`` itself, or its child when ``worker`` is its keeper.
 
@@ -149,6 +157,29 @@ class Job:
         return sorted(({pid for pid in self.descendants if psutil.pid_exists(pid)} | set(tagged(self.tag)))
                       - {self.proc.pid})
 
+    def stacks(self, limit_chars: int = 2500) -> str:
+        """The Python stacks of the job's live Python processes, every thread (``py-spy dump``), for the
+        message of a test that gave up waiting: where each process waits. Never raises."""
+        spy = os.path.join(VENV_BIN, "py-spy")
+        if not os.path.exists(spy):
+            return "(no py-spy in the environment: no stacks)"
+        parts = []
+        for pid in [self.proc.pid, *self.members()]:
+            try:
+                line = " ".join(command_line(psutil.Process(pid)))
+            except psutil.NoSuchProcess:
+                continue
+            if "python" not in line.split(" ", 1)[0]:
+                continue  # ssh, a shell: no Python stack
+            try:
+                dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True,
+                                      timeout=30)
+                text = (dump.stdout + dump.stderr).strip()
+            except (OSError, subprocess.SubprocessError) as exc:
+                text = f"(py-spy failed: {exc})"
+            parts.append(f"--- pid {pid}: {line[:160]}\n{text[-limit_chars:]}")
+        return "\n".join(parts) or "(no live Python process)"
+
     def kill(self) -> None:
         """SIGKILLs the whole tree and every worker orphaned from it, and closes the log."""
         kill_tree(self.proc.pid)
@@ -166,10 +197,12 @@ class Job:
             self.track_now_and_then()
             time.sleep(0.2)
         timed_out = self.proc.poll() is None
+        stacks = self.stacks() if timed_out else ""
         self.kill()
         output = open(self.log_path).read()
         if timed_out:
-            raise AssertionError(f"job timed out after {timeout_s}s and was killed; output tail:\n{output[-6000:]}")
+            raise AssertionError(f"job timed out after {timeout_s}s and was killed; output tail:\n{output[-6000:]}\n"
+                                 f"stacks before the kill:\n{stacks}")
         return self.proc.returncode, output
 
 

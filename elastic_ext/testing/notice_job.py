@@ -31,8 +31,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import psutil
 
 from elastic_ext.testing import ledger
-from elastic_ext.testing.launch import (REPO, STATIC, WORKERS, Job, base_env, elastic_cmd, third_host,
-                                        under_elastic_ext_driver, write_hosts)
+from elastic_ext.testing.launch import (REPO, STATIC, WORKERS, Job, base_env, command_line, elastic_cmd,
+                                        third_host, under_elastic_ext_driver, write_hosts)
 from elastic_ext.testing.metadata_server import ENV, MetadataServer
 
 WORKER = "train_torch.py"
@@ -167,7 +167,7 @@ def run_slurm_notice(out: str, slurm_env: Dict[str, str], timeout_s: float = 240
     try:
         wait_for(training_at(out, 2, 0), f"{STEPS_BETWEEN} steps of Slurm job {job_id}", 120)
         pids = [p.pid for p in psutil.Process(_batch_pid(job_id)).children(recursive=True)
-                if any(WORKER in part for part in p.cmdline())]
+                if any(WORKER in part for part in command_line(p))]
         phase = Phase("slurm", "localhost", pids, time.time())
         slurm("scancel", "--batch", "--signal=USR1", job_id)
         phase.gone = wait_gone(pids, f"the workers of Slurm job {job_id} after SIGUSR1", 60)

@@ -55,8 +55,32 @@ def wait_for(job, what, predicate, timeout_s=WAIT_S):
         job.track()
         tail = lambda: open(job.log_path).read()[-4000:]  # noqa: E731
         assert job.proc.poll() is None, f"the job ended ({job.proc.returncode}) before {what}:\n{tail()}"
-        assert time.monotonic() < deadline, f"no {what} after {timeout_s:.0f}s:\n{tail()}"
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"no {what} after {timeout_s:.0f}s:\n{tail()}\n"
+                                 f"last events by process:\n{last_events(job)}\nstacks:\n{job.stacks()}")
         time.sleep(0.1)
+
+
+def last_events(job, count=4):
+    """The last ``count`` events of each process in the job's events file, one line each (for a failure's message)."""
+    path = os.path.join(os.path.dirname(job.log_path), "events.jsonl")
+    by_pid = {}
+    try:
+        with open(path) as handle:
+            for line in handle:
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue  # a line being written
+                by_pid.setdefault(event.get("pid"), []).append(event)
+    except OSError:
+        return "(no events file)"
+    lines = []
+    for pid, events in sorted(by_pid.items(), key=lambda item: str(item[0])):
+        lines.append(f"pid {pid}: " + "; ".join(
+            f"{e.get('time', 0):.2f} {e.get('event')} rank {e.get('rank')} size {e.get('size')}"
+            for e in events[-count:]))
+    return "\n".join(lines)
 
 
 def events(out, name=None):

@@ -3,10 +3,12 @@
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from elastic_ext.launch.horovodrun import WORKER_MODULE, worker_command
+from elastic_ext.testing.launch import Job, base_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -70,3 +72,24 @@ def test_plain_horovodrun_with_cached_checks_is_horovods_runner(tmp_path):
                             capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Horovod v0.28.1" in result.stdout and "[X] Gloo" in result.stdout, result.stdout
+
+
+def test_a_job_that_times_out_says_where_each_of_its_python_processes_waits(tmp_path):
+    # A job test that gives up prints every process's stack (Job.stacks, through py-spy): a process
+    # waiting in a function of its own must show that function and the wait it is in.
+    ready = tmp_path / "ready"
+    script = ("import sys, threading\n"
+              "def waiting_here():\n"
+              "    open(sys.argv[1], 'w').close()\n"
+              "    threading.Event().wait()\n"
+              "waiting_here()\n")
+    job = Job([sys.executable, "-c", script, str(ready)], base_env(), str(tmp_path / "job.log"))
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert job.proc.poll() is None and time.monotonic() < deadline, open(job.log_path).read()
+        time.sleep(0.01)
+    with pytest.raises(AssertionError) as raised:
+        job.wait(0.5)  # the script never ends: the job times out
+    message = str(raised.value)
+    assert "job timed out after 0.5s" in message and "stacks before the kill" in message, message
+    assert "waiting_here" in message and "Event.wait" in message, message
