@@ -90,11 +90,19 @@ def worker_pids(job: Job, host: str) -> List[int]:
 def wait_gone(pids: Sequence[int], what: str, timeout_s: float) -> float:
     """When the last of ``pids`` ended (polled every 10 ms)."""
     deadline = time.monotonic() + timeout_s
-    while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids):
+    while any(_running(pid) for pid in pids):
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: processes {list(pids)} still there after {timeout_s}s")
         time.sleep(0.01)
     return time.time()
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` runs (neither gone nor a zombie; it may end while it is looked at)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def training_at(out: str, size: int, after: int) -> Callable[[], bool]:

@@ -69,7 +69,10 @@ def test_readme_main_job(tmp_path):
             assert resize and resize[0]["commit_id"] > start["commit_id"], (start, resize)
             trained = [r for r in records
                        if "gen" in r and r["rank"] == 0 and start["time"] < r["t"] < resize[0]["time"]]
-            assert trained, f"no step was trained between the early start at {start} and the resize {resize[0]}"
+            # An early start at the last commit of training has no step left to train beside it.
+            later = [r for r in records if "gen" in r and r["rank"] == 0 and r["t"] > start["time"]]
+            assert trained or not later, (
+                f"no step was trained between the early start at {start} and the resize {resize[0]}")
         assert [e for e in events if e["event"] == "recovered" and e["size"] == 6], "the job never ran on 6 workers"
     finally:
         shutil.rmtree(work, ignore_errors=True)
