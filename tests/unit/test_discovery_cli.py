@@ -6,16 +6,15 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from elastic_ext.discovery import Deadline, DiscoveryTimeoutError, DiscoveryUnavailableError
 from elastic_ext.discovery.cli import (EXIT_INPUT, EXIT_INTERNAL, EXIT_OK, EXIT_TIMEOUT,
                                        EXIT_UNAVAILABLE)
 from elastic_ext.discovery.deadline import run_command
+from elastic_ext.testing.notice_job import wait_gone
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "host_discovery"
@@ -33,17 +32,9 @@ def test_run_command_kills_a_hung_process_group_at_its_timeout(tmp_path):
     pids = tmp_path / "pids"
     with pytest.raises(DiscoveryTimeoutError, match="did not answer within 0.30 s"):
         run_command(["bash", "-c", f"sleep 20 & echo $! $$ > {pids}; sleep 20"], 0.3)
-    # The group was sent SIGKILL; a loaded kernel may take a moment to end each process.
-    for pid in map(int, pids.read_text().split()):  # the shell and its background child
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                    break
-            except psutil.NoSuchProcess:
-                break
-            assert time.monotonic() < deadline, f"process {pid} of the group still runs 30 s after the kill"
-            time.sleep(0.01)
+    # The group (the shell and its background child) was sent SIGKILL; a loaded kernel may take
+    # a moment to end each process, and wait_gone raises if either still runs after 30 s.
+    wait_gone([int(pid) for pid in pids.read_text().split()], "the killed process group", 30)
 
 
 def test_run_command_failures_quote_the_command_and_stderr():
