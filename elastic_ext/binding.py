@@ -55,6 +55,38 @@ class Binding(Protocol):
         collective in framework clothing (TensorFlow op errors), else None."""
 
 
+class HorovodBasics:
+    """The calls that every framework's Horovod module makes alike, for a binding to inherit.
+
+    A subclass names its framework's module (``horovod.torch``,
+    ``horovod.tensorflow``) in the class attribute ``hvd``.
+    """
+
+    hvd: Any
+
+    def rank(self) -> int:
+        return self.hvd.rank()
+
+    def size(self) -> int:
+        return self.hvd.size()
+
+    def reset(self) -> None:
+        self.hvd.shutdown()
+        self.hvd.init()
+
+    def local_rank(self) -> int:
+        """This rank's slot on its host: Horovod's rank request after a reset names it (elastic_ext.launch.prestart)."""
+        return self.hvd.local_rank()
+
+    def local_size(self) -> int:
+        """Ranks on this rank's host (a leave or eviction takes its whole host out)."""
+        return self.hvd.local_size()
+
+    def shutdown(self) -> None:
+        """Shuts Horovod down with the other ranks (a leaver, before it exits)."""
+        self.hvd.shutdown()
+
+
 def get_binding(framework: str) -> Binding:
     """Returns the binding for ``framework`` ("torch" or "tensorflow").
 

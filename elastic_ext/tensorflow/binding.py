@@ -11,7 +11,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 from horovod.common.exceptions import HorovodInternalError
 
-from elastic_ext.binding import register_binding
+from elastic_ext.binding import HorovodBasics, register_binding
 
 # Op names Horovod gives its TF kernels; an error from one of them means a
 # collective failed (a peer died, Horovod was shut down under it).
@@ -22,16 +22,11 @@ _HOROVOD_OP = re.compile(r"Horovod(Allreduce|GroupedAllreduce|Allgather|GroupedA
 _SHUT_DOWN = "Horovod has been shut down"
 
 
-class TensorFlowBinding:
+class TensorFlowBinding(HorovodBasics):
     """:class:`elastic_ext.binding.Binding` for ``horovod.tensorflow``."""
 
     framework = "tensorflow"
-
-    def rank(self) -> int:
-        return hvd.rank()
-
-    def size(self) -> int:
-        return hvd.size()
+    hvd = hvd
 
     def _collective(self, collective, *args, **kwargs) -> np.ndarray:
         # sync() and commit() run these outside the training function too:
@@ -53,22 +48,6 @@ class TensorFlowBinding:
 
     def allreduce_max(self, array: np.ndarray, name: str) -> np.ndarray:
         return self._collective(hvd.allreduce, tf.constant(array), name=name.replace(".", "_"), op=hvd.Max)
-
-    def reset(self) -> None:
-        hvd.shutdown()
-        hvd.init()
-
-    def local_rank(self) -> int:
-        """This rank's slot on its host: Horovod's rank request after a reset names it (elastic_ext.launch.prestart)."""
-        return hvd.local_rank()
-
-    def local_size(self) -> int:
-        """Ranks on this rank's host (a leave or eviction takes its whole host out)."""
-        return hvd.local_size()
-
-    def shutdown(self) -> None:
-        """Shuts Horovod down with the other ranks (a leaver, before it exits)."""
-        hvd.shutdown()
 
     def as_internal_error(self, exc: BaseException) -> Optional[BaseException]:
         # Inside @tf.function the message names the graph node (the op's

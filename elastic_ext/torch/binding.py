@@ -9,7 +9,7 @@ import torch
 
 import horovod.torch as hvd
 
-from elastic_ext.binding import register_binding
+from elastic_ext.binding import HorovodBasics, register_binding
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
@@ -19,16 +19,11 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-class TorchBinding:
+class TorchBinding(HorovodBasics):
     """:class:`elastic_ext.binding.Binding` for ``horovod.torch``."""
 
     framework = "torch"
-
-    def rank(self) -> int:
-        return hvd.rank()
-
-    def size(self) -> int:
-        return hvd.size()
+    hvd = hvd
 
     def broadcast(self, array: np.ndarray, root_rank: int, name: str) -> np.ndarray:
         return hvd.broadcast(_tensor(array), root_rank, name=name).numpy()
@@ -48,22 +43,6 @@ class TorchBinding:
         """Starts :meth:`allgather` in Horovod's background thread; the returned call waits for it."""
         handle = hvd.allgather_async(_tensor(array), name=name)
         return lambda: hvd.synchronize(handle).numpy()
-
-    def reset(self) -> None:
-        hvd.shutdown()
-        hvd.init()
-
-    def local_rank(self) -> int:
-        """This rank's slot on its host: Horovod's rank request after a reset names it (elastic_ext.launch.prestart)."""
-        return hvd.local_rank()
-
-    def local_size(self) -> int:
-        """Ranks on this rank's host (a leave or eviction takes its whole host out)."""
-        return hvd.local_size()
-
-    def shutdown(self) -> None:
-        """Shuts Horovod down with the other ranks (a leaver, before it exits)."""
-        hvd.shutdown()
 
     def as_internal_error(self, exc: BaseException) -> Optional[BaseException]:
         # horovod.torch raises HorovodInternalError itself.
