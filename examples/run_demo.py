@@ -146,7 +146,9 @@ def incidents(events, faults, host_added_at):
             current["recovered"] = event
             found.append(current)
             current = None
-    previous_size, since = None, 0.0
+    # The size the job started at, then after each transition; workers lost at the last failure.
+    previous_size = next((e["size"] for e in events if "size" in e), None)
+    since, lost, host_taken = 0.0, 0, False
     for incident in found:
         trigger, recovered = incident["trigger"], incident["recovered"]
         incident["kind"] = "failure" if trigger["event"] == "rollback" else "resize"
@@ -162,8 +164,14 @@ def incidents(events, faults, host_added_at):
             # an added host's workers) started while the survivors trained.
             early = [e for e in events if e["event"] == "prestart" and since <= e["time"] <= trigger["time"]]
             incident["early_start"] = early[0] if early else None
-            if host_added_at is not None and since <= host_added_at <= trigger["time"]:
-                incident["host_added_at"] = host_added_at
+            incident["replaces_failed"] = lost > 0
+            # The added host's workers start at the first early start after the host was added
+            # that takes in more workers than the failed ones' new workers.
+            grew_by = incident["size"] - (previous_size or incident["size"])
+            if (early and host_added_at is not None and not host_taken and early[0]["time"] >= host_added_at
+                    and grew_by > lost):
+                incident["host_added_at"], host_taken = host_added_at, True
+        lost = previous_size - incident["size"] if incident["kind"] == "failure" and previous_size else 0
         previous_size, since = incident["size"], incident["resumed_at"]
     return found
 
@@ -190,11 +198,13 @@ def describe(incident, started):
         return (f"t={t:5.1f}s  resize: hosts changed; no rollback; training resumed on {size} workers "
                 f"{idle:.1f}s later.")
     why = []
+    if incident.get("replaces_failed"):
+        why.append("the failed slot's new worker")
     if incident.get("host_added_at") is not None:
         why.append(f"the host added at t={incident['host_added_at'] - started:.1f}s")
     joined = size - incident["previous_size"]
     kept = incident["trigger"]["time"] - early["time"]
-    return (f"t={early['time'] - started:5.1f}s  scale-up to {size} workers ({joined} newcomers"
+    return (f"t={early['time'] - started:5.1f}s  scale-up to {size} workers ({joined} newcomer{'' if joined == 1 else 's'}"
             f"{': ' + ', '.join(why) if why else ''}): the survivors kept training for {kept:.1f}s while the "
             f"newcomers started and built their model\n"
             f"           (early start at commit {early['commit_id']}), then resized at commit "

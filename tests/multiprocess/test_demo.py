@@ -39,11 +39,14 @@ def test_readme_main_job(tmp_path):
         assert failure, f"no failure-and-recovery line in the summary:\n{output[-4000:]}"
         # Under elastic-horovodrun the survivors go on at once, the killed worker's host mate with them.
         assert int(failure.group(3)) == 3, failure.group(0)
-        scale_ups = re.findall(r"scale-up to (\d+) workers \((\d+) newcomers([^)]*)\): the survivors kept training "
+        scale_ups = re.findall(r"scale-up to (\d+) workers \((\d+) newcomers?([^)]*)\): the survivors kept training "
                                r"for ([0-9.]+)s.*?survivors idle ([0-9.]+)s", output, re.S)
         assert scale_ups, f"no scale-up line in the summary:\n{output[-4000:]}"
         assert int(scale_ups[-1][0]) == 6, scale_ups
         assert any("host added" in s[2] for s in scale_ups), f"no scale-up took in the added host: {scale_ups}"
+        # The added host has 2 slots: the scale-up named for it takes in both of its workers.
+        assert all(int(s[1]) >= 2 for s in scale_ups if "host added" in s[2]), (
+            f"the added host is named for a scale-up of fewer newcomers than its 2 slots: {scale_ups}")
 
         picture = re.search(r"^timeline picture: (.+)$", output, re.MULTILINE).group(1).strip()
         with open(picture, "rb") as handle:
