@@ -31,9 +31,10 @@ def run(argv, **kw):
 def test_run_command_kills_a_hung_process_group_at_its_timeout(tmp_path):
     pids = tmp_path / "pids"
     with pytest.raises(DiscoveryTimeoutError, match="did not answer within 0.30 s"):
-        run_command(["bash", "-c", f"sleep 20 & echo $! $$ > {pids}; sleep 20"], 0.3)
+        run_command(["bash", "-c", f"sleep 120 & echo $! $$ > {pids}; sleep 120"], 0.3)
     # The group (the shell and its background child) was sent SIGKILL; a loaded kernel may take
-    # a moment to end each process, and wait_gone raises if either still runs after 30 s.
+    # a moment to end each process, and wait_gone raises if either still runs after 30 s (left
+    # alone, both would run for 120 s).
     wait_gone([int(pid) for pid in pids.read_text().split()], "the killed process group", 30)
 
 
