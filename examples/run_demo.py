@@ -165,10 +165,11 @@ def incidents(events, faults, host_added_at):
             early = [e for e in events if e["event"] == "prestart" and since <= e["time"] <= trigger["time"]]
             incident["early_start"] = early[0] if early else None
             incident["replaces_failed"] = lost > 0
-            # The added host's workers start at the first early start after the host was added
-            # that takes in more workers than the failed ones' new workers.
+            # The added host's workers join at the first resize after the host was added that takes
+            # in more workers than the failed ones' new workers (an early start under way takes
+            # in workers that arrive while it lasts).
             grew_by = incident["size"] - (previous_size or incident["size"])
-            if (early and host_added_at is not None and not host_taken and early[0]["time"] >= host_added_at
+            if (early and host_added_at is not None and not host_taken and trigger["time"] >= host_added_at
                     and grew_by > lost):
                 incident["host_added_at"], host_taken = host_added_at, True
         lost = previous_size - incident["size"] if incident["kind"] == "failure" and previous_size else 0
