@@ -165,6 +165,12 @@ def incidents(events, faults, host_added_at):
             early = [e for e in events if e["event"] == "prestart" and since <= e["time"] <= trigger["time"]]
             incident["early_start"] = early[0] if early else None
             incident["replaces_failed"] = lost > 0
+            # Training that ends while newcomers are still starting takes them in at its last commit and
+            # waits for them, so that every worker ends with the job (no "newcomers_joined" at that commit).
+            commit = trigger.get("commit_id")
+            incident["at_end"] = bool(early) and not any(
+                e["event"] == "newcomers_joined" and e.get("commit_id") == commit for e in events) and any(
+                e["event"] == "finish" and e.get("commit_id") == commit for e in events)
             # The added host's workers join at the first resize after the host was added that takes
             # in more workers than the failed ones' new workers (an early start under way takes
             # in workers that arrive while it lasts).
@@ -208,9 +214,16 @@ def describe(incident, started):
     return (f"t={early['time'] - started:5.1f}s  scale-up to {size} workers ({joined} newcomer{'' if joined == 1 else 's'}"
             f"{': ' + ', '.join(why) if why else ''}): the survivors kept training for {kept:.1f}s while the "
             f"newcomers started and built their model\n"
-            f"           (early start at commit {early['commit_id']}), then resized at commit "
-            f"{incident['trigger']['commit_id']}: survivors idle {idle:.1f}s while the newcomers received the state; "
-            f"no rollback.")
+            f"           (early start at commit {early['commit_id']}), then {ending(incident, idle)}; no rollback.")
+
+
+def ending(incident, idle):
+    """How a scale-up's early start ended: the newcomers ready at a commit, or training over before them."""
+    commit = incident["trigger"]["commit_id"]
+    if incident.get("at_end"):
+        return (f"training ended (commit {commit}) before they were ready: survivors idle {idle:.1f}s until the "
+                f"newcomers joined, so that every worker ends with the job")
+    return f"resized at commit {commit}: survivors idle {idle:.1f}s while the newcomers received the state"
 
 
 def soft_failures(events):
