@@ -4,7 +4,9 @@ Runs examples/pytorch_elastic.py under ``elastic-horovodrun`` (the
 project's launcher: real ``horovodrun`` with elastic_ext's driver) with two
 pseudo-hosts (localhost and 127.0.0.1, two workers each), SIGKILLs one worker
 mid-training, adds a third pseudo-host (this machine's hostname) once the job
-has recovered, and ends with a summary: accuracy, samples processed (exactly
+has recovered (steps are slower until the job has all 6 workers, so that it
+grows before training ends however long the newcomers take to start), and
+ends with a summary: accuracy, samples processed (exactly
 once, from the sample ledger), what happened at the failure and at the
 scale-up, and a timeline picture (world size and steps over time).
 
@@ -76,7 +78,9 @@ class Job:
                 "--host-discovery-script", f"{os.path.join(REPO, 'host_discovery', 'static.py')} {self.hosts}",
                 sys.executable, os.path.join(HERE, "pytorch_elastic.py"), "--epochs", str(self.args.epochs),
                 "--ledger", self.ledger_dir, "--faults", f"3:{self.args.kill_step}:kill",
-                "--step-sleep-s", "0.03"]
+                # Slower steps until the job has its 6 workers: the scale-ups come before the end of training
+                # however long the newcomers take to start (on a cold machine, 20 s and more).
+                "--step-sleep-s", "0.03", "--slow-below", "6:0.15"]
 
     def environment(self):
         venv_bin = os.path.dirname(sys.executable)

@@ -2,7 +2,7 @@
 
 An example builds an :class:`Instrument` from its command line, outside the
 training loop, and calls it once per (re)start and once per step. Without
-``--ledger``, ``--faults`` and ``--step-sleep-s`` every call does nothing,
+``--ledger``, ``--faults``, ``--step-sleep-s`` and ``--slow-below`` every call does nothing,
 so a training script of your own simply leaves the instrument out. With
 them, declared faults fire (each once per job), every step's samples go to
 the sample ledger (:mod:`elastic_ext.testing.ledger`), and steps are slowed
@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 
@@ -36,16 +36,22 @@ class Instrument:
         faults: ``"RANK:STEP[:HOW[:WHERE]],..."`` (see
             :meth:`FaultSchedule.parse`); needs ``ledger_dir``.
         step_sleep_s: seconds to sleep in every step.
+        slow_below: ``"SIZE:SECONDS"``: while the world has fewer than SIZE
+            workers, steps sleep SECONDS instead ("" for never). The demo
+            paces its job so that its growth to full size comes before the
+            end of training however long the newcomers take to start.
         rank_fn: returns this worker's current rank.
         size_fn: returns the current world size.
 
     Raises:
-        ConfigError: faults are given without a ledger directory, or
-            ``step_sleep_s`` is negative.
+        ConfigError: faults are given without a ledger directory,
+            ``step_sleep_s`` is negative, or ``slow_below`` is not
+            ``"SIZE:SECONDS"`` with SIZE >= 1 and SECONDS >= 0.
     """
 
     def __init__(self, ledger_dir: str = "", faults: str = "", step_sleep_s: float = 0.0,
-                 rank_fn: Callable[[], int] = lambda: 0, size_fn: Callable[[], int] = lambda: 1) -> None:
+                 rank_fn: Callable[[], int] = lambda: 0, size_fn: Callable[[], int] = lambda: 1,
+                 slow_below: str = "") -> None:
         if faults and not ledger_dir:
             raise ConfigError(f"faults ({faults!r}) need a ledger directory: their markers live in the run's "
                               "own directory, <ledger>/faults")
@@ -55,24 +61,27 @@ class Instrument:
             FaultSchedule.parse(faults, os.path.join(ledger_dir, "faults")) if faults else None)
         self.ledger: Optional[Ledger] = Ledger(ledger_dir) if ledger_dir else None
         self.step_sleep_s = step_sleep_s
+        self.slow_below = parse_slow_below(slow_below)
         self._rank_fn = rank_fn
         self._size_fn = size_fn
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        """Adds ``--ledger``, ``--faults`` and ``--step-sleep-s`` (all off by default)."""
+        """Adds ``--ledger``, ``--faults``, ``--step-sleep-s`` and ``--slow-below`` (all off by default)."""
         group = parser.add_argument_group("demo and test instrumentation (off by default)")
         group.add_argument("--ledger", default="",
                            help="directory for the per-step sample ledger (exactly-once audit) and fault markers")
         group.add_argument("--faults", default="",
                            help='injected faults "RANK:STEP[:kill|stop|term]" (needs --ledger)')
         group.add_argument("--step-sleep-s", type=float, default=0.0, help="slow steps down, to watch the job")
+        group.add_argument("--slow-below", default="", metavar="SIZE:SECONDS",
+                           help="while the world has fewer than SIZE workers, steps sleep SECONDS instead")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, rank_fn: Callable[[], int],
                   size_fn: Callable[[], int]) -> "Instrument":
         """The instrument that :meth:`add_arguments`'s flags ask for."""
-        return cls(args.ledger, args.faults, args.step_sleep_s, rank_fn, size_fn)
+        return cls(args.ledger, args.faults, args.step_sleep_s, rank_fn, size_fn, args.slow_below)
 
     def started(self, state: Any, sampler: Any) -> None:
         """At every (re)start of the training function: where this generation resumed."""
@@ -86,9 +95,12 @@ class Instrument:
             self.faults.maybe_fire(self._rank_fn(), state.step)
 
     def pause(self) -> None:
-        """Sleeps ``step_sleep_s`` (if any), so that a person can watch the job."""
-        if self.step_sleep_s:
-            time.sleep(self.step_sleep_s)
+        """Sleeps ``step_sleep_s``, or ``slow_below``'s seconds below its size (if any), so that a person can watch the job."""
+        seconds = self.step_sleep_s
+        if self.slow_below is not None and self._size_fn() < self.slow_below[0]:
+            seconds = self.slow_below[1]
+        if seconds:
+            time.sleep(seconds)
 
     def record(self, state: Any, epoch: int, cursor: int, indices: Any, pad: Any) -> None:
         """Writes the step's real samples (``indices`` where not ``pad``) to the ledger."""
@@ -107,3 +119,18 @@ class Instrument:
         """After training returned: the ledger's end record."""
         if self.ledger is not None:
             self.ledger.end(state.step, self._rank_fn(), self._size_fn())
+
+
+def parse_slow_below(text: str) -> Optional[Tuple[int, float]]:
+    """``"SIZE:SECONDS"`` as ``(size, seconds)``; None for ""."""
+    if not text:
+        return None
+    size, _, seconds = text.partition(":")
+    try:
+        parsed = int(size), float(seconds)
+    except ValueError:
+        parsed = None
+    if parsed is None or parsed[0] < 1 or not parsed[1] >= 0:
+        raise ConfigError(f"slow_below ({text!r}) must be SIZE:SECONDS, a world size >= 1 and seconds >= 0, "
+                          "for example '6:0.15'")
+    return parsed

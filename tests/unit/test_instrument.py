@@ -64,3 +64,22 @@ def test_steps_reach_the_ledger_without_their_padding(tmp_path):
     start, step = [r for r in records if "start" in r], [r for r in records if "gen" in r]
     assert [(r["start"], r["epoch"], r["cursor"], r["step"], r["rank"], r["size"]) for r in start] == [(3, 1, 8, 7, 1, 2)]
     assert [(r["gen"], r["step"], r["indices"], r["pads"]) for r in step] == [(3, 7, [5, 6], 1)]
+
+
+def test_steps_sleep_longer_while_the_world_is_below_the_slow_size(monkeypatch):
+    from elastic_ext.testing import instrument as module
+    slept, size = [], [4]
+    monkeypatch.setattr(module.time, "sleep", slept.append)
+    instrument = Instrument.from_args(parse(["--step-sleep-s", "0.03", "--slow-below", "6:0.15"]),
+                                      lambda: 0, lambda: size[0])
+    for world in (4, 3, 6, 5, 6):
+        size[0] = world
+        instrument.pause()
+    assert slept == [0.15, 0.15, 0.03, 0.15, 0.03]
+
+
+@pytest.mark.parametrize("text", ["6", "six:0.1", "6:-1", "0:0.1", "6:nan", ":0.2"])
+def test_a_bad_slow_below_is_refused_with_its_value(text):
+    with pytest.raises(ConfigError, match=r"slow_below \(.*\) must be SIZE:SECONDS") as caught:
+        Instrument(slow_below=text)
+    assert repr(text) in str(caught.value)
