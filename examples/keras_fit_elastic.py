@@ -41,7 +41,7 @@ parser.add_argument("--epochs", type=int, default=6)
 parser.add_argument("--global-batch", type=int, default=64, help="kept constant whatever the world size")
 parser.add_argument("--lr", type=float, default=0.01)
 parser.add_argument("--commit-every", type=int, default=5, help="batches between commits")
-Instrument.add_arguments(parser)  # --ledger, --faults, --step-sleep-s: the demo's and the tests' hooks
+Instrument.add_arguments(parser)  # --ledger, --faults, --step-sleep-s, --slow-below: the demo's and the tests' hooks
 args = parser.parse_args()
 
 # tf.keras resolves to tf_keras only if this is set before TensorFlow is imported.

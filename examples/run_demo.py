@@ -5,7 +5,8 @@ project's launcher: real ``horovodrun`` with elastic_ext's driver) with two
 pseudo-hosts (localhost and 127.0.0.1, two workers each), SIGKILLs one worker
 mid-training, adds a third pseudo-host (this machine's hostname) once the job
 has recovered (steps are slower until the job has all 6 workers, so that it
-grows before training ends however long the newcomers take to start), and
+grows before training ends even when the newcomers take half a minute to
+start), and
 ends with a summary: accuracy, samples processed (exactly
 once, from the sample ledger), what happened at the failure and at the
 scale-up, and a timeline picture (world size and steps over time).
@@ -79,7 +80,7 @@ class Job:
                 sys.executable, os.path.join(HERE, "pytorch_elastic.py"), "--epochs", str(self.args.epochs),
                 "--ledger", self.ledger_dir, "--faults", f"3:{self.args.kill_step}:kill",
                 # Slower steps until the job has its 6 workers: the scale-ups come before the end of training
-                # however long the newcomers take to start (on a cold machine, 20 s and more).
+                # even when the newcomers take half a minute to start (a cold clean clone took over 20 s).
                 "--step-sleep-s", "0.03", "--slow-below", "6:0.15"]
 
     def environment(self):

@@ -38,8 +38,8 @@ class Instrument:
         step_sleep_s: seconds to sleep in every step.
         slow_below: ``"SIZE:SECONDS"``: while the world has fewer than SIZE
             workers, steps sleep SECONDS instead ("" for never). The demo
-            paces its job so that its growth to full size comes before the
-            end of training however long the newcomers take to start.
+            paces its job so that it grows to full size before training
+            ends, even when its newcomers are slow to start.
         rank_fn: returns this worker's current rank.
         size_fn: returns the current world size.
 
@@ -95,7 +95,7 @@ class Instrument:
             self.faults.maybe_fire(self._rank_fn(), state.step)
 
     def pause(self) -> None:
-        """Sleeps ``step_sleep_s``, or ``slow_below``'s seconds below its size (if any), so that a person can watch the job."""
+        """Sleeps ``step_sleep_s`` (``slow_below``'s seconds below its size), so that a person can watch the job."""
         seconds = self.step_sleep_s
         if self.slow_below is not None and self._size_fn() < self.slow_below[0]:
             seconds = self.slow_below[1]
