@@ -6,10 +6,9 @@ pseudo-hosts (localhost and 127.0.0.1, two workers each), SIGKILLs one worker
 mid-training, adds a third pseudo-host (this machine's hostname) once the job
 has recovered (steps are slower until the job has all 6 workers, so that it
 grows before training ends even when the newcomers take half a minute to
-start), and
-ends with a summary: accuracy, samples processed (exactly
-once, from the sample ledger), what happened at the failure and at the
-scale-up, and a timeline picture (world size and steps over time).
+start), and ends with a summary: accuracy, samples processed (exactly once,
+from the sample ledger), what happened at the failure and at the scale-up,
+and a timeline picture (world size and steps over time).
 
     .venv/bin/python examples/run_demo.py [--kill-step 33] [--epochs 10]
 
