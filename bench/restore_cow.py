@@ -6,7 +6,7 @@ root::
 
     .venv/bin/python -m bench.restore_cow
 
-One process holds a float32 tensor (``--mib``, 432 by default) and its commit
+One process holds a float32 tensor (``--mib``, 432 by default, at least 32) and its commit
 in a memfd, laid out so that the tensor's pages and the file's pages line up.
 Each round dirties a ``--slice-mib`` slice (the steps since the commit), then
 restores the commit in one of two ways, alternating A B B A:
@@ -41,6 +41,9 @@ from bench import harness
 NAME = "restore_cow"
 PAGE = mmap.PAGESIZE
 MAP_FIXED = 0x10  # Linux
+# glibc gives an allocation this large a mapping of its own (its mmap threshold is at most 32 MiB on
+# 64-bit), so the remap replaces pages of the tensor alone, never of the heap that malloc reuses.
+MIN_MIB = 32
 
 
 def _libc_mmap():
@@ -56,10 +59,12 @@ class Table:
     def __init__(self, nbytes: int) -> None:
         import torch
 
+        if nbytes < MIN_MIB << 20:
+            raise ValueError(f"a table of {nbytes} bytes: expected at least {MIN_MIB} MiB, so that it has a "
+                             "mapping of its own")
         self._mmap = _libc_mmap()
         self.tensor = torch.arange(nbytes // 4, dtype=torch.float32)
         self.address = self.tensor.data_ptr()
-        self.nbytes = nbytes
         self.head = self.address % PAGE                       # the tensor's offset in its first page
         self.first = self.address + (-self.address % PAGE)    # its first whole page
         self.end = (self.address + nbytes) // PAGE * PAGE     # the end of its last whole page
@@ -120,8 +125,9 @@ def main(argv: List[str] = None) -> int:
     parser.add_argument("--rounds", type=int, default=6, help="rounds per method (even: A B B A)")
     parser.add_argument("--name", default=NAME)
     args = parser.parse_args(argv)
-    if args.mib < 1 or not 1 <= args.slice_mib < args.mib:
-        parser.error(f"--mib {args.mib} and --slice-mib {args.slice_mib}: expected 1 <= slice < tensor")
+    if args.mib < MIN_MIB or not 1 <= args.slice_mib < args.mib:
+        parser.error(f"--mib {args.mib} and --slice-mib {args.slice_mib}: expected a tensor of at least {MIN_MIB} "
+                     "and 1 <= slice < tensor")
     table = Table(args.mib << 20)
     rng = np.random.default_rng(0)
     samples: Dict[str, List[Dict[str, float]]] = {"copy": [], "remap": []}
