@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Tupl
 
 import numpy as np
 
-from elastic_ext.state import tree
+from elastic_ext.state import tree, written
 from elastic_ext.errors import StateError
 from elastic_ext.state.snapshot import (PLAIN_SCALARS, Capture, Entry, NumpySource, check_plain, decode_plain,
                                         encode_plain, join_captures, split_entry)
@@ -104,7 +104,10 @@ class NumpyArrayAdapter:
         saved = entry.arrays["array"]
         if obj.shape != saved.shape or obj.dtype != saved.dtype:
             return saved.copy()
-        np.copyto(obj, saved)
+        if obj.flags.c_contiguous and saved.flags.c_contiguous and obj.nbytes >= written.MIN_BYTES:
+            written.copy(obj.ctypes.data, obj.nbytes, saved, to_buffer=False)
+        else:
+            np.copyto(obj, saved)
         return obj
 
 

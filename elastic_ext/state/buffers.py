@@ -30,6 +30,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import numpy as np
 
+from elastic_ext.state import written
 from elastic_ext.state.snapshot import ArraySource, Capture, Entry
 
 Entries = Dict[str, Entry]
@@ -129,6 +130,7 @@ class CommitBuffers:
         loaded = {}
         for key, value in arrays.items():
             buffer = reuse(old, key, value.shape, value.dtype)
+            written.forget(buffer)  # no longer equal to the memory it was paired with
             np.copyto(buffer, value)
             loaded[key] = buffer
         self.entries[name] = Entry(arrays=loaded, meta=meta)

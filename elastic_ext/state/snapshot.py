@@ -7,7 +7,9 @@ Host memory only, so sync (a broadcast of arrays) and durable checkpoints
 (safetensors-like files plus JSON) need no pickle.
 
 This module is the leaf every other snapshot module stands on: it imports
-nothing of elastic_ext but the errors, and knows no framework.
+nothing of elastic_ext but the errors and :mod:`elastic_ext.state.written`
+(copies of large arrays move only the pages written since), and knows no
+framework.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, Dict, Protocol
 import numpy as np
 
 from elastic_ext.errors import StateError
+from elastic_ext.state import written
 
 
 class ArraySource(Protocol):
@@ -46,7 +49,10 @@ class NumpySource:
         return self.array.dtype
 
     def copy_into(self, buffer: np.ndarray) -> None:
-        np.copyto(buffer, self.array, casting="no")
+        if self.array.flags.c_contiguous and self.array.nbytes >= written.MIN_BYTES:
+            written.copy(self.array.ctypes.data, self.array.nbytes, buffer, to_buffer=True)
+        else:
+            np.copyto(buffer, self.array, casting="no")
 
 
 @dataclasses.dataclass

@@ -23,6 +23,7 @@ from typing import Any, FrozenSet, Optional, Tuple
 import numpy as np
 import torch
 
+from elastic_ext.state import written
 from elastic_ext.state.adapters import StatefulAdapter
 from elastic_ext.errors import StateError
 from elastic_ext.state.snapshot import Capture, Entry
@@ -65,10 +66,39 @@ class TorchSource:
         self.shape = tuple(tensor.shape)
 
     def copy_into(self, buffer: np.ndarray) -> None:
+        if watchable(self.tensor):
+            written.copy(self.tensor.data_ptr(), _nbytes(self.tensor), buffer, to_buffer=True, move=_move)
+            return
         target = torch.from_numpy(buffer)
         if self.tensor.dtype in _BIT_VIEWS:
             target = target.view(self.tensor.dtype)
         target.copy_(self.tensor)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _move(dst: np.ndarray, src: np.ndarray) -> None:
+    torch.from_numpy(dst).copy_(torch.from_numpy(src))  # on torch's threads, as a tensor's own copy_
+
+
+def watchable(tensor: torch.Tensor) -> bool:
+    """True if copies of ``tensor`` may move only its written pages (:mod:`elastic_ext.state.written`):
+    large, contiguous, and in this process's CPU memory (a pinned tensor is written by DMA, which
+    the CPU's page tables do not see)."""
+    return (tensor.device.type == "cpu" and _nbytes(tensor) >= written.MIN_BYTES and tensor.is_contiguous()
+            and not tensor.is_pinned())
+
+
+def copy_back(tensor: torch.Tensor, array: np.ndarray, tag: dict) -> None:
+    """``tensor.copy_`` of the committed ``array`` (same shape and dtype), moving only the pages
+    written since they were last equal where it can."""
+    with torch.no_grad():
+        if watchable(tensor) and array.flags.c_contiguous and array.nbytes == _nbytes(tensor):
+            written.copy(tensor.data_ptr(), array.nbytes, array, to_buffer=False, move=_move)
+        else:
+            tensor.copy_(host_view(array, tag))
 
 
 def _tag(tensor: torch.Tensor) -> dict:
@@ -126,9 +156,20 @@ class ModuleAdapter:
     def apply(self, obj: torch.nn.Module, entry: Entry) -> torch.nn.Module:
         # load_state_dict copies into the existing parameters (param.copy_),
         # on whatever device they live: CPU views of the buffers are enough
-        # and nothing aliases them.
-        state = join(entry.meta, entry.arrays, lambda array, tag, key: host_view(array, tag))
-        obj.load_state_dict(state, strict=True)
+        # and nothing aliases them. A large CPU tensor is brought back here,
+        # only its written pages, and handed to load_state_dict as itself
+        # (copy_ from a tensor onto its own memory returns at once).
+        live, _ = split(obj.state_dict(), tensor_leaf)
+
+        def restore(array: np.ndarray, tag: dict, key: str) -> torch.Tensor:
+            source = live.get(key)
+            if isinstance(source, TorchSource) and watchable(source.tensor) and fits(source.tensor, array, tag,
+                                                                                     grad=False):
+                copy_back(source.tensor, array, tag)
+                return source.tensor
+            return host_view(array, tag)
+
+        obj.load_state_dict(join(entry.meta, entry.arrays, restore), strict=True)
         return obj
 
 
@@ -162,18 +203,19 @@ class TorchStatefulAdapter(StatefulAdapter):
         def restore(array: np.ndarray, tag: dict, key: str) -> torch.Tensor:
             source = reusable.get(key)
             if isinstance(source, TorchSource) and fits(source.tensor, array, tag):
-                with torch.no_grad():
-                    return source.tensor.copy_(host_view(array, tag))
+                copy_back(source.tensor, array, tag)
+                return source.tensor
             return make_tensor(array, tag, key, devices.get(key))
 
         obj.load_state_dict(join(entry.meta, entry.arrays, restore))
         return obj
 
 
-def fits(tensor: torch.Tensor, array: np.ndarray, tag: dict) -> bool:
-    """True if the committed ``array`` (``tag``) can be copied into the live ``tensor`` in place."""
+def fits(tensor: torch.Tensor, array: np.ndarray, tag: dict, grad: bool = True) -> bool:
+    """True if the committed ``array`` (``tag``) can be copied into the live ``tensor`` in place
+    (``grad``: its ``requires_grad`` must match the tag's too)."""
     return (tuple(tensor.shape) == array.shape and str(tensor.dtype) == f"torch.{tag['dtype']}"
-            and tensor.requires_grad == bool(tag.get("requires_grad")) and tensor.is_contiguous())
+            and (not grad or tensor.requires_grad == bool(tag.get("requires_grad"))) and tensor.is_contiguous())
 
 
 class TensorAdapter:
@@ -190,8 +232,12 @@ class TensorAdapter:
         return Capture(arrays={"tensor": TorchSource(obj, "tensor")}, meta=_tag(obj))
 
     def apply(self, obj: torch.Tensor, entry: Entry) -> torch.Tensor:
-        with torch.no_grad():
-            obj.copy_(host_view(entry.arrays["tensor"], entry.meta))
+        array = entry.arrays["tensor"]
+        if fits(obj, array, entry.meta, grad=False):
+            copy_back(obj, array, entry.meta)
+        else:
+            with torch.no_grad():
+                obj.copy_(host_view(array, entry.meta))
         return obj
 
 

@@ -1,0 +1,290 @@
+"""Copying only the pages written since a buffer last equalled a large array.
+
+A commit copies every tracked array into its host buffer, and a rollback
+copies every buffer back, though a step may write only a small part of a
+large array (an embedding table, of which each step updates a few rows).
+Linux tells which pages a process wrote since it last asked: a
+``userfaultfd`` registered for asynchronous write protection
+(``UFFD_FEATURE_WP_ASYNC``, Linux 6.7) keeps a per-page flag that the
+kernel clears at the first write, with no signal and no handler, and the
+``PAGEMAP_SCAN`` ioctl on ``/proc/self/pagemap`` lists the written pages of
+a range and protects them again in one call. A write by the kernel on the
+process's behalf (``read()`` into the array) and a page dropped with
+``MADV_DONTNEED`` count as written too.
+
+:func:`copy` pairs an array's memory with the buffer it was copied to or
+from. The pairing holds while the buffer equals the memory except in the
+pages written since the last scan; then the next copy, either way, moves
+only those pages (and the partial pages at both ends, which other
+allocations may share). Anything else is a full copy that starts a new
+pairing: the first copy, another buffer, a buffer changed by other code
+(:func:`forget`, which ``CommitBuffers.load`` calls), memory freed and
+mapped again (the kernel dropped its registration: the scan refuses it).
+
+Only memory of at least :data:`MIN_BYTES` is watched: below that a full
+copy costs a few milliseconds, and glibc gives such sizes mappings of
+their own, so a watched range never holds the small objects malloc packs
+into its heap. A watched array of which a step wrote more than
+:data:`DENSE_FRACTION` of its pages (the parameters of a model under an
+optimizer) is no longer protected and is copied whole from then on: each
+first write to a page after a scan costs a fault (about 1.2 us here), which
+only pays when most pages stay untouched. Where the kernel lacks the feature or the syscall is
+refused, every copy is a full copy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import logging
+import os
+import platform
+import struct
+import threading
+import weakref
+from typing import Callable, Dict, List, Optional, Set, Tuple
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+MIN_BYTES = 32 << 20     # smaller arrays are always copied whole
+DENSE_FRACTION = 0.5     # more pages written than this between two scans: stop watching the array
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+_SYSCALL_USERFAULTFD = {"x86_64": 323, "aarch64": 282}.get(platform.machine())
+_UFFD_USER_MODE_ONLY = 1
+_UFFD_API = 0xAA
+_UFFD_FEATURE_WP_UNPOPULATED = 1 << 13
+_UFFD_FEATURE_WP_ASYNC = 1 << 15
+_UFFDIO_API = 0xC018AA3F          # _IOWR(0xAA, 0x3F, struct uffdio_api)
+_UFFDIO_REGISTER = 0xC020AA00     # _IOWR(0xAA, 0x00, struct uffdio_register)
+_UFFDIO_WRITEPROTECT = 0xC018AA06  # _IOWR(0xAA, 0x06, struct uffdio_writeprotect)
+_UFFDIO_REGISTER_MODE_WP = 1 << 1
+_PAGEMAP_SCAN = 0xC0606610        # _IOWR('f', 16, struct pm_scan_arg)
+_PM_SCAN_WP_MATCHING = 1 << 0     # protect the pages it reports again
+_PM_SCAN_CHECK_WPASYNC = 1 << 1   # refuse (EPERM) memory not registered for asynchronous protection
+_PAGE_IS_WRITTEN = 1 << 1
+_REGIONS = 1024                   # page_region entries read per ioctl
+
+
+class _Watch:
+    """This process's userfaultfd and the pairings of watched memory with buffers."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+        self.pairs: Dict[Tuple[int, int], "weakref.ReferenceType[np.ndarray]"] = {}
+        self.dense: Set[Tuple[int, int]] = set()    # registered, unprotected: copied whole
+        self.refused: Set[Tuple[int, int]] = set()  # shared, mapped from a file, or refused by the kernel
+        self.uffd = -1
+        self.pagemap = -1
+        self._regions = (ctypes.c_uint64 * (3 * _REGIONS))()
+        try:
+            self._open()
+        except OSError as exc:
+            log.debug("no write tracking (%s): every commit and restore copies whole arrays", exc)
+            self.close()
+
+    def _open(self) -> None:
+        if _SYSCALL_USERFAULTFD is None:
+            raise OSError(errno.ENOSYS, f"userfaultfd's syscall number is unknown on {platform.machine()}")
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = libc.syscall(_SYSCALL_USERFAULTFD, os.O_CLOEXEC | os.O_NONBLOCK | _UFFD_USER_MODE_ONLY)
+        if fd < 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"userfaultfd: {os.strerror(code)}")
+        self.uffd = fd
+        api = bytearray(struct.pack("QQQ", _UFFD_API, _UFFD_FEATURE_WP_ASYNC | _UFFD_FEATURE_WP_UNPOPULATED, 0))
+        fcntl.ioctl(self.uffd, _UFFDIO_API, api)  # EINVAL before Linux 6.7 (no asynchronous protection)
+        self.pagemap = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+
+    @property
+    def available(self) -> bool:
+        return self.uffd >= 0 and self.pagemap >= 0
+
+    def close(self) -> None:
+        for fd in (self.uffd, self.pagemap):
+            if fd >= 0:
+                os.close(fd)
+        self.uffd = self.pagemap = -1
+
+    def register(self, start: int, end: int) -> bool:
+        """Watches pages [start, end); False if the kernel refuses (memory mapped from a file...)."""
+        try:
+            fcntl.ioctl(self.uffd, _UFFDIO_REGISTER, bytearray(struct.pack("QQQQ", start, end - start,
+                                                                            _UFFDIO_REGISTER_MODE_WP, 0)))
+        except OSError as exc:
+            log.debug("cannot watch %#x-%#x for writes (%s); it is copied whole", start, end, exc)
+            return False
+        return True
+
+    def unprotect(self, start: int, end: int) -> None:
+        """Stops the faults on [start, end), which stays registered (:meth:`registered` tells it
+        from memory mapped there later)."""
+        fcntl.ioctl(self.uffd, _UFFDIO_WRITEPROTECT, bytearray(struct.pack("QQQ", start, end - start, 0)))
+
+    def registered(self, start: int, end: int) -> bool:
+        """True if [start, end) is still the memory this watch registered."""
+        vec = self._regions
+        arg = bytearray(struct.pack("12Q", 96, _PM_SCAN_CHECK_WPASYNC, start, end, 0, ctypes.addressof(vec),
+                                    _REGIONS, 1, 0, _PAGE_IS_WRITTEN, 0, _PAGE_IS_WRITTEN))
+        try:
+            fcntl.ioctl(self.pagemap, _PAGEMAP_SCAN, arg)
+        except OSError as exc:
+            if exc.errno == errno.EPERM:
+                return False
+            raise
+        return True
+
+    def scan(self, start: int, end: int, protect: bool) -> Optional[List[Tuple[int, int]]]:
+        """The written pages of [start, end) as address ranges (``protect``: protected again);
+        None if the range is not watched."""
+        found: List[Tuple[int, int]] = []
+        vec = self._regions
+        flags = _PM_SCAN_CHECK_WPASYNC | (_PM_SCAN_WP_MATCHING if protect else 0)
+        at = start
+        while at < end:
+            arg = bytearray(struct.pack("12Q", 96, flags, at, end, 0,
+                                        ctypes.addressof(vec), _REGIONS, 0, 0, _PAGE_IS_WRITTEN, 0,
+                                        _PAGE_IS_WRITTEN))
+            try:
+                count = fcntl.ioctl(self.pagemap, _PAGEMAP_SCAN, arg)
+            except OSError as exc:
+                if exc.errno == errno.EPERM:  # not registered: never watched, or freed and mapped again
+                    return None
+                raise
+            found.extend((vec[3 * i], vec[3 * i + 1]) for i in range(count))
+            walk_end = struct.unpack_from("Q", arg, 32)[0]
+            if walk_end <= at:
+                break
+            at = walk_end
+        return found
+
+
+_watch: Optional[_Watch] = None
+_watch_lock = threading.Lock()
+
+
+def _current() -> _Watch:
+    """This process's watch (a forked child opens its own: it inherits no registration)."""
+    global _watch
+    with _watch_lock:
+        if _watch is None or _watch.pid != os.getpid():
+            _watch = _Watch()
+        return _watch
+
+
+def available() -> bool:
+    """True if this kernel and process let :func:`copy` move only written pages."""
+    return _current().available
+
+
+def _private_anonymous(start: int, end: int) -> bool:
+    """True if [start, end) lies in private anonymous mappings only (``/proc/self/maps``).
+
+    Shared memory is written by other processes, and a private mapping of a
+    file shows the file's changes in the pages it has not written; neither
+    goes through this process's page tables, so neither is watched.
+    """
+    covered = start
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if high <= covered or low >= end:
+                continue
+            path = fields[5].strip() if len(fields) > 5 else ""
+            if low > covered or fields[1][3] != "p" or fields[4] != "0" or path.startswith("/"):
+                return False
+            covered = high
+            if covered >= end:
+                return True
+    return False
+
+
+def _bytes_at(address: int, nbytes: int) -> np.ndarray:
+    """A writable uint8 view of ``nbytes`` of memory at ``address``."""
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
+
+
+def forget(buffer: np.ndarray) -> None:
+    """Drops every pairing with ``buffer``: code other than :func:`copy` is about to write it."""
+    watch = _watch
+    if watch is None:
+        return
+    with watch.lock:
+        for key in [k for k, ref in watch.pairs.items() if ref() is buffer]:
+            del watch.pairs[key]
+
+
+def copy(address: int, nbytes: int, buffer: np.ndarray, to_buffer: bool,
+         move: Callable[[np.ndarray, np.ndarray], None] = np.copyto) -> int:
+    """Copies ``nbytes`` of memory at ``address`` into ``buffer`` (``to_buffer``) or back.
+
+    ``buffer`` is C-contiguous with ``nbytes`` bytes. Only the pages written
+    since the last copy between this memory and this buffer move, when the
+    pairing holds (module docstring); otherwise all of them. ``move(dst,
+    src)`` copies between two uint8 arrays (a framework's copy may use
+    several threads). The caller guarantees that nothing else writes the
+    memory or the buffer during the call.
+
+    Returns:
+        the number of bytes copied.
+
+    Raises:
+        ValueError: ``buffer`` is not a C-contiguous array of ``nbytes`` bytes.
+    """
+    if not buffer.flags.c_contiguous or buffer.nbytes != nbytes:
+        raise ValueError(f"buffer of {buffer.nbytes} bytes (contiguous: {buffer.flags.c_contiguous}) cannot "
+                         f"hold {nbytes} bytes of memory; expected a C-contiguous array of exactly that size")
+    memory = _bytes_at(address, nbytes)
+    raw = buffer.reshape(-1).view(np.uint8)
+    src, dst = (memory, raw) if to_buffer else (raw, memory)
+    start = -(-address // PAGE_BYTES) * PAGE_BYTES
+    end = (address + nbytes) // PAGE_BYTES * PAGE_BYTES
+    key = (address, nbytes)
+    watch = _current() if nbytes >= MIN_BYTES and end > start else None
+    if watch is None or not watch.available or key in watch.refused:
+        move(dst, src)
+        return nbytes
+    with watch.lock:
+        if key in watch.dense:
+            if watch.registered(start, end):
+                move(dst, src)
+                return nbytes
+            watch.dense.discard(key)  # freed, and other memory mapped there since
+        ref = watch.pairs.pop(key, None)
+        # A scan that protects pages again does so for every pairing that covers them (two views
+        # of one tensor): those others would miss the writes it reports.
+        for other in [k for k in watch.pairs if k[0] < address + nbytes and address < k[0] + k[1]]:
+            del watch.pairs[other]
+        # A commit protects the pages it is about to read; a restore lists the pages to write back
+        # and protects them once they are written, or each write would fault.
+        written = watch.scan(start, end, protect=to_buffer)
+        if written is None:  # not watched yet (or its mapping was replaced): start now
+            if _private_anonymous(start, end) and watch.register(start, end):
+                watch.scan(start, end, protect=to_buffer)
+            else:
+                watch.refused.add(key)
+            ref = None
+        if ref is None or ref() is not buffer:
+            move(dst, src)
+            copied = nbytes
+        else:
+            copied = 0
+            for a, b in [(address, start), *written, (end, address + nbytes)]:
+                lo, hi = a - address, b - address
+                if hi > lo:
+                    move(dst[lo:hi], src[lo:hi])
+                    copied += hi - lo
+            if copied - (start - address) - (address + nbytes - end) > DENSE_FRACTION * (end - start):
+                watch.unprotect(start, end)
+                watch.dense.add(key)
+                return copied
+        if key not in watch.refused:
+            if not to_buffer:
+                watch.scan(start, end, protect=True)  # the memory equals the buffer again
+            watch.pairs[key] = weakref.ref(buffer)
+        return copied
