@@ -117,6 +117,21 @@ def _check_restores(states: Dict[str, Any], model, optimizer) -> None:
             raise AssertionError(f"{name}: restore() did not bring back Adam's exp_avg")
 
 
+def _touch(model, optimizer) -> None:
+    """Writes every parameter and Adam moment in place, values unchanged (untimed), as the optimizer
+    step between two commits does: a commit may copy only what was written since the last one
+    (``elastic_ext.state.written``), so commits with nothing written between them would time nothing."""
+    import torch
+
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(1.0)
+        for slots in optimizer.state.values():
+            for value in slots.values():
+                if torch.is_tensor(value) and value.dim():
+                    value.mul_(1.0)
+
+
 def child_time(args: argparse.Namespace) -> Dict[str, Any]:
     _init_horovod()
     model, optimizer = build(args.width, args.depth)
@@ -127,11 +142,13 @@ def child_time(args: argparse.Namespace) -> Dict[str, Any]:
         calls: Dict[str, Callable[[], None]] = {s: getattr(states[s], op) for s in SYSTEMS}
         for _ in range(args.warmup):
             for system in SYSTEMS:
+                _touch(model, optimizer)
                 calls[system]()
         for rep in range(args.reps):
             # Rotate who goes first so a cache or allocator effect of the order cancels out.
             order = SYSTEMS[rep % len(SYSTEMS):] + SYSTEMS[:rep % len(SYSTEMS)]
             for system in order:
+                _touch(model, optimizer)
                 gc.collect()
                 started = time.perf_counter()
                 calls[system]()
@@ -155,6 +172,7 @@ def child_memory(args: argparse.Namespace) -> Dict[str, Any]:
     after_init = harness.proc_memory()
     commits = []
     for _ in range(args.commits):
+        _touch(model, optimizer)
         gc.collect()
         before = harness.proc_memory()["rss"]
         harness.reset_peak()
