@@ -22,14 +22,17 @@ pairing: the first copy, another buffer, a buffer changed by other code
 mapped again (the kernel dropped its registration: the scan refuses it).
 
 Only memory of at least :data:`MIN_BYTES` is watched: below that a full
-copy costs a few milliseconds, and glibc gives such sizes mappings of
-their own, so a watched range never holds the small objects malloc packs
-into its heap. A watched array of which a step wrote more than
-:data:`DENSE_FRACTION` of its pages (the parameters of a model under an
-optimizer) is no longer protected and is copied whole from then on: each
-first write to a page after a scan costs a fault (about 1.2 us here), which
-only pays when most pages stay untouched. Where the kernel lacks the feature or the syscall is
-refused, every copy is a full copy.
+copy costs a few milliseconds, and glibc gives allocations that large
+mappings of their own, so a watched range never holds the small objects
+malloc packs into its heap. Only private anonymous memory is: shared
+memory is written by other processes, and a private mapping of a file
+shows the file's changes, neither through this process's page tables. A
+watched array of which more than :data:`DENSE_FRACTION` of the pages were
+written between two copies (the parameters of a model under an optimizer)
+is no longer protected and is copied whole from then on: each first write
+to a page after a scan costs a fault (about 1.2 us here), which only pays
+when most pages stay untouched. Where the kernel lacks the feature or the
+syscall is refused, every copy is a full copy.
 """
 
 from __future__ import annotations
@@ -157,8 +160,8 @@ class _Watch:
                 raise
             found.extend((vec[3 * i], vec[3 * i + 1]) for i in range(count))
             walk_end = struct.unpack_from("Q", arg, 32)[0]
-            if walk_end <= at:
-                break
+            if walk_end <= at:  # no progress: the list may be partial, so the caller copies everything
+                return None
             at = walk_end
         return found
 
