@@ -272,6 +272,13 @@ def copy(address: int, nbytes: int, buffer: np.ndarray, to_buffer: bool,
             else:
                 watch.refused.add(key)
             ref = None
+        elif sum(b - a for a, b in written) > DENSE_FRACTION * (end - start):
+            # Decided on the writes alone, paired or not: with two buffer sets no pairing holds,
+            # and a dense array would fault at every interval for nothing.
+            watch.unprotect(start, end)
+            watch.dense.add(key)
+            move(dst, src)
+            return nbytes
         if ref is None or ref() is not buffer:
             move(dst, src)
             copied = nbytes
@@ -282,10 +289,6 @@ def copy(address: int, nbytes: int, buffer: np.ndarray, to_buffer: bool,
                 if hi > lo:
                     move(dst[lo:hi], src[lo:hi])
                     copied += hi - lo
-            if copied - (start - address) - (address + nbytes - end) > DENSE_FRACTION * (end - start):
-                watch.unprotect(start, end)
-                watch.dense.add(key)
-                return copied
         if key not in watch.refused:
             if not to_buffer:
                 watch.scan(start, end, protect=True)  # the memory equals the buffer again

@@ -210,3 +210,21 @@ def test_numpy_and_torch_adapters_roll_a_large_table_back_exactly():
         assert np.array_equal(source.tensor.numpy(), expected["optimizer"][key]), key
     assert moments["exp_avg"].abs().sum() > 0
 
+
+
+def test_a_dense_array_committed_into_alternating_buffers_stops_being_watched_too():
+    """Two buffer sets: no pairing ever holds, yet a mostly written array must stop faulting."""
+    live = big()
+    buffers = [np.empty_like(live), np.empty_like(live)]
+    commit(live, buffers[0])
+    live += 1.0
+    assert commit(live, buffers[1]) == SIZE
+    assert np.array_equal(live, buffers[1])
+    if TRACKS:
+        start = -(-live.ctypes.data // PAGE) * PAGE
+        end = (live.ctypes.data + live.nbytes) // PAGE * PAGE
+        assert (live.ctypes.data, live.nbytes) in written._current().dense  # copied whole, unprotected
+        assert written._current().registered(start, end)  # still told apart from memory mapped there later
+    live[1] = 3.0
+    assert commit(live, buffers[0]) == SIZE
+    assert np.array_equal(live, buffers[0])
