@@ -29,9 +29,14 @@ memory is written by other processes, and a private mapping of a file
 shows the file's changes, neither through this process's page tables. A
 watched array of which more than :data:`DENSE_FRACTION` of the pages were
 written between two copies (the parameters of a model under an optimizer)
-is no longer protected and is copied whole from then on: each first write
+is no longer protected and is copied whole for a while: each first write
 to a page after a scan costs a fault (about 1.2 us here), which only pays
-when most pages stay untouched. Where the kernel lacks the feature or the
+when most pages stay untouched. It is watched again after
+:data:`DENSE_WAIT` whole copies, then after twice as many each time it is
+found dense again, up to :data:`DENSE_WAIT_MAX`: a single bulk write (a
+table loaded from a file after the first commit) does not make a sparse
+array cost whole copies for the rest of the job, and a dense one pays its
+faults in one interval of up to 64. Where the kernel lacks the feature or the
 syscall is refused, every copy is a full copy.
 """
 
@@ -54,6 +59,8 @@ log = logging.getLogger(__name__)
 
 MIN_BYTES = 32 << 20     # smaller arrays are always copied whole
 DENSE_FRACTION = 0.5     # more pages written than this between two scans: stop watching the array
+DENSE_WAIT = 2           # whole copies of an array found dense before it is watched again
+DENSE_WAIT_MAX = 64      # the wait doubles each time the array is found dense again, up to this
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 _SYSCALL_USERFAULTFD = {"x86_64": 323, "aarch64": 282}.get(platform.machine())
@@ -79,7 +86,8 @@ class _Watch:
         self.pid = os.getpid()
         self.lock = threading.Lock()
         self.pairs: Dict[Tuple[int, int], "weakref.ReferenceType[np.ndarray]"] = {}
-        self.dense: Set[Tuple[int, int]] = set()    # registered, unprotected: copied whole
+        self.dense: Dict[Tuple[int, int], int] = {}  # registered, unprotected: whole copies left
+        self.waits: Dict[Tuple[int, int], int] = {}  # the wait of the next dense finding
         self.refused: Set[Tuple[int, int]] = set()  # shared, mapped from a file, or refused by the kernel
         self.uffd = -1
         self.pagemap = -1
@@ -253,11 +261,18 @@ def copy(address: int, nbytes: int, buffer: np.ndarray, to_buffer: bool,
         move(dst, src)
         return nbytes
     with watch.lock:
+        watched_again = False
         if key in watch.dense:
-            if watch.registered(start, end):
+            if not watch.registered(start, end):  # freed, and other memory mapped there since
+                del watch.dense[key]
+                watch.waits.pop(key, None)
+            elif watch.dense[key] > 0:
+                watch.dense[key] -= 1
                 move(dst, src)
                 return nbytes
-            watch.dense.discard(key)  # freed, and other memory mapped there since
+            else:  # watched again: the scan below protects every page, and this copy is whole
+                del watch.dense[key]
+                watched_again = True
         ref = watch.pairs.pop(key, None)
         # A scan that protects pages again does so for every pairing that covers them (two views
         # of one tensor): those others would miss the writes it reports.
@@ -271,14 +286,21 @@ def copy(address: int, nbytes: int, buffer: np.ndarray, to_buffer: bool,
                 watch.scan(start, end, protect=to_buffer)
             else:
                 watch.refused.add(key)
+            watch.waits.pop(key, None)  # other memory than the one found dense, if any
+            ref = None
+        elif watched_again:  # every page unprotected so far reads as written
             ref = None
         elif sum(b - a for a, b in written) > DENSE_FRACTION * (end - start):
             # Decided on the writes alone, paired or not: with two buffer sets no pairing holds,
             # and a dense array would fault at every interval for nothing.
             watch.unprotect(start, end)
-            watch.dense.add(key)
+            wait = watch.waits.get(key, DENSE_WAIT)
+            watch.dense[key] = wait
+            watch.waits[key] = min(2 * wait, DENSE_WAIT_MAX)
             move(dst, src)
             return nbytes
+        else:
+            watch.waits.pop(key, None)  # sparse again: a later dense finding waits the least
         if ref is None or ref() is not buffer:
             move(dst, src)
             copied = nbytes

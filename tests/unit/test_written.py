@@ -89,15 +89,40 @@ def test_a_write_by_the_kernel_into_the_memory_counts():
     assert np.array_equal(live, buffer)
 
 
-def test_an_array_mostly_written_between_copies_is_copied_whole_from_then_on():
+def test_an_array_mostly_written_between_copies_is_copied_whole_then_watched_again():
     live, buffer = big(), np.empty(SIZE // 4, np.float32)
     commit(live, buffer)
-    live += 1.0  # an optimizer step over a whole model
+    live += 1.0  # a bulk write: a table loaded after the first commit
+    assert commit(live, buffer) == SIZE
+    assert np.array_equal(live, buffer)
+    for step in range(written.DENSE_WAIT + 1):  # no longer watched, then watched again by a whole copy
+        live[step] = 9.0
+        assert commit(live, buffer) == SIZE, step
+        assert np.array_equal(live, buffer)
+    live[SIZE // 8] = 5.0  # sparse writes from here on: only their pages move again
+    small_or_whole(commit(live, buffer), 2 * PAGE)
+    assert np.array_equal(live, buffer)
+    live[-1] = 5.0
+    small_or_whole(restore(live, buffer), 2 * PAGE)
+    assert np.array_equal(live, buffer) and live[-1] == 2.0
+
+
+def test_an_array_found_dense_again_waits_twice_as_long_up_to_the_limit():
+    live, buffer = big(), np.empty(SIZE // 4, np.float32)
     commit(live, buffer)
-    assert np.array_equal(live, buffer)
-    live[0] = 9.0
-    assert commit(live, buffer) == SIZE  # no longer watched
-    assert np.array_equal(live, buffer)
+    whole = []
+    for _ in range(14):  # an optimizer step over a whole model between commits
+        live += 1.0
+        whole.append(commit(live, buffer) == SIZE)
+        assert np.array_equal(live, buffer)
+    assert all(whole)  # a dense array is copied whole every time, watched or not
+    if TRACKS:
+        key = (live.ctypes.data, live.nbytes)
+        # found dense at commits 1, 5 and 11: each time after its wait (2, then 4) and the whole
+        # copy that watches it again; commits 12 to 14 used 3 of the third wait (8)
+        assert written.DENSE_WAIT == 2 and written.DENSE_WAIT_MAX >= 16
+        assert written._current().waits[key] == 16
+        assert written._current().dense[key] == 8 - 3
 
 
 def test_two_overlapping_views_each_see_every_write():
