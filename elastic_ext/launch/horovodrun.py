@@ -12,8 +12,11 @@ elastic mode it is Horovod's ``ElasticDriver`` with the changes of
 survivors, and the failed slot's new worker joins while they train; a host
 is blacklisted only when it lost every worker; the rounds are published to
 the workers; a replaced worker's late exit is not charged to its successor),
-and with :mod:`elastic_ext.launch.noticed_hosts` (a host with a preemption
-notice leaves discovery; SIGUSR1, Slurm's ``--signal``, reaches every worker).
+with :mod:`elastic_ext.launch.noticed_hosts` (a host with a preemption
+notice leaves discovery; SIGUSR1, Slurm's ``--signal``, reaches every worker),
+and with :mod:`elastic_ext.launch.discovery_runs` (the discovery script runs
+outside the driver's host lock, so no round waits for it, and as a plain
+child process rather than through a fresh Python middleman).
 Horovod's build checks (was it built with Gloo? with MPI?), which import
 TensorFlow before the first worker starts, are answered from a cache
 (:mod:`elastic_ext.launch.build_check`).
@@ -31,7 +34,7 @@ import sys
 from typing import Any, List, MutableMapping, Optional
 
 from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_LAUNCHER, ENV_MIN_NP, ENV_RESTART_IN_PLACE
-from elastic_ext.launch import build_check, driver, noticed_hosts, ssh_keepalive
+from elastic_ext.launch import build_check, discovery_runs, driver, noticed_hosts, ssh_keepalive
 
 
 def restart_in_place_when_checkpointing(environ: MutableMapping[str, str]) -> bool:
@@ -122,6 +125,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     restart_in_place_when_checkpointing(os.environ)
     driver.install()
     noticed_hosts.install()  # preemption notices: noticed hosts leave discovery; Slurm's signal reaches every worker
+    discovery_runs.install()  # the discovery script outside the host lock, with no Python middleman
     ssh_keepalive.install()
     build_check.install()  # Horovod's Gloo/MPI checks import TensorFlow: about 3 s before any worker starts
     _through_the_worker_entry()

@@ -1,0 +1,131 @@
+"""The driver's runs of the discovery script: outside its host lock, as a plain child process.
+
+Horovod's driver runs ``--host-discovery-script`` once a second, and does
+two things there that the launcher changes:
+
+1. **The script runs while the driver holds its host lock**, the lock that
+   forming a round takes too (``wait_for_available_slots``). A failure
+   whose round forms while the script runs waits for the script's end:
+   here 0.3 s and more, in about a third of the failures. Under the
+   launcher the script runs first, with no lock held, and only its answer
+   is applied under the lock (:func:`discover_hosts`, which replaces
+   ``ElasticDriver._discover_hosts``; :class:`Prefetched` hands the answer
+   to Horovod's ``HostManager`` unchanged, so blacklists, cooldowns and the
+   notices' filter act on it as before).
+2. **Each run starts a fresh Python interpreter as a middleman**
+   (``safe_shell_exec``, multiprocessing's spawn), which then starts the
+   script: about 0.3 s of CPU a second on the driver's host, beside the
+   workers, before the script's own. Under the launcher the script is a
+   plain child of the driver (:func:`run_script`): the same shell command,
+   environment, exit-status rule and parsing as Horovod's.
+
+Everything else is Horovod's: the period, the error rule (the first
+discovery's failure ends the job, later ones are logged and retried), the
+notification of the workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import threading
+from typing import Any, Dict, Optional, Tuple
+
+logger = logging.getLogger(__name__)
+
+_originals: Dict[Tuple[type, str], Any] = {}  # what install() replaced: (class, name) -> the original
+
+
+def run_script(self: Any) -> str:
+    """``HostDiscoveryScript._execute_discovery_script`` under the launcher: the script's output.
+
+    Raises:
+        RuntimeError: the script exited non-zero (Horovod's message).
+    """
+    done = subprocess.run(self._discovery_script, shell=True, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        code = done.returncode if done.returncode >= 0 else 128 - done.returncode  # a shell's status
+        raise RuntimeError(f"Failed to execute discovery script: {self._discovery_script}. Exit code: {code}")
+    return done.stdout.decode("utf-8", errors="replace")
+
+
+class Prefetched:
+    """A discovery whose next answer may be fetched before the host lock is taken.
+
+    :meth:`fetch` runs the wrapped discovery (no lock held); the next
+    :meth:`find_available_hosts_and_slots` (``HostManager``'s, under the
+    lock) returns that answer once. Without a fetched answer it runs the
+    wrapped discovery itself, as Horovod would.
+    """
+
+    def __init__(self, discovery: Any) -> None:
+        self.discovery = discovery
+        self._found: Optional[Dict[str, int]] = None
+        self._lock = threading.Lock()
+
+    def fetch(self) -> None:
+        found = self.discovery.find_available_hosts_and_slots()
+        with self._lock:
+            self._found = found
+
+    def find_available_hosts_and_slots(self) -> Dict[str, int]:
+        with self._lock:
+            found, self._found = self._found, None
+        return self.discovery.find_available_hosts_and_slots() if found is None else found
+
+
+def _prefetched(manager: Any) -> Prefetched:
+    """The :class:`Prefetched` at the bottom of ``manager``'s discovery, wrapping it there first if needed."""
+    holder, discovery = manager, manager._discovery
+    attribute = "_discovery"
+    while not isinstance(discovery, Prefetched) and hasattr(discovery, "discovery"):
+        holder, discovery, attribute = discovery, discovery.discovery, "discovery"  # a filter (notices)
+    if not isinstance(discovery, Prefetched):
+        discovery = Prefetched(discovery)
+        setattr(holder, attribute, discovery)
+    return discovery
+
+
+def discover_hosts(self: Any) -> None:
+    """``ElasticDriver._discover_hosts`` under the launcher: the script outside the host lock."""
+    from horovod.runner.elastic.discovery import HostUpdateResult
+    from horovod.runner.elastic.driver import DISCOVER_HOSTS_FREQUENCY_SECS
+
+    first_update = True
+    while not self._shutdown.is_set():
+        try:
+            _prefetched(self._host_manager).fetch()
+            with self._wait_hosts_cond:
+                update_res = self._host_manager.update_available_hosts()
+                if update_res != HostUpdateResult.no_update:
+                    self._notify_workers_host_changes(self._host_manager.current_hosts, update_res)
+                    self._wait_hosts_cond.notify_all()
+        except BaseException as exc:
+            if first_update:  # a misconfiguration: the job ends now, as under Horovod
+                self._shutdown.set()
+                with self._wait_hosts_cond:
+                    self._wait_hosts_cond.notify_all()
+                raise
+            logger.warning(str(exc))  # transient: the next period tries again
+        first_update = False
+        self._shutdown.wait(DISCOVER_HOSTS_FREQUENCY_SECS)
+
+
+def install() -> None:
+    """Installs both changes of the module docstring in this (the driver's) process; idempotent."""
+    if _originals:
+        return
+    from horovod.runner.elastic.discovery import HostDiscoveryScript
+    from horovod.runner.elastic.driver import ElasticDriver
+
+    for cls, name, replacement in ((HostDiscoveryScript, "_execute_discovery_script", run_script),
+                                   (ElasticDriver, "_discover_hosts", discover_hosts)):
+        _originals[(cls, name)] = getattr(cls, name)
+        setattr(cls, name, replacement)
+
+
+def uninstall() -> None:
+    """Puts back what :func:`install` replaced (tests)."""
+    for (cls, name), original in _originals.items():
+        setattr(cls, name, original)
+    _originals.clear()
