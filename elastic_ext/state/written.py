@@ -36,7 +36,7 @@ when most pages stay untouched. It is watched again after
 found dense again, up to :data:`DENSE_WAIT_MAX`: a single bulk write (a
 table loaded from a file after the first commit) does not make a sparse
 array cost whole copies for the rest of the job, and a dense one pays its
-faults in one interval of up to 64. Where the kernel lacks the feature or the
+faults in one interval out of up to 65. Where the kernel lacks the feature or the
 syscall is refused, every copy is a full copy.
 """
 
