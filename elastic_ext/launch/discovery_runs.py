@@ -29,11 +29,13 @@ from __future__ import annotations
 import logging
 import subprocess
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
+
+from elastic_ext.launch.replaced import Originals, replace, restore
 
 logger = logging.getLogger(__name__)
 
-_originals: Dict[Tuple[type, str], Any] = {}  # what install() replaced: (class, name) -> the original
+_originals: Originals = {}  # what install() replaced
 
 
 def run_script(self: Any) -> str:
@@ -118,14 +120,10 @@ def install() -> None:
     from horovod.runner.elastic.discovery import HostDiscoveryScript
     from horovod.runner.elastic.driver import ElasticDriver
 
-    for cls, name, replacement in ((HostDiscoveryScript, "_execute_discovery_script", run_script),
-                                   (ElasticDriver, "_discover_hosts", discover_hosts)):
-        _originals[(cls, name)] = getattr(cls, name)
-        setattr(cls, name, replacement)
+    replace(_originals, ((HostDiscoveryScript, "_execute_discovery_script", run_script),
+                         (ElasticDriver, "_discover_hosts", discover_hosts)))
 
 
 def uninstall() -> None:
     """Puts back what :func:`install` replaced (tests)."""
-    for (cls, name), original in _originals.items():
-        setattr(cls, name, original)
-    _originals.clear()
+    restore(_originals)

@@ -63,6 +63,7 @@ import threading
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from elastic_ext.launch import prestart
+from elastic_ext.launch.replaced import Originals, replace, restore
 from elastic_ext.launch.round_watch import ASSIGNED, CURRENT, PEERS_FAILED_EXIT_CODE, SCOPE, failed_key
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ logger = logging.getLogger(__name__)
 REGROW_POLL_S = 0.1  # how often the coordinator is told that capacity is back, until a round takes it
 
 Slot = Tuple[str, int]
-_originals: Dict[Tuple[type, str], Any] = {}  # what install() replaced: (class, name) -> the original
+_originals: Originals = {}  # what install() replaced
 
 
 def _store(driver: Any, key: str, value: bytes) -> None:
@@ -243,22 +244,18 @@ def install() -> None:
                 _ext(self).peers_failed.add(host)
         original["_handle_worker_exit"](self, slot_info, exit_code, timestamp)
 
-    for cls, name, replacement in ((WorkerStateRegistry, "reset", reset),
-                                   (WorkerStateRegistry, "_on_workers_recorded", on_workers_recorded),
-                                   (ElasticDriver, "_get_host_assignments", get_host_assignments),
-                                   (ElasticDriver, "_update_host_assignments", update_host_assignments),
-                                   (ElasticDriver, "get_slot_info", get_slot_info),
-                                   (ElasticDriver, "_start_worker_process", start_worker_process),
-                                   (ElasticDriver, "_handle_worker_exit", handle_worker_exit)):
-        _originals[(cls, name)] = getattr(cls, name)
-        setattr(cls, name, replacement)
+    replace(_originals, ((WorkerStateRegistry, "reset", reset),
+                         (WorkerStateRegistry, "_on_workers_recorded", on_workers_recorded),
+                         (ElasticDriver, "_get_host_assignments", get_host_assignments),
+                         (ElasticDriver, "_update_host_assignments", update_host_assignments),
+                         (ElasticDriver, "get_slot_info", get_slot_info),
+                         (ElasticDriver, "_start_worker_process", start_worker_process),
+                         (ElasticDriver, "_handle_worker_exit", handle_worker_exit)))
 
 
 def uninstall() -> None:
     """Gives Horovod's driver its own behaviour back (for tests that run both in one process)."""
-    for (cls, name), original in _originals.items():
-        setattr(cls, name, original)
-    _originals.clear()
+    restore(_originals)
 
 
 def _move(driver: Any, ext: DriverState, moved: Dict[Slot, int]) -> None:

@@ -34,13 +34,14 @@ import urllib.parse
 from typing import Any, Dict, Set
 
 from elastic_ext.launch.notices import NOTICE_SCOPE, NOTICE_SIGNAL, JobNotice, signal_notice
+from elastic_ext.launch.replaced import Originals, replace, restore
 
 logger = logging.getLogger(__name__)
 
 MAX_HOST_LEN = 253
 
 noticed: Set[str] = set()              # hosts with a notice, dropped from discovery for the job's life
-_originals: Dict[Any, Any] = {}        # (class, name) -> what install() replaced
+_originals: Originals = {}             # what install() replaced
 _drivers: list = []                    # the driver of this process, once Horovod created it
 _job_notices: list = []                # the JobNotice of this job, once the signal came
 
@@ -137,21 +138,17 @@ def install() -> None:
             threading.Thread(target=_send, args=(client, _job_notices[0], host, slot), daemon=True,
                              name="elastic_ext-job-notice-late").start()
 
-    for cls, name, replacement in ((KVStoreHandler, "_put_value", put_value),
-                                   (HostManager, "update_available_hosts", update_available_hosts),
-                                   (ElasticDriver, "__init__", driver_init),
-                                   (ElasticDriver, "register_worker_server", register_worker_server)):
-        _originals[(cls, name)] = getattr(cls, name)
-        setattr(cls, name, replacement)
+    replace(_originals, ((KVStoreHandler, "_put_value", put_value),
+                         (HostManager, "update_available_hosts", update_available_hosts),
+                         (ElasticDriver, "__init__", driver_init),
+                         (ElasticDriver, "register_worker_server", register_worker_server)))
     if threading.current_thread() is threading.main_thread() and signal.getsignal(NOTICE_SIGNAL) is signal.SIG_DFL:
         signal.signal(NOTICE_SIGNAL, on_signal)
 
 
 def uninstall() -> None:
     """Gives Horovod its own behaviour back and forgets the notices (tests run both in one process)."""
-    for (cls, name), original in _originals.items():
-        setattr(cls, name, original)
-    _originals.clear()
+    restore(_originals)
     noticed.clear()
     _drivers.clear()
     _job_notices.clear()
