@@ -2,9 +2,13 @@
 plain Horovod elastic, elastic_ext and torchft, side by side in one run.
 
 4 workers on two pseudo-hosts (localhost and 127.0.0.1, 2 slots each). In
-each job, rank 3 SIGKILLs itself at step 10; Horovod blacklists its host and
-the job finishes on the 2 survivors. ``--failures`` jobs per system, the two
-systems interleaved, the same worker script under both (see
+each job, rank 3 SIGKILLs itself at step 10 and the job finishes a few steps
+later at the smaller size: plain Horovod under ``horovodrun`` blacklists the
+killed worker's host and goes on with 2 workers; elastic_ext runs as users
+launch it, under ``elastic-horovodrun`` (``--ext-launcher horovodrun`` for
+Horovod's launcher), which keeps the host and goes on with 3 (the failed
+slot's new worker is still starting when the job ends). ``--failures`` jobs
+per system, the systems interleaved, the same worker script under both (see
 bench/workers/recovery_worker.py).
 
     .venv/bin/python -m bench.recovery [--failures 10]
@@ -73,6 +77,7 @@ BREAKDOWN = ("detection_s", "abort_s", "restore_s", "shutdown_s", "init_s", "res
              "learn_connections_s", "sync_s", "first_step_s", "other_s")
 TORCHFT_STEPS_AFTER_FULL = 6  # steps at 4 groups after the replacement healed, then the job ends
 TORCHFT_TIMEOUT_S = 240.0
+LAUNCHERS = ("elastic-horovodrun", "horovodrun")  # elastic_ext's, the default; Horovod's
 
 
 def run_torchft(index, work, model):
@@ -99,13 +104,15 @@ def run_torchft(index, work, model):
             **measure(out, started)}
 
 
-def run_once(system, index, work, model="mlp"):
+def run_once(system, index, work, model="mlp", launcher=LAUNCHERS[0]):
     out = os.path.join(work, f"{system}-{model}-{index:02d}")
     os.makedirs(out)
     hosts = os.path.join(out, "hosts")
     launch.write_hosts(hosts, ["localhost:2", "127.0.0.1:2"])
     cmd = harness.horovodrun(os.path.join(harness.WORKERS, "recovery_worker.py"),
                              ["--system", system, "--out", out, "--model", model], hosts)
+    if system == "ext" and launcher == "elastic-horovodrun":
+        cmd = launch.under_elastic_ext_driver(cmd)
     events_path = os.path.join(out, "events.jsonl")
     env = launch.base_env(HOROVOD_FUSION_THRESHOLD=harness.HOROVOD_DEFAULT_FUSION, ELASTIC_EXT_EVENTS_PATH=events_path)
     started = time.time()
@@ -264,12 +271,12 @@ def replot():
         plot(json.load(handle)["results"], "recovery")
 
 
-def launch_all(series, failures, work, label):
+def launch_all(series, failures, work, label, launcher):
     """``failures`` jobs per (system, model) pair, the pairs interleaved."""
     runs = {pair: [] for pair in series}
     for index in range(failures):
         for system, model in series:
-            run = run_torchft(index, work, model) if system == "torchft" else run_once(system, index, work, model)
+            run = run_torchft(index, work, model) if system == "torchft" else run_once(system, index, work, model, launcher)
             runs[system, model].append(run)
             print(f"{label(system, model)} #{index}: {describe(runs[system, model][-1])}", flush=True)
     return runs
@@ -309,6 +316,8 @@ def main():
                                                              "table (the mlp and a 432 MB table)")
     parser.add_argument("--report-from", metavar="WORK_DIR",
                         help="compute the results from this earlier run's job directories, launching nothing")
+    parser.add_argument("--ext-launcher", choices=LAUNCHERS, default=LAUNCHERS[0],
+                        help="what launches the ext jobs (plain Horovod's always run under horovodrun)")
     parser.add_argument("--name", help="result file stem under bench/results, or an absolute path without "
                                        "extension (default: recovery, or recovery_<models>)")
     args = parser.parse_args()
@@ -332,7 +341,7 @@ def main():
         runs = read_all(series, work, label)
     else:
         work = tempfile.mkdtemp(prefix="bench_recovery_")
-        runs = launch_all(series, args.failures, work, label)
+        runs = launch_all(series, args.failures, work, label, args.ext_launcher)
     results = [dict(summarize(label(*pair), runs[pair]), model=pair[1]) for pair in series]
     by = {r["system"]: r for r in results}
     command = ".venv/bin/python -m bench.recovery --failures %d" % max(len(r) for r in runs.values())
@@ -340,8 +349,10 @@ def main():
         command += f" --systems {args.systems}"
     if models != ["mlp"]:
         command += f" --models {args.models}"
+    if args.ext_launcher != LAUNCHERS[0]:
+        command += f" --ext-launcher {args.ext_launcher}"
     summary = {"machine": "2 cores, CPU only, 4 workers on two pseudo-hosts (localhost, 127.0.0.1)",
-               "command": command, "results": results, "work_dir": work}
+               "command": command, "ext_launcher": args.ext_launcher, "results": results, "work_dir": work}
     if args.report_from:
         summary["report_from"] = work
     if "plain" in by and "ext" in by and by["ext"]["median_s"]:

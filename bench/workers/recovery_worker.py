@@ -2,9 +2,9 @@
 (``--system plain``: hvd.elastic.TorchState + @hvd.elastic.run) or
 elastic_ext (``--system ext``: elastic_ext.State + @elastic_ext.run).
 
-Rank 3 SIGKILLs itself after ``--kill-step`` steps on 4 workers; Horovod
-blacklists its host and the job finishes ``--steps-after`` steps later on
-the 2 survivors. Writes ``kills.jsonl`` (time of the kill) and
+Rank 3 SIGKILLs itself after ``--kill-step`` steps on 4 workers; the job
+finishes ``--steps-after`` steps later on the survivors (2 under
+``horovodrun``, which blacklists the host, 3 under ``elastic-horovodrun``). Writes ``kills.jsonl`` (time of the kill) and
 ``steps-<pid>.jsonl`` (time, step, world size of each completed step) under
 ``--out``, and ``calls-<pid>.jsonl`` (start and end of each ``hvd.init`` and
 ``hvd.shutdown`` call). (One failure per job: Horovod 0.28.1 ends the whole job when a
