@@ -46,12 +46,56 @@ def _normal_ip(ip: str) -> str:
     return ip[7:] if ip.startswith("::ffff:") else ip
 
 
+_TCP_ESTABLISHED = 1  # tcp_info's first byte, tcpi_state (the kernel's TCP_ESTABLISHED)
+
+
 def established(skip_ports: Optional[Set[int]] = None) -> List[Key]:
-    """This process's established TCP connections, minus those to ``skip_ports``."""
-    import psutil
+    """This process's established TCP connections, minus those to ``skip_ports``.
+
+    Asks each of this process's sockets (``/proc/self/fd``), so the cost is
+    this process's descriptors, not the machine's connections: psutil reads
+    the whole ``/proc/net/tcp``, which on a host that has run many jobs
+    holds thousands of closed connections, and this runs on a recovery's
+    critical path. Where ``/proc/self/fd`` is missing, psutil answers.
+    """
     if skip_ports is None:
         rendezvous = horovod_rendezvous()
         skip_ports = {rendezvous[1]} if rendezvous else set()
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return _established_by_psutil(skip_ports)
+    found = []
+    for name in names:
+        key = _tcp_established(int(name))
+        if key is not None and key[2][1] not in skip_ports:
+            found.append(key)
+    return found
+
+
+def _tcp_established(fd: int) -> Optional[Key]:
+    """(fd, local, remote) if ``fd`` is an established TCP connection, else None."""
+    try:
+        if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+            return None
+        sock = socket.socket(fileno=os.dup(fd))  # a second descriptor: closing it leaves the connection alone
+    except OSError:  # closed meanwhile, or a socket Python cannot wrap
+        return None
+    try:
+        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return None
+        if sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != _TCP_ESTABLISHED:
+            return None
+        local, remote = sock.getsockname(), sock.getpeername()
+    except OSError:  # not TCP, or no longer connected
+        return None
+    finally:
+        sock.close()
+    return fd, (_normal_ip(local[0]), local[1]), (_normal_ip(remote[0]), remote[1])
+
+
+def _established_by_psutil(skip_ports: Set[int]) -> List[Key]:
+    import psutil
     process = psutil.Process()
     # psutil >= 6 calls it net_connections; older releases only have connections.
     list_connections = getattr(process, "net_connections", None) or process.connections
