@@ -19,7 +19,10 @@ outside the driver's host lock, so no round waits for it, and as a plain
 child process rather than through a fresh Python middleman), and with
 :mod:`elastic_ext.launch.rendezvous_wait` (a Gloo peer's read of a key its
 peer has not written yet is answered when it is written, not "404, ask
-again in 10 ms"). Horovod's build checks (was it built with Gloo? with MPI?), which import
+again in 10 ms"), and with :mod:`elastic_ext.launch.worker_runs` (each
+worker's command runs as the driver's own child, not through a fresh Python
+middleman, so a failed worker's end, which its round waits for, is recorded
+at once). Horovod's build checks (was it built with Gloo? with MPI?), which import
 TensorFlow before the first worker starts, are answered from a cache
 (:mod:`elastic_ext.launch.build_check`).
 
@@ -36,7 +39,7 @@ import sys
 from typing import Any, List, MutableMapping, Optional
 
 from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_LAUNCHER, ENV_MIN_NP, ENV_RESTART_IN_PLACE
-from elastic_ext.launch import build_check, discovery_runs, driver, noticed_hosts, rendezvous_wait, ssh_keepalive
+from elastic_ext.launch import build_check, discovery_runs, driver, noticed_hosts, rendezvous_wait, ssh_keepalive, worker_runs
 
 
 def restart_in_place_when_checkpointing(environ: MutableMapping[str, str]) -> bool:
@@ -129,6 +132,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     noticed_hosts.install()  # preemption notices: noticed hosts leave discovery; Slurm's signal reaches every worker
     discovery_runs.install()  # the discovery script outside the host lock, with no Python middleman
     rendezvous_wait.install()  # a Gloo peer's read of a key not yet written is answered when it is written
+    worker_runs.install()  # each worker's command a child of the driver: its end is recorded at once
     ssh_keepalive.install()
     build_check.install()  # Horovod's Gloo/MPI checks import TensorFlow: about 3 s before any worker starts
     _through_the_worker_entry()

@@ -1,0 +1,124 @@
+"""The driver runs each worker's command as its own child, with no Python middleman.
+
+Horovod's driver starts every worker through ``safe_shell_exec.execute``:
+a fresh Python interpreter (multiprocessing's spawn) starts the worker's
+shell command, waits for it, and exits with its status; the driver learns
+of the worker's end when that middleman has exited and both output streams
+have closed. The middleman is there for one case: when the driver itself
+is killed, it sees its pipe from the driver close and terminates the
+worker's processes.
+
+A failure's next round forms only once the failed worker's end is recorded,
+and since the survivors ask for their ranks within a few milliseconds of
+seeing its connections close (:mod:`elastic_ext.runtime.connections`), that
+record is the last thing the round waits for. Through the middleman it
+came 13 to 25 ms after the worker's sockets closed, here; as the shell's
+parent the driver sees it in 1 to 2 ms.
+
+Under the launcher, :func:`execute` (which replaces Horovod's for the
+driver's process) starts the command as Horovod's middleman does (a shell,
+in a session of its own), forwards its output with Horovod's prefixes,
+terminates it with Horovod's own function when one of the driver's events
+is set, and returns the same exit status. The driver's death is still
+covered, by a guard that is not on the exit's path: a ``sh`` reading a pipe
+that only the driver holds open. When the driver dies the read ends and the
+guard sends the worker's process group SIGTERM, then SIGKILL
+:data:`GRACE_S` later (Horovod's middleman: SIGTERM to the shell's
+children, SIGKILL to those alive after 5 s). When the worker ends first,
+the driver kills the guard before closing its end of the pipe.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from typing import Iterable, Optional, TextIO, Tuple
+
+from elastic_ext.launch.replaced import Originals, replace, restore
+
+GRACE_S = 5  # Horovod's GRACEFUL_TERMINATION_TIME_S
+# $1: the worker's process group. `read` returns when the driver's end of stdin closes (its death).
+GUARD = f'read _ ; kill -s TERM -- "-$1" 2>/dev/null; sleep {GRACE_S}; kill -s KILL -- "-$1" 2>/dev/null'
+
+_originals: Originals = {}
+
+
+def execute(command: str, env: Optional[dict] = None, stdout: Optional[TextIO] = None,
+            stderr: Optional[TextIO] = None, index: Optional[int] = None,
+            events: Optional[Iterable[threading.Event]] = None,
+            prefix_output_with_timestamp: bool = False) -> int:
+    """Horovod's ``safe_shell_exec.execute`` (same arguments, output and exit status), with no middleman."""
+    import sys
+
+    from horovod.runner.common.util.safe_shell_exec import prefix_connection, terminate_executor_shell_and_children
+    from horovod.runner.util.threads import in_thread, on_event
+
+    shell = subprocess.Popen(command, shell=True, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, start_new_session=True, bufsize=0)
+    guard = _start_guard(shell.pid)
+    forwarders = [in_thread(target=prefix_connection, args=(stream, sys.stdout if out is None else out,
+                                                            name, index, prefix_output_with_timestamp))
+                  for stream, out, name in ((shell.stdout, stdout, "stdout"), (shell.stderr, stderr, "stderr"))]
+    stop = threading.Event()
+    for event in events or []:
+        on_event(event, terminate_executor_shell_and_children, args=(shell.pid,), stop=stop, silent=True)
+    try:
+        while True:
+            try:
+                code = shell.wait()
+                break
+            except BaseException:  # interrupted, as Horovod's execute: end the worker, then wait for it
+                terminate_executor_shell_and_children(shell.pid)
+    finally:
+        stop.set()
+        _stop_guard(guard)
+    for forwarder in forwarders:
+        forwarder.join()
+    return code if code >= 0 else 128 - code  # killed by a signal: a shell's status, as Horovod's middleman
+
+
+def _start_guard(group: int) -> Optional[Tuple[subprocess.Popen, int]]:
+    """The ``sh`` that ends the worker's process group when the driver dies (module docstring), and
+    the driver's end of its pipe; None where no shell could start (the worker then runs unguarded)."""
+    read_end, write_end = os.pipe()
+    try:
+        guard = subprocess.Popen(["/bin/sh", "-c", GUARD, "elastic_ext-worker-guard", str(group)],
+                                 stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 start_new_session=True)
+    except OSError:
+        os.close(write_end)
+        return None
+    finally:
+        os.close(read_end)
+    return guard, write_end
+
+
+def _stop_guard(guarded: Optional[Tuple[subprocess.Popen, int]]) -> None:
+    """Kills the guard, then closes the pipe: a guard that saw the pipe close would signal the group."""
+    if guarded is None:
+        return
+    guard, write_end = guarded
+    try:
+        guard.send_signal(signal.SIGKILL)
+        guard.wait()
+    finally:
+        os.close(write_end)
+
+
+def install() -> None:
+    """Runs the driver's worker commands through :func:`execute` in this (the driver's) process; idempotent."""
+    if _originals:
+        return
+    from horovod.runner.common.util import safe_shell_exec
+
+    replace(_originals, ((safe_shell_exec, "execute", execute),))
+
+
+def uninstall() -> None:
+    """Gives Horovod its middleman back (tests run both in one process)."""
+    restore(_originals)
+
+
+__all__ = ["GRACE_S", "GUARD", "execute", "install", "uninstall"]
