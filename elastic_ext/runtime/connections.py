@@ -56,11 +56,16 @@ def established(skip_ports: Optional[Set[int]] = None) -> List[Key]:
     this process's descriptors, not the machine's connections: psutil reads
     the whole ``/proc/net/tcp``, which on a host that has run many jobs
     holds thousands of closed connections, and this runs on a recovery's
-    critical path. Where ``/proc/self/fd`` is missing, psutil answers.
+    critical path. Where ``/proc/self/fd`` is missing, or a default socket
+    timeout is set, psutil answers.
     """
     if skip_ports is None:
         rendezvous = horovod_rendezvous()
         skip_ports = {rendezvous[1]} if rendezvous else set()
+    if socket.getdefaulttimeout() is not None:
+        # Wrapping a descriptor in a socket object would then make it non-blocking, and that flag is
+        # shared with the descriptor the process uses.
+        return _established_by_psutil(skip_ports)
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
@@ -78,8 +83,13 @@ def _tcp_established(fd: int) -> Optional[Key]:
     try:
         if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
             return None
-        sock = socket.socket(fileno=os.dup(fd))  # a second descriptor: closing it leaves the connection alone
-    except OSError:  # closed meanwhile, or a socket Python cannot wrap
+        copy = os.dup(fd)  # a second descriptor: closing it leaves the connection alone
+    except OSError:  # closed meanwhile
+        return None
+    try:
+        sock = socket.socket(fileno=copy)
+    except OSError:  # a socket Python cannot wrap
+        os.close(copy)
         return None
     try:
         if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):

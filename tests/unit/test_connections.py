@@ -1,5 +1,6 @@
 """This process's established TCP connections, asked of its own sockets (elastic_ext/runtime/connections.py)."""
 
+import os
 import socket
 
 import pytest
@@ -65,3 +66,25 @@ def test_listing_leaves_every_connection_open(sockets):
         connections.established(skip_ports=set())
     client.sendall(b"still here")
     assert accepted.recv(16) == b"still here"
+
+
+def test_listing_leaves_each_socket_s_blocking_mode_as_it_was(sockets):
+    client, accepted = sockets["pairs"][0]
+    client.setblocking(False)
+    connections.established(skip_ports=set())
+    assert client.getblocking() is False and accepted.getblocking() is True
+    assert os.get_blocking(client.fileno()) is False and os.get_blocking(accepted.fileno()) is True
+
+
+@pytest.fixture
+def default_timeout():
+    """A default socket timeout, as a library may set: a socket object made then is non-blocking."""
+    socket.setdefaulttimeout(5.0)
+    yield
+    socket.setdefaulttimeout(None)
+
+
+def test_with_a_default_socket_timeout_no_socket_turns_non_blocking(sockets, default_timeout):
+    client, accepted = sockets["pairs"][0]
+    assert key(client) in connections.established(skip_ports=set())
+    assert os.get_blocking(client.fileno()) and os.get_blocking(accepted.fileno())
