@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 from typing import Iterable, Optional, TextIO, Tuple
 
@@ -50,8 +51,6 @@ def execute(command: str, env: Optional[dict] = None, stdout: Optional[TextIO] =
             events: Optional[Iterable[threading.Event]] = None,
             prefix_output_with_timestamp: bool = False) -> int:
     """Horovod's ``safe_shell_exec.execute`` (same arguments, output and exit status), with no middleman."""
-    import sys
-
     from horovod.runner.common.util.safe_shell_exec import prefix_connection, terminate_executor_shell_and_children
     from horovod.runner.util.threads import in_thread, on_event
 

@@ -21,7 +21,7 @@ def server():
 
 
 @pytest.fixture
-def installed(monkeypatch):
+def installed():
     rendezvous_wait.install()
     yield
     rendezvous_wait.uninstall()
