@@ -17,7 +17,9 @@ needs at that moment and what ``import elastic_ext`` therefore never does:
 5. a preemption notice (the cloud's metadata endpoint, Slurm's signal) means
    the same (:mod:`elastic_ext.launch.notices`);
 6. Horovod's PyTorch binding waits for its collectives without spinning on a
-   core (:mod:`elastic_ext.launch.torch_wait`).
+   core (:mod:`elastic_ext.launch.torch_wait`);
+7. PyTorch's allocator puts large tensors in huge pages, so that a killed
+   worker's links close sooner (:mod:`elastic_ext.launch.torch_pages`).
 
 Then it runs the script as ``__main__`` in this interpreter, with
 ``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS`` would set them.
@@ -35,8 +37,8 @@ USAGE = "usage: python -m elastic_ext.launch.worker (SCRIPT | -m MODULE) [ARGS..
 
 
 def prepare() -> None:
-    """Steps 1 to 6 of the module docstring, in that order (the keeper forks before anything else runs)."""
-    from elastic_ext.launch import gloo_timeout, keeper, newcomer, notices, sigterm, torch_wait
+    """Steps 1 to 7 of the module docstring, in that order (the keeper forks before anything else runs)."""
+    from elastic_ext.launch import gloo_timeout, keeper, newcomer, notices, sigterm, torch_pages, torch_wait
 
     keeper.install()
     newcomer.install()
@@ -44,6 +46,7 @@ def prepare() -> None:
     sigterm.install_early_sigterm()
     notices.install()
     torch_wait.install()
+    torch_pages.install()
 
 
 def main(argv: Optional[List[str]] = None) -> None:

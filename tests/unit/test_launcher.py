@@ -55,6 +55,22 @@ def test_the_entry_runs_a_module_and_says_how_to_call_it(tmp_path):
     assert bare.returncode == 2 and "usage: python -m elastic_ext.launch.worker" in bare.stderr
 
 
+@pytest.mark.parametrize("given, seen", [(None, "1"), ("0", "0")])
+def test_the_entry_has_pytorch_put_large_tensors_in_huge_pages_unless_told_otherwise(tmp_path, given, seen):
+    (tmp_path / "train.py").write_text(
+        "import os, sys\n"
+        "print('torch' in sys.modules, os.environ.get('THP_MEM_ALLOC_ENABLE'))\n")
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    env["PYTHONPATH"] = REPO
+    if given is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = given
+    done = subprocess.run([sys.executable, "-m", WORKER_MODULE, str(tmp_path / "train.py")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    # set before the script runs and before PyTorch is imported: its allocator reads it at its first allocation
+    assert done.stdout.split() == ["False", seen]
+
+
 @pytest.mark.parametrize("runner", ["script", "cached checks"])
 def test_a_test_jobs_horovodrun_line_moves_to_the_launcher_and_takes_options_with_its_arguments(runner, monkeypatch):
     from elastic_ext.testing import launch

@@ -7,8 +7,11 @@ written pages moved; where it does not, that every copy is whole.
 """
 
 import ctypes
+import json
 import mmap
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -235,6 +238,55 @@ def test_numpy_and_torch_adapters_roll_a_large_table_back_exactly():
         assert np.array_equal(source.tensor.numpy(), expected["optimizer"][key]), key
     assert moments["exp_avg"].abs().sum() > 0
 
+
+
+HUGE_PAGES_CHILD = """
+import json, sys, numpy as np, torch
+from elastic_ext.state import written
+size = int(sys.argv[1])
+tensor = torch.zeros(size // 4)
+tensor.add_(1.0)
+start = tensor.data_ptr()
+huge_kb = 0
+with open("/proc/self/smaps") as smaps:  # the huge pages of the mapping that holds the tensor
+    inside = False
+    for line in smaps:
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(x, 16) for x in head.split("-"))
+            inside = low <= start < high
+        elif inside and head == "AnonHugePages:":
+            huge_kb = int(line.split()[1])
+buffer = np.empty(size // 4, np.float32)
+copies, equal = [], []
+def copy(to_buffer):
+    copies.append(written.copy(start, size, buffer, to_buffer=to_buffer))
+    equal.append(bool(np.array_equal(buffer, tensor.numpy())))
+copy(True)
+tensor[1000:1000 + 3 * written.PAGE_BYTES // 4] = 7.0
+copy(True)
+tensor[size // 8:size // 8 + 10] = -1.0
+copy(False)
+print(json.dumps({"huge_kb": huge_kb, "copies": copies, "equal": equal, "rolled_back": float(tensor[size // 8])}))
+"""
+
+
+def test_a_torch_tensor_in_huge_pages_moves_only_its_written_pages():
+    """PyTorch allocates it in huge pages, as under the launcher's worker entry (THP_MEM_ALLOC_ENABLE=1,
+    elastic_ext.launch.torch_pages): the copies are exact and, where the kernel tracks writes, per 4 KiB page."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, THP_MEM_ALLOC_ENABLE="1", PYTHONPATH=repo)
+    done = subprocess.run([sys.executable, "-c", HUGE_PAGES_CHILD, str(SIZE)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert found["equal"] == [True, True, True] and found["rolled_back"] == 1.0, found
+    assert found["copies"][0] == SIZE, found
+    small_or_whole(found["copies"][1], 4 * PAGE)
+    small_or_whole(found["copies"][2], 2 * PAGE)
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as mode:
+        if "[never]" not in mode.read():  # where the kernel has huge pages, PyTorch put the tensor in them
+            assert found["huge_kb"] >= SIZE // 2 // 1024, found
 
 
 def test_a_dense_array_committed_into_alternating_buffers_stops_being_watched_too():
