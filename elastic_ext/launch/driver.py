@@ -43,7 +43,26 @@ turns into a longer or larger one:
 3. **Workers learn that their round is lost** (:mod:`elastic_ext.launch.round_watch`):
    the rendezvous server's store holds the current round's number and
    slots, and a key per round in which a member failed.
-4. **The exit of a replaced worker is not charged to its successor.** A
+4. **A failure does not wait for workers that are still starting.** When a
+   member of a round fails while others of the round are still starting
+   (an early start's newcomers, importing their framework or building
+   their model; only they read their dismissal), the round's other members
+   would wait in ``hvd.init()`` for the rest of that start (seconds) before
+   they could go on without the failed one. The driver dismisses a starting worker instead when waiting would
+   cost more than starting it again later (:func:`worth_dismissing`): the
+   ``s`` members that go on would stand idle for the rest of its start,
+   while without it its slot trains nothing for the time its new worker
+   takes to get as far again. With one worker starting, it is dismissed
+   while its time since start is below ``s / (s + 1)`` of the job's typical
+   start (the median of its workers' starts so far, start to first rank
+   request). It writes the worker's :func:`~elastic_ext.launch.round_watch.dismissed_key`;
+   the worker, which reads it until it announces itself
+   (:mod:`elastic_ext.launch.newcomer`), exits with
+   :data:`~elastic_ext.launch.round_watch.DISMISSED_EXIT_CODE`, its host is
+   not blacklisted for it, and the round forms from the members that asked;
+   its slot comes back with the failed one, while they train. Never when
+   the members that go on would be fewer than ``--min-np``.
+5. **The exit of a replaced worker is not charged to its successor.** A
    worker that outlives a short blacklist cooldown would have its late exit
    recorded as the failure of the new worker in its slot, which ends the
    job early ("key exists and new state SUCCESS not FAILURE"). Exits are
@@ -57,18 +76,23 @@ cooldown, discovery.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import statistics
 import threading
-from typing import Any, Dict, List, Optional, Set, Tuple
+import time
+from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
 from elastic_ext.launch import prestart
 from elastic_ext.launch.replaced import Originals, replace, restore
-from elastic_ext.launch.round_watch import ASSIGNED, CURRENT, PEERS_FAILED_EXIT_CODE, SCOPE, failed_key
+from elastic_ext.launch.round_watch import (ASSIGNED, CURRENT, DISMISSED_EXIT_CODE, PEERS_FAILED_EXIT_CODE, SCOPE,
+                                            dismissed_key, failed_key)
 
 logger = logging.getLogger(__name__)
 
 REGROW_POLL_S = 0.1  # how often the coordinator is told that capacity is back, until a round takes it
+STARTS_KEPT = 16     # the workers' latest starts (start to first rank request) the typical start is taken from
 
 Slot = Tuple[str, int]
 _originals: Originals = {}  # what install() replaced
@@ -112,6 +136,16 @@ class DriverState:
     peers_failed: Set[str] = dataclasses.field(default_factory=set)
     regrow: bool = False                 # the current round left capacity out: tell the coordinator
     regrow_thread: Optional[threading.Thread] = None
+    # Workers started and not yet asked for a rank: when each started (time.monotonic()), by slot.
+    starting: Dict[Slot, float] = dataclasses.field(default_factory=dict)
+    # Those of them an early start's round started: they read their dismissal while they start.
+    newcomers: Set[Slot] = dataclasses.field(default_factory=set)
+    early_round: bool = False            # the round being formed was completed by an early start's requests
+    # The latest starts' durations, start to first rank request (s).
+    starts: Deque[float] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=STARTS_KEPT))
+    # Starting workers dismissed in the current round (until it is recorded).
+    dismissed: Set[Slot] = dataclasses.field(default_factory=set)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 def survivors_by_host(ready: Any) -> Dict[str, List[int]]:
@@ -127,6 +161,19 @@ def moves(survivors: Dict[str, List[int]]) -> Dict[Slot, int]:
     return {(host, old): new for host, ranks in survivors.items() for new, old in enumerate(ranks) if old != new}
 
 
+def worth_dismissing(elapsed_s: List[float], typical_s: float, going_on: int) -> bool:
+    """True when the workers ``elapsed_s`` into starts that typically take ``typical_s`` are better started again.
+
+    All or none: the round waits for the last of them. Waiting idles the
+    ``going_on`` members until the least advanced start ends; not waiting
+    leaves each slot without a worker for the time its new one will take
+    again, its own ``elapsed_s`` (module docstring, change 4).
+    """
+    if going_on <= 0 or not elapsed_s:
+        return False
+    return going_on * (typical_s - min(elapsed_s)) > sum(elapsed_s)
+
+
 def install() -> None:
     """Changes Horovod's elastic driver as the module docstring says; idempotent."""
     if _originals:
@@ -136,7 +183,7 @@ def install() -> None:
 
     original = {name: getattr(ElasticDriver, name) for name in (
         "_update_host_assignments", "_get_host_assignments", "_start_worker_process", "_handle_worker_exit",
-        "get_slot_info")}
+        "get_slot_info", "record_ready")}
     original_reset = WorkerStateRegistry.reset
     original_recorded = WorkerStateRegistry._on_workers_recorded
 
@@ -163,6 +210,9 @@ def install() -> None:
                 logger.warning("elastic_ext: not blacklisting %s: another of its workers is ready (a worker "
                                "failed, not the host)", host)
                 return
+            if host in {dismissed_host for dismissed_host, _ in ext.dismissed}:
+                logger.warning("elastic_ext: not blacklisting %s: the driver dismissed its starting worker", host)
+                return
             if host in ext.peers_failed:
                 logger.warning("elastic_ext: not blacklisting %s: one of its workers ended itself (exit status %d) "
                                "because its peers failed, not the host", host, PEERS_FAILED_EXIT_CODE)
@@ -184,6 +234,8 @@ def install() -> None:
             del manager.blacklist  # the class's method again
             ext.survivors = None   # consumed by the round it formed, if it formed one
             ext.peers_failed.clear()
+            with ext.lock:
+                ext.dismissed.clear()
 
     def get_host_assignments(self: Any, current_hosts: Any) -> Any:
         only = _ext(self).only
@@ -201,6 +253,7 @@ def install() -> None:
 
     def update_host_assignments(self: Any, current_hosts: Any) -> Any:
         ext = _ext(self)
+        ext.early_round = _early_start_asked(self)  # before the new round's assignments clear the store
         survivors = {host: ranks for host, ranks in (ext.survivors or {}).items()
                      if host in current_hosts.available_hosts}
         ext.survivors = None
@@ -226,8 +279,23 @@ def install() -> None:
         return original["get_slot_info"](self, host, _ext(self).moved.get((host, local_rank), local_rank))
 
     def start_worker_process(self: Any, slot_info: Any) -> None:
-        _ext(self).holders[(slot_info.hostname, slot_info.local_rank)] = slot_info
+        ext = _ext(self)
+        slot = (slot_info.hostname, slot_info.local_rank)
+        ext.holders[slot] = slot_info
+        with ext.lock:
+            ext.starting[slot] = time.monotonic()
+            (ext.newcomers.add if ext.early_round else ext.newcomers.discard)(slot)
         original["_start_worker_process"](self, slot_info)
+
+    def record_ready(self: Any, host: str, local_rank: int) -> None:
+        ext = _ext(self)
+        with ext.lock:
+            started = ext.starting.pop((host, local_rank), None)
+            ext.newcomers.discard((host, local_rank))
+            if started is not None:
+                ext.starts.append(time.monotonic() - started)
+            ext.dismissed.discard((host, local_rank))  # it asked before it read its dismissal: it is a member
+        original["record_ready"](self, host, local_rank)
 
     def handle_worker_exit(self: Any, slot_info: Any, exit_code: int, timestamp: Any) -> None:
         held = [slot for slot, holder in _ext(self).holders.items() if holder is slot_info]
@@ -238,11 +306,16 @@ def install() -> None:
         host, local_rank = held[0]
         if local_rank != slot_info.local_rank:  # a survivor that moved: Horovod knows it by its new slot
             slot_info = dataclasses.replace(slot_info, local_rank=local_rank)
+        with _ext(self).lock:
+            _ext(self).starting.pop((host, local_rank), None)
+            _ext(self).newcomers.discard((host, local_rank))
         if exit_code != 0 and not self.finished() and self.has_rank_assignment(host, local_rank):
             _store(self, failed_key(self._worker_registry.last_rendezvous()), f"{host}[{local_rank}]".encode())
             if exit_code == PEERS_FAILED_EXIT_CODE:
                 _ext(self).peers_failed.add(host)
-        original["_handle_worker_exit"](self, slot_info, exit_code, timestamp)
+            if exit_code != DISMISSED_EXIT_CODE:
+                _dismiss_starting(self)
+        original["_handle_worker_exit"](self, slot_info, exit_code, timestamp)  # waits for the round
 
     replace(_originals, ((WorkerStateRegistry, "reset", reset),
                          (WorkerStateRegistry, "_on_workers_recorded", on_workers_recorded),
@@ -250,6 +323,7 @@ def install() -> None:
                          (ElasticDriver, "_update_host_assignments", update_host_assignments),
                          (ElasticDriver, "get_slot_info", get_slot_info),
                          (ElasticDriver, "_start_worker_process", start_worker_process),
+                         (ElasticDriver, "record_ready", record_ready),
                          (ElasticDriver, "_handle_worker_exit", handle_worker_exit)))
 
 
@@ -272,6 +346,52 @@ def _move(driver: Any, ext: DriverState, moved: Dict[Slot, int]) -> None:
         table.update(renamed)
     logger.info("elastic_ext: survivors moved to free local ranks: %s",
                 ", ".join(f"{h}[{old}]->[{new}]" for (h, old), new in sorted(moved.items())))
+
+
+def _dismiss_starting(driver: Any) -> List[Slot]:
+    """After a member's failure: dismisses the round's workers still starting that are worth it (change 4).
+
+    Returns the slots dismissed now.
+    """
+    from horovod.runner.elastic.registration import FAILURE
+
+    ext = _ext(driver)
+    server = getattr(getattr(driver, "_rendezvous", None), "_httpd", None)
+    if server is None:
+        return []
+    registry = driver._worker_registry
+    with registry._lock:
+        recorded = set(registry._states)
+        failures = len(registry._workers[FAILURE])
+    with server.cache_lock:
+        announced = set(server.cache.get(prestart.SCOPE, {}))
+    now = time.monotonic()
+    with ext.lock:
+        if not ext.starts:
+            return []
+        typical = statistics.median(ext.starts)
+        starting = {}
+        for slot, started in ext.starting.items():
+            if slot in recorded or slot in ext.dismissed or not driver.has_rank_assignment(*slot):
+                continue
+            if slot not in ext.newcomers:
+                return []  # the round waits for it anyway: it does not read a dismissal
+            if str(driver.get_slot_info(*slot).rank) in announced:
+                continue  # it built its model and is about to ask: it stopped reading its dismissal
+            starting[slot] = now - started
+        going_on = driver.world_size() - len(ext.dismissed) - len(starting) - failures - 1
+        if going_on < driver._min_num_proc or not worth_dismissing(list(starting.values()), typical, going_on):
+            return []
+        dismissed = sorted(starting)
+        ext.dismissed.update(dismissed)
+    for host, local_rank in dismissed:
+        _store(driver, dismissed_key(host, local_rank), b"1")
+    if dismissed:
+        logger.warning("elastic_ext: a member of round %d failed; dismissing %s, still starting (%s s of a typical "
+                       "%.1f s start): the %d members going on start now, and the slots come back while they train",
+                       registry.last_rendezvous(), ", ".join(f"{h}[{r}]" for h, r in dismissed),
+                       ", ".join(f"{starting[slot]:.1f}" for slot in dismissed), typical, going_on)
+    return dismissed
 
 
 def _start_regrow(driver: Any) -> None:

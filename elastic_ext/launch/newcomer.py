@@ -7,6 +7,12 @@ newcomer starts Horovod as a world of one (:func:`start_solo`) and builds
 its model; at ``@elastic_ext.run`` it announces itself and joins the
 survivors' next round (:func:`join`). A worker its keeper restarted starts
 solo the same way (:mod:`elastic_ext.launch.keeper`).
+
+Until it announces itself, a newcomer of an early start reads its slot's
+dismissal in the store (:func:`watch_dismissal`): when a member of its
+round fails while it starts, the driver may form the next round without
+it (:mod:`elastic_ext.launch.driver`, change 4), and the newcomer then
+exits at once with :data:`~elastic_ext.launch.round_watch.DISMISSED_EXIT_CODE`.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import functools
 import logging
 import os
 import sys
+import threading
 import types
 from typing import Any, Callable, Dict, Mapping, MutableMapping, Optional
 
@@ -33,6 +40,8 @@ SLOT_VARIABLES = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD
 RENDEZVOUS_VARIABLES = (ENV_HOROVOD_RENDEZVOUS_ADDR, ENV_HOROVOD_RENDEZVOUS_PORT)
 QUERIES = dict(zip(("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size"), SLOT_VARIABLES))
 SOLO = dict(zip(SLOT_VARIABLES, ("0", "1", "0", "1", "0", "1")))
+DISMISSAL_POLL_S = 0.1
+_stop_dismissal_watch: Optional[Callable[[], None]] = None
 
 
 def early_start_under_way(environ: Optional[Mapping[str, str]] = None) -> bool:
@@ -79,6 +88,57 @@ def start_solo(init: Callable[[], Any], environ: Optional[MutableMapping[str, st
     global_process_set.ranks = list(range(int(launch["HOROVOD_SIZE"])))
 
 
+def watch_dismissal(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """In a newcomer of an early start: exits when the driver dismisses its slot, until :func:`stop_watching`.
+
+    Reads the slot's :func:`~elastic_ext.launch.round_watch.dismissed_key`
+    every :data:`DISMISSAL_POLL_S` from a thread. Only where the survivors'
+    early-start marker is in the store (elsewhere the driver dismisses
+    nobody). Returns True if watching.
+    """
+    global _stop_dismissal_watch
+    env = os.environ if environ is None else environ
+    url, host, local_rank = store_url(env), env.get("HOROVOD_HOSTNAME"), env.get("HOROVOD_LOCAL_RANK", "")
+    if url is None or not host or not local_rank.isdigit() or _stop_dismissal_watch is not None:
+        return False
+    try:
+        if prestart.get(f"{url}/{SCOPE}/{MARKER}") is None:
+            return False
+    except OSError:
+        return False
+    key = f"{url}/{round_watch.SCOPE}/{round_watch.dismissed_key(host, int(local_rank))}"
+    stop, lock = threading.Event(), threading.Lock()
+
+    def read() -> None:
+        while not stop.wait(DISMISSAL_POLL_S):
+            try:
+                dismissed = round_watch.get(key) is not None
+            except OSError:
+                continue
+            with lock:  # not once stop_watching() returned: the newcomer is announcing itself
+                if dismissed and not stop.is_set():
+                    print(f"elastic_ext: the driver dismissed this worker of {host}[{local_rank}] while it started: "
+                          f"a member of its round failed, and the others go on without waiting for this start; "
+                          f"the slot gets a new worker while they train", file=sys.stderr, flush=True)
+                    os._exit(round_watch.DISMISSED_EXIT_CODE)
+
+    def stop_watch() -> None:
+        with lock:
+            stop.set()
+
+    _stop_dismissal_watch = stop_watch
+    threading.Thread(target=read, name="elastic_ext-dismissal", daemon=True).start()
+    return True
+
+
+def stop_watching() -> None:
+    """Stops :func:`watch_dismissal`'s thread; once this returns, the process is not dismissed."""
+    global _stop_dismissal_watch
+    stop, _stop_dismissal_watch = _stop_dismissal_watch, None
+    if stop is not None:
+        stop()
+
+
 def join(binding: Any, environ: Optional[Mapping[str, str]] = None) -> bool:
     """At ``@elastic_ext.run``, the model built: a newcomer running solo announces itself and joins.
 
@@ -90,6 +150,7 @@ def join(binding: Any, environ: Optional[Mapping[str, str]] = None) -> bool:
     if _launch is None:
         return False
     launch, _launch = _launch, None  # from here on, Horovod's own answers
+    stop_watching()  # before it announces itself: the driver dismisses no newcomer that did
     url = store_url(os.environ if environ is None else environ)
     try:
         if not keeper.restarts():  # only the newcomers of an early start are waited for
@@ -137,6 +198,8 @@ def install(environ: Optional[Mapping[str, str]] = None) -> bool:
         restarted = keeper.restarts() > 0 and not reset
         solo = early_start_under_way() or restarted
         _first_init_done = True
+        if not solo:
+            stop_watching()  # it asks for its rank now
         keeper.enter_init()
         # A restartable worker stops waiting for a peer that died (under python -m elastic_ext.launch.horovodrun).
         stop_watch = round_watch.watch(reset, keeper.lost_round) if keeper.active() and not solo else None

@@ -41,6 +41,8 @@ ASSIGNED = "assigned"        # the current round's slots, "host:local_rank" join
 # (elastic_ext.runtime.closed_links): the driver does not count it as a failure of its host.
 # Distinct from signals (128+n), Python errors (1), the leave code (143) and a fenced worker's (75).
 PEERS_FAILED_EXIT_CODE = 76
+# The exit status of a starting worker the driver dismissed (dismissed_key): its slot comes back later.
+DISMISSED_EXIT_CODE = 77
 POLL_S = 0.25
 REQUEST_TIMEOUT_S = 2.0
 
@@ -48,6 +50,11 @@ REQUEST_TIMEOUT_S = 2.0
 def failed_key(round_id: int) -> str:
     """The key that exists once a member of round ``round_id`` failed."""
     return f"failed_{round_id}"
+
+
+def dismissed_key(host: str, local_rank: int) -> str:
+    """The key that exists once the driver dismissed the worker of slot ``host[local_rank]`` that is still starting."""
+    return f"dismissed_{host}:{local_rank}"
 
 
 def get(url: str, timeout_s: Optional[float] = REQUEST_TIMEOUT_S) -> Optional[bytes]:

@@ -9,7 +9,9 @@ needs at that moment and what ``import elastic_ext`` therefore never does:
    workers in place;
 2. the newcomer's side of an early start (:mod:`elastic_ext.launch.newcomer`):
    Horovod's ``hvd.init()`` and rank queries are wrapped, so a newcomer the
-   survivors started early builds its model in a world of one;
+   survivors started early builds its model in a world of one, and until it
+   announces itself it exits when the driver dismisses it (a member of its
+   round failed meanwhile);
 3. Gloo's timeout for the first ``hvd.init()`` (:mod:`elastic_ext.launch.gloo_timeout`),
    the same as the survivors' resets wait;
 4. SIGTERM means "leave at the first commit" (:mod:`elastic_ext.launch.sigterm`),
@@ -42,6 +44,7 @@ def prepare() -> None:
 
     keeper.install()
     newcomer.install()
+    newcomer.watch_dismissal()
     gloo_timeout.first_rendezvous_timeout()
     sigterm.install_early_sigterm()
     notices.install()

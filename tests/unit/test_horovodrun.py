@@ -484,3 +484,83 @@ def test_the_launcher_exits_before_starting_a_worker_that_would_crash_at_a_reset
     assert proc.returncode != 0
     assert "HOROVOD_FUSION_THRESHOLD and --cycle-time-ms are both set" in proc.stderr, proc.stderr
     assert not marker.exists()
+
+
+# ------------------------------------------- a failure while a newcomer starts
+
+def a_newcomer_starts_in_host_b_1(job, typical_start_s):
+    """host-b[1] fails; the survivors' round forms, and their early start starts its new worker.
+    The job's workers took ``typical_start_s`` to start (what the driver measured, set here)."""
+    asks, threads = in_threads(*[lambda s=s: job.rank_and_size(*s) for s in SLOTS if s != ("host-b", 1)])
+    waiting_in_the_barrier(job, 3)
+    job.exits[("host-b", 1)].set()
+    for thread in threads:
+        thread.join(30)
+    assert sorted(asks) == [(0, 3), (1, 3), (2, 3)], asks
+    survivors_ask_again(job, lost=("host-b", 1))
+    assert job.started.count(("host-b", 1)) == 2, job.started
+    ext = driver._ext(job.driver)
+    with ext.lock:  # instead of the threads' starts, which took milliseconds
+        ext.starts.clear()
+        ext.starts.append(typical_start_s)
+    return next(w for w in reversed(job.workers) if (w[0].hostname, w[0].local_rank) == ("host-b", 1))
+
+
+def host_a_1_fails_while_the_others_reset(job):
+    """host-a[1] fails while host-a[0] and host-b[0] ask for their ranks (their reset); returns the threads."""
+    asks, threads = in_threads(lambda: job.rank_and_size("host-a", 0), lambda: job.rank_and_size("host-b", 0))
+    waiting_in_the_barrier(job, 2)
+    job.exits[("host-a", 1)].set()
+    return asks, threads
+
+
+def test_a_failure_does_not_wait_for_a_newcomer_that_has_just_started(changed):
+    job = started_job()
+    try:
+        newcomer = a_newcomer_starts_in_host_b_1(job, typical_start_s=30.0)
+        asks, threads = host_a_1_fails_while_the_others_reset(job)
+        key = round_watch.dismissed_key("host-b", 1)
+        assert wait_for(lambda: job.store(key) == b"1"), "the starting newcomer was not dismissed"
+        _, died, code = newcomer
+        code[0] = round_watch.DISMISSED_EXIT_CODE  # what the newcomer does when it reads its key
+        died.set()
+        for thread in threads:
+            thread.join(30)
+        assert sorted(asks) == [(0, 2), (1, 2)], asks
+        assert not job.driver._host_manager.is_blacklisted("host-b"), "a dismissal is not a lost host"
+        assert driver._ext(job.driver).regrow, "the dismissed slot and the failed one come back later"
+    finally:
+        job.stop()
+
+
+@pytest.mark.parametrize("why", ["far into its start", "announced"])
+def test_a_failure_waits_for_a_newcomer_far_into_its_start_or_that_announced_itself(changed, why):
+    job = started_job()
+    try:
+        newcomer = a_newcomer_starts_in_host_b_1(job, typical_start_s=0.01 if why == "far into its start" else 30.0)
+        if why == "announced":
+            prestart.put(f"{job.url}/{prestart.SCOPE}/{newcomer[0].rank}")
+        asks, threads = host_a_1_fails_while_the_others_reset(job)
+        # recorded after the driver decided about the newcomer
+        assert wait_for(lambda: len(job.driver._worker_registry.get("FAILURE")) == 1), "the failure was not recorded"
+        late, late_thread = in_threads(lambda: job.rank_and_size("host-b", 1))  # the newcomer asks: it joins
+        for thread in threads + late_thread:
+            thread.join(30)
+        assert sorted(asks + late) == [(0, 3), (1, 3), (2, 3)], asks + late
+        assert job.store(round_watch.dismissed_key("host-b", 1)) is None
+    finally:
+        job.stop()
+
+
+@pytest.mark.parametrize("elapsed, typical, going_on, expected", [
+    ([0.5], 3.0, 2, True),          # 2 idle for 2.5 s against 0.5 s of one slot
+    ([2.2], 3.0, 2, False),         # 2 idle for 0.8 s against 2.2 s
+    ([1.0, 1.0], 3.0, 2, True),     # 2 x 2 s against 2 x 1 s
+    ([0.2, 2.9], 3.0, 2, True),     # the round waits for the least advanced: 2 x 2.8 s against 0.2 + 2.9 s
+    ([2.5, 2.9], 3.0, 2, False),    # 2 x 0.5 s against 5.4 s
+    ([0.1], 3.0, 0, False),         # nobody goes on
+    ([], 3.0, 2, False),
+])
+def test_a_starting_worker_is_dismissed_when_waiting_costs_more_than_starting_it_again(elapsed, typical, going_on,
+                                                                                        expected):
+    assert driver.worth_dismissing(elapsed, typical, going_on) is expected

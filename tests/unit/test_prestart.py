@@ -5,12 +5,15 @@ threads sending the HTTP requests that ``hvd.init()`` sends), and the
 commit-level decision on ranks simulated by threads.
 """
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
-from elastic_ext.launch import newcomer, prestart
+from elastic_ext.launch import newcomer, prestart, round_watch
 from elastic_ext.state.host_updates import HOSTS_ADDED, HOSTS_REMOVED, HostUpdates, agreement_vector, read_agreement
 from elastic_ext.launch.prestart import Prestart, parse_slot
 
@@ -226,6 +229,62 @@ def test_a_newcomer_builds_its_model_solo_then_joins_the_survivors_reset(job, so
     assert wait_for(lambda: 2 in bindings and bindings[2].answer is not None)
     assert bindings[2].answer == (2, 3)  # the newcomer's reset met the survivors' in one round
     assert newcomer.join(bindings[2]) is False  # joined once
+
+
+DISMISSAL_CHILD = """
+import sys, time
+from elastic_ext.launch import newcomer
+print(newcomer.watch_dismissal(), flush=True)
+if sys.argv[1] == "announce":
+    newcomer.stop_watching()  # what join() does before the newcomer announces itself
+    print("announced", flush=True)
+sys.stdin.readline()  # until the test is done with it (or dismissed before)
+"""
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def starting_newcomer(job, then):
+    env = dict(os.environ, PYTHONPATH=REPO, **newcomer_env(job, 2, "host-b", 0))
+    child = subprocess.Popen([sys.executable, "-c", DISMISSAL_CHILD, then], env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return child, child.stdout.readline().strip()
+
+
+def dismiss(job, host, local_rank):
+    """What the launcher's driver writes when it dismisses a starting worker (elastic_ext.launch.driver)."""
+    prestart.put(f"{job.url}/{round_watch.SCOPE}/{round_watch.dismissed_key(host, local_rank)}")
+
+
+def test_a_starting_newcomer_exits_when_the_driver_dismisses_it(job):
+    prestart.put(f"{job.url}/{prestart.SCOPE}/{prestart.MARKER}")  # the survivors started it early
+    child, watching = starting_newcomer(job, "start")
+    try:
+        assert watching == "True"
+        dismiss(job, "host-a", 1)  # another slot's dismissal is not its own
+        dismiss(job, "host-b", 0)
+        child.wait(timeout=30)  # its stdin stays open: only the dismissal ends it
+        err = child.stderr.read()
+    finally:
+        child.kill()
+    assert child.returncode == round_watch.DISMISSED_EXIT_CODE, err
+    assert "dismissed this worker of host-b[0] while it started" in err
+
+
+def test_a_newcomer_that_announced_itself_or_a_worker_of_the_jobs_start_is_never_dismissed(job):
+    child, watching = starting_newcomer(job, "start")  # no marker: the job's start, no early start
+    child.communicate("\n", timeout=30)
+    assert (watching, child.returncode) == ("False", 0)
+    prestart.put(f"{job.url}/{prestart.SCOPE}/{prestart.MARKER}")
+    child, watching = starting_newcomer(job, "announce")
+    try:
+        assert watching == "True" and child.stdout.readline().strip() == "announced"
+        dismiss(job, "host-b", 0)
+        # Its reading thread has stopped: the key is there, and the process goes on until told.
+        assert wait_for(lambda: child.poll() is not None, timeout_s=1.0) is False
+        child.communicate("\n", timeout=30)
+    finally:
+        child.kill()
+    assert child.returncode == 0
 
 
 def test_while_solo_horovods_queries_answer_the_launch_values(monkeypatch, solo_state):
