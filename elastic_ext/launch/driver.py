@@ -48,20 +48,23 @@ turns into a longer or larger one:
    (an early start's newcomers, importing their framework or building
    their model; only they read their dismissal), the round's other members
    would wait in ``hvd.init()`` for the rest of that start (seconds) before
-   they could go on without the failed one. The driver dismisses a starting worker instead when waiting would
-   cost more than starting it again later (:func:`worth_dismissing`): the
-   ``s`` members that go on would stand idle for the rest of its start,
-   while without it its slot trains nothing for the time its new worker
-   takes to get as far again. With one worker starting, it is dismissed
-   while its time since start is below ``s / (s + 1)`` of the job's typical
-   start (the median of its workers' starts so far, start to first rank
-   request). It writes the worker's :func:`~elastic_ext.launch.round_watch.dismissed_key`;
-   the worker, which reads it until it announces itself
-   (:mod:`elastic_ext.launch.newcomer`), exits with
-   :data:`~elastic_ext.launch.round_watch.DISMISSED_EXIT_CODE`, its host is
-   not blacklisted for it, and the round forms from the members that asked;
-   its slot comes back with the failed one, while they train. Never when
-   the members that go on would be fewer than ``--min-np``.
+   they could go on without the failed one. The driver dismisses a
+   starting worker instead when waiting would cost more than starting it
+   again later (:func:`worth_dismissing`): the ``s`` members that go on
+   would stand idle for the rest of its start, while without it its slot
+   trains nothing for the time its new worker takes to get as far again.
+   With one worker starting, it is dismissed while ``s`` times the rest of
+   its start exceeds its time since start plus the wait for the early start
+   that starts its successor. The typical start is the median of the job's
+   newcomers' starts so far (start to first rank request; the job's first
+   workers' until a newcomer asked), the wait the median of those seen so
+   far. It writes the worker's
+   :func:`~elastic_ext.launch.round_watch.dismissed_key`; the worker, which
+   reads it until it announces itself (:mod:`elastic_ext.launch.newcomer`),
+   exits with :data:`~elastic_ext.launch.round_watch.DISMISSED_EXIT_CODE`,
+   its host is not blacklisted for it, and the round forms from the members
+   that asked; its slot comes back with the failed one, while they train.
+   Never when the members that go on would be fewer than ``--min-np``.
 5. **The exit of a replaced worker is not charged to its successor.** A
    worker that outlives a short blacklist cooldown would have its late exit
    recorded as the failure of the new worker in its slot, which ends the
@@ -141,8 +144,12 @@ class DriverState:
     # Those of them an early start's round started: they read their dismissal while they start.
     newcomers: Set[Slot] = dataclasses.field(default_factory=set)
     early_round: bool = False            # the round being formed was completed by an early start's requests
-    # The latest starts' durations, start to first rank request (s).
+    # The latest newcomers' starts, start to first rank request (s); other workers' until a newcomer's.
     starts: Deque[float] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=STARTS_KEPT))
+    other_starts: Deque[float] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=STARTS_KEPT))
+    # The latest waits from a round that left capacity out to the early start that took it back (s).
+    regrow_waits: Deque[float] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=STARTS_KEPT))
+    regrow_since: Optional[float] = None  # when the current round left capacity out
     # Starting workers dismissed in the current round (until it is recorded).
     dismissed: Set[Slot] = dataclasses.field(default_factory=set)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -161,17 +168,18 @@ def moves(survivors: Dict[str, List[int]]) -> Dict[Slot, int]:
     return {(host, old): new for host, ranks in survivors.items() for new, old in enumerate(ranks) if old != new}
 
 
-def worth_dismissing(elapsed_s: List[float], typical_s: float, going_on: int) -> bool:
+def worth_dismissing(elapsed_s: List[float], typical_s: float, going_on: int, regrow_wait_s: float = 0.0) -> bool:
     """True when the workers ``elapsed_s`` into starts that typically take ``typical_s`` are better started again.
 
     All or none: the round waits for the last of them. Waiting idles the
     ``going_on`` members until the least advanced start ends; not waiting
-    leaves each slot without a worker for the time its new one will take
-    again, its own ``elapsed_s`` (module docstring, change 4).
+    leaves each slot without a worker for what its new one will take to get
+    as far again: its own ``elapsed_s``, plus ``regrow_wait_s`` before the
+    early start that starts it (module docstring, change 4).
     """
     if going_on <= 0 or not elapsed_s:
         return False
-    return going_on * (typical_s - min(elapsed_s)) > sum(elapsed_s)
+    return going_on * (typical_s - min(elapsed_s)) > sum(e + regrow_wait_s for e in elapsed_s)
 
 
 def install() -> None:
@@ -254,6 +262,9 @@ def install() -> None:
     def update_host_assignments(self: Any, current_hosts: Any) -> Any:
         ext = _ext(self)
         ext.early_round = _early_start_asked(self)  # before the new round's assignments clear the store
+        if ext.early_round and ext.regrow_since is not None:
+            ext.regrow_waits.append(time.monotonic() - ext.regrow_since)
+            ext.regrow_since = None
         survivors = {host: ranks for host, ranks in (ext.survivors or {}).items()
                      if host in current_hosts.available_hosts}
         ext.survivors = None
@@ -266,6 +277,7 @@ def install() -> None:
             _move(self, ext, moves(survivors))
             full, _ = original["_get_host_assignments"](self, current_hosts)
             ext.regrow = full != self._host_assignments
+            ext.regrow_since = time.monotonic() if ext.regrow else None
             logger.info("elastic_ext: the round holds the %d workers that asked for a rank%s", self.world_size(),
                         "; the rest of the capacity joins while they train" if ext.regrow else "")
             return pending  # none: every slot is a survivor's
@@ -291,9 +303,10 @@ def install() -> None:
         ext = _ext(self)
         with ext.lock:
             started = ext.starting.pop((host, local_rank), None)
-            ext.newcomers.discard((host, local_rank))
             if started is not None:
-                ext.starts.append(time.monotonic() - started)
+                (ext.starts if (host, local_rank) in ext.newcomers else ext.other_starts).append(
+                    time.monotonic() - started)
+            ext.newcomers.discard((host, local_rank))
             ext.dismissed.discard((host, local_rank))  # it asked before it read its dismissal: it is a member
         original["record_ready"](self, host, local_rank)
 
@@ -367,9 +380,10 @@ def _dismiss_starting(driver: Any) -> List[Slot]:
         announced = set(server.cache.get(prestart.SCOPE, {}))
     now = time.monotonic()
     with ext.lock:
-        if not ext.starts:
+        if not (ext.starts or ext.other_starts):
             return []
-        typical = statistics.median(ext.starts)
+        typical = statistics.median(ext.starts or ext.other_starts)
+        regrow_wait = statistics.median(ext.regrow_waits) if ext.regrow_waits else 0.0
         starting = {}
         for slot, started in ext.starting.items():
             if slot in recorded or slot in ext.dismissed or not driver.has_rank_assignment(*slot):
@@ -380,7 +394,8 @@ def _dismiss_starting(driver: Any) -> List[Slot]:
                 continue  # it built its model and is about to ask: it stopped reading its dismissal
             starting[slot] = now - started
         going_on = driver.world_size() - len(ext.dismissed) - len(starting) - failures - 1
-        if going_on < driver._min_num_proc or not worth_dismissing(list(starting.values()), typical, going_on):
+        if going_on < driver._min_num_proc or not worth_dismissing(list(starting.values()), typical, going_on,
+                                                                   regrow_wait):
             return []
         dismissed = sorted(starting)
         ext.dismissed.update(dismissed)

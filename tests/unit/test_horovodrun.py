@@ -502,6 +502,7 @@ def a_newcomer_starts_in_host_b_1(job, typical_start_s):
     ext = driver._ext(job.driver)
     with ext.lock:  # instead of the threads' starts, which took milliseconds
         ext.starts.clear()
+        ext.other_starts.clear()
         ext.starts.append(typical_start_s)
     return next(w for w in reversed(job.workers) if (w[0].hostname, w[0].local_rank) == ("host-b", 1))
 
@@ -564,3 +565,8 @@ def test_a_failure_waits_for_a_newcomer_far_into_its_start_or_that_announced_its
 def test_a_starting_worker_is_dismissed_when_waiting_costs_more_than_starting_it_again(elapsed, typical, going_on,
                                                                                         expected):
     assert driver.worth_dismissing(elapsed, typical, going_on) is expected
+
+
+def test_the_wait_for_the_successors_early_start_counts_against_a_dismissal():
+    assert driver.worth_dismissing([1.0], 3.0, 2, regrow_wait_s=2.0) is True    # 2 x 2 s against 1 + 2 s
+    assert driver.worth_dismissing([1.0], 3.0, 2, regrow_wait_s=3.5) is False   # 2 x 2 s against 1 + 3.5 s
