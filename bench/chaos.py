@@ -31,9 +31,16 @@ Reported per system, beside bench.compare's figures (bench/compare_report.py):
   to 4 workers F, where c is the system's throughput on 3 workers over its
   throughput on 4 in this run (median samples per second over the whole
   seconds at each size; 3/4 where the run has fewer than 5 such seconds at
-  3 workers); overlapping failures count once, each instant at its worst.
+  3 workers); overlapping failures count once, each instant at its worst;
+- **trained after a failure**: the samples of the 10 s after a failure
+  (the run's per-second timeline), in seconds of failure-free throughput,
+  averaged over the failures within 5 s of the previous one ("close": they
+  can strike while its replacement starts) and over those with no other
+  failure within 10 s ("isolated"). Every system gets the same schedule,
+  so two runs compare failure by failure.
 
     .venv/bin/python -m bench.chaos --systems torchft,torchrun,ext [--duration-s 600] [--mtbf-s 15] [--seed 0]
+    .venv/bin/python -m bench.chaos --report-from NAME    # the table of bench/results/NAME.json, recomputed
 
 Writes bench/results/chaos.json (``--name``) and prints the table.
 """
@@ -41,6 +48,7 @@ Writes bench/results/chaos.json (``--name``) and prints the table.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -200,6 +208,31 @@ def lost_capacity(kills_at: List[float], resume_s: float, full_s: float, reduced
     return sum(loss) * tick_s
 
 
+CLOSE_S = 5.0  # a failure this soon after the one before it can strike while that one's replacement starts
+WINDOW_S = 10  # seconds of the timeline counted after a failure
+
+
+def after_failures(result: Dict[str, Any]) -> Dict[str, List[float]]:
+    """What the job trained in the :data:`WINDOW_S` seconds after each failure, in seconds of
+    failure-free throughput: after a failure within :data:`CLOSE_S` of the previous one ("close"),
+    and after one with no other failure within :data:`WINDOW_S` either side ("isolated")."""
+    throughput = result.get("throughput_samples_per_s")
+    per_second = {row[0]: row[1] for row in result.get("timeline") or []}
+    kills = [f["at_s"] for f in result.get("failures", [])]
+    out: Dict[str, List[float]] = {"close": [], "isolated": []}
+    if not throughput:
+        return out
+    for i, at in enumerate(kills):
+        trained = sum(per_second.get(t, 0) for t in range(int(at), int(at) + WINDOW_S)) / throughput
+        before = at - kills[i - 1] if i else float("inf")
+        after = kills[i + 1] - at if i + 1 < len(kills) else float("inf")
+        if before <= CLOSE_S:
+            out["close"].append(trained)
+        elif before > WINDOW_S and after > WINDOW_S:
+            out["isolated"].append(trained)
+    return out
+
+
 def efficiency(result: Dict[str, Any]) -> Dict[str, Optional[float]]:
     """Step efficiency and its analytic bounds (see the module docstring)."""
     wall, throughput = result.get("training_wall_s"), result.get("throughput_samples_per_s")
@@ -220,6 +253,11 @@ def efficiency(result: Dict[str, Any]) -> Dict[str, Optional[float]]:
         out["bound_reduced_throughput"] = max(0.0, 1.0 - lost_capacity(kills_at, resume, full, reduced, wall) / wall)
         out["points_below_bound_reduced_throughput"] = 100.0 * (out["bound_reduced_throughput"]
                                                                 - out["step_efficiency"])
+    windows = after_failures(result)
+    for kind in ("close", "isolated"):
+        trained = windows[kind]
+        out[f"trained_after_{kind}_failures_s"] = trained
+        out[f"trained_after_{kind}_failure_mean_s"] = sum(trained) / len(trained) if trained else None
     return out
 
 
@@ -230,6 +268,8 @@ ROWS = [("SIGKILLs / job deaths", None), ("scheduled SIGKILLs dropped", "kills_d
         ("bound at the reduced throughput", "bound_reduced_throughput"),
         ("  points below it", "points_below_bound_reduced_throughput"),
         ("  throughput on 3 / on 4", "throughput_on_3_over_4"),
+        (f"trained {WINDOW_S} s after a close failure (s)", "trained_after_close_failure_mean_s"),
+        (f"trained {WINDOW_S} s after an isolated one (s)", "trained_after_isolated_failure_mean_s"),
         ("time to resume, median (s)", "resume_median_s"), ("back to 4 workers, median (s)", "full_size_median_s"),
         ("steps discarded", "steps_discarded"), ("per-rank batches discarded", "batches_discarded"),
         ("duplicated samples", "duplicated_samples"), ("skipped samples", "skipped_samples"),
@@ -260,7 +300,16 @@ def main() -> int:
     parser.add_argument("--compute-ms-per-sample", type=float, default=3.0)
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--name", default="chaos")
+    parser.add_argument("--report-from", metavar="NAME", help="recompute and print the table of "
+                        "bench/results/NAME.json instead of running")
     args = parser.parse_args()
+    if args.report_from:
+        with open(harness.result_path(args.report_from + ".json"), encoding="utf-8") as handle:
+            saved = json.load(handle)["results"]
+        for result in saved.values():
+            result.update(efficiency(result))
+        print_table(saved)
+        return 0
     args.max_restarts = MAX_RESTARTS  # what compare.launch_jobs reads
     systems = [s for s in args.systems.split(",") if s]
     for system in systems:

@@ -34,3 +34,14 @@ def test_the_throughput_on_three_is_measured_over_steady_seconds_only():
 def test_too_few_seconds_on_three_gives_the_share_of_workers():
     timeline = [[i, 1000, 4] for i in range(10)] + [[10, 700, 3], [11, 700, 3]]
     assert chaos.reduced_throughput(timeline) == (0.75, False)
+
+
+def test_what_was_trained_after_a_failure_is_split_into_close_and_isolated_failures():
+    # 100 samples a second at full size; failures at 20 s (isolated), 50 and 53 s (the second close).
+    timeline = [[t, 0 if t in (20, 50, 53) else 100, 4] for t in range(0, 80)]
+    result = {"throughput_samples_per_s": 100.0, "timeline": timeline,
+              "failures": [{"at_s": 20.4}, {"at_s": 50.2}, {"at_s": 53.9}]}
+    windows = chaos.after_failures(result)
+    assert windows == {"close": [9.0], "isolated": [9.0]}  # 50.2 has a failure within 10 s after it: neither
+    timeline[55][1] = 0  # a second lost after the close one
+    assert chaos.after_failures(result)["close"] == [8.0]
