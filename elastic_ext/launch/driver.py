@@ -361,17 +361,14 @@ def _move(driver: Any, ext: DriverState, moved: Dict[Slot, int]) -> None:
                 ", ".join(f"{h}[{old}]->[{new}]" for (h, old), new in sorted(moved.items())))
 
 
-def _dismiss_starting(driver: Any) -> List[Slot]:
-    """After a member's failure: dismisses the round's workers still starting that are worth it (change 4).
-
-    Returns the slots dismissed now.
-    """
+def _dismiss_starting(driver: Any) -> None:
+    """After a member's failure: dismisses the round's workers still starting if it is worth it (change 4)."""
     from horovod.runner.elastic.registration import FAILURE
 
     ext = _ext(driver)
     server = getattr(getattr(driver, "_rendezvous", None), "_httpd", None)
     if server is None:
-        return []
+        return
     registry = driver._worker_registry
     with registry._lock:
         recorded = set(registry._states)
@@ -381,7 +378,7 @@ def _dismiss_starting(driver: Any) -> List[Slot]:
     now = time.monotonic()
     with ext.lock:
         if not (ext.starts or ext.other_starts):
-            return []
+            return
         typical = statistics.median(ext.starts or ext.other_starts)
         regrow_wait = statistics.median(ext.regrow_waits) if ext.regrow_waits else 0.0
         starting = {}
@@ -389,24 +386,22 @@ def _dismiss_starting(driver: Any) -> List[Slot]:
             if slot in recorded or slot in ext.dismissed or not driver.has_rank_assignment(*slot):
                 continue
             if slot not in ext.newcomers:
-                return []  # the round waits for it anyway: it does not read a dismissal
+                return  # the round waits for it anyway: it does not read a dismissal
             if str(driver.get_slot_info(*slot).rank) in announced:
                 continue  # it built its model and is about to ask: it stopped reading its dismissal
             starting[slot] = now - started
         going_on = driver.world_size() - len(ext.dismissed) - len(starting) - failures - 1
         if going_on < driver._min_num_proc or not worth_dismissing(list(starting.values()), typical, going_on,
                                                                    regrow_wait):
-            return []
+            return  # also when none is starting: worth_dismissing is False for no worker
         dismissed = sorted(starting)
         ext.dismissed.update(dismissed)
     for host, local_rank in dismissed:
         _store(driver, dismissed_key(host, local_rank), b"1")
-    if dismissed:
-        logger.warning("elastic_ext: a member of round %d failed; dismissing %s, still starting (%s s of a typical "
-                       "%.1f s start): the %d members going on start now, and the slots come back while they train",
-                       registry.last_rendezvous(), ", ".join(f"{h}[{r}]" for h, r in dismissed),
-                       ", ".join(f"{starting[slot]:.1f}" for slot in dismissed), typical, going_on)
-    return dismissed
+    logger.warning("elastic_ext: a member of round %d failed; dismissing %s, still starting (%s s of a typical "
+                   "%.1f s start): the %d members going on start now, and the slots come back while they train",
+                   registry.last_rendezvous(), ", ".join(f"{h}[{r}]" for h, r in dismissed),
+                   ", ".join(f"{starting[slot]:.1f}" for slot in dismissed), typical, going_on)
 
 
 def _start_regrow(driver: Any) -> None:
