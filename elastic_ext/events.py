@@ -28,7 +28,8 @@ The run loop (``run.py``):
   ``skip_sync``, ``commit_id``.
 - ``prestart`` (:data:`PRESTART`): under ``elastic-horovodrun``, a host
   addition at this commit starts the newcomers while training goes on;
-  ``commit_id``.
+  ``commit_id``; ``at_sync`` (True) when it started right after a sync,
+  in a round the driver formed without a failed worker's slot.
 - ``newcomers_joined`` (:data:`NEWCOMERS_JOINED`): that early start ends in
   a resize at this commit (a ``resize`` event follows); ``commit_id``,
   ``why`` (on rank 0, which polls: ``all_there``, ``newcomer_failed``, ``timeout``,

@@ -14,8 +14,12 @@ turns into a longer or larger one:
    and more). Here such a round is exactly the workers that asked, so they
    go on at once, and capacity beyond them (the failed slot, a new host)
    joins later, while they train, the way a newcomer of an early start
-   does (:mod:`elastic_ext.launch.prestart`): the driver tells the
-   coordinator that hosts were added until a round has that capacity. Only
+   does (:mod:`elastic_ext.launch.prestart`): before it answers the
+   members' rank requests the driver writes
+   :data:`~elastic_ext.launch.round_watch.CAPACITY_LEFT_OUT` in the store,
+   which each member reads at its sync and starts the early start there;
+   and it tells the coordinator that hosts were added until a round has
+   that capacity (should a member not have read the key). Only
    the round that an early start's rank requests complete
    (:data:`~elastic_ext.launch.prestart.ASKED` in the store) starts new
    workers, which start in a world of one. Survivors keep their host; on a
@@ -89,8 +93,8 @@ from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
 from elastic_ext.launch import prestart
 from elastic_ext.launch.replaced import Originals, replace, restore
-from elastic_ext.launch.round_watch import (ASSIGNED, CURRENT, DISMISSED_EXIT_CODE, PEERS_FAILED_EXIT_CODE, SCOPE,
-                                            dismissed_key, failed_key)
+from elastic_ext.launch.round_watch import (ASSIGNED, CAPACITY_LEFT_OUT, CURRENT, DISMISSED_EXIT_CODE,
+                                            PEERS_FAILED_EXIT_CODE, SCOPE, dismissed_key, failed_key)
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +207,8 @@ def install() -> None:
         _store(driver, ASSIGNED, ",".join(slots).encode("utf-8"))
         _store(driver, CURRENT, str(self.last_rendezvous()).encode("ascii"))
         if _ext(driver).regrow:
+            # Before any member's rank answer (this runs in the round's barrier): every member reads it at its sync.
+            _store(driver, CAPACITY_LEFT_OUT, b"1")
             _start_regrow(driver)
 
     def on_workers_recorded(self: Any) -> None:
@@ -409,7 +415,10 @@ def _start_regrow(driver: Any) -> None:
 
     A notification that reaches a worker while it resets is dropped with the
     rest of its pending updates, so one is not enough; the coordinator acts
-    on the first that arrives after its reset, at its next commit.
+    on the first that arrives after its reset, at its next commit. The
+    members start the early start at their sync already
+    (:data:`~elastic_ext.launch.round_watch.CAPACITY_LEFT_OUT`): this is
+    the way back for a round whose members could not read the store then.
     """
     ext = _ext(driver)
     if ext.regrow_thread is not None and ext.regrow_thread.is_alive():

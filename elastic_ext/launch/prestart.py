@@ -14,8 +14,11 @@ added, :mod:`elastic_ext.launch.driver`):
 1. At the commit that agrees the addition, every rank sends the rank request
    of the next world from a background thread (:class:`Prestart`), the same
    HTTP request ``hvd.init()`` sends, and goes on training on the current
-   Horovod context. Once every rank has asked, the driver starts the
-   newcomers.
+   Horovod context. In a round the driver formed without a failed slot,
+   every rank does so right after its sync instead
+   (:func:`elastic_ext.launch.round_watch.capacity_left_out`, the same
+   answer on every rank), so the slot's new worker does not wait for a
+   commit. Once every rank has asked, the driver starts the newcomers.
 2. Horovod starts a newcomer with its rank in the environment; its first
    ``hvd.init()`` would go straight to Gloo's rendezvous, which the
    survivors, still training, would not join, and its script would build

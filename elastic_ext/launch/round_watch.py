@@ -37,6 +37,9 @@ from elastic_ext.errors import ConfigError
 SCOPE = "elastic_ext_round"  # in the rendezvous server's store; cleared by Horovod at every new round
 CURRENT = "current"          # the number of the current round
 ASSIGNED = "assigned"        # the current round's slots, "host:local_rank" joined by commas
+# Present when the current round left capacity out (a failed slot): its members start the newcomers
+# early as soon as they have synced (elastic_ext.launch.prestart), without waiting for a commit to agree it.
+CAPACITY_LEFT_OUT = "capacity_left_out"
 # The exit status of a worker that ended itself because its round's peers failed
 # (elastic_ext.runtime.closed_links): the driver does not count it as a failure of its host.
 # Distinct from signals (128+n), Python errors (1), the leave code (143) and a fenced worker's (75).
@@ -102,6 +105,22 @@ def slot_assigned(environ: Optional[Mapping[str, str]] = None) -> Optional[bool]
         return None
     slot = f"{env['HOROVOD_HOSTNAME']}:{env['HOROVOD_LOCAL_RANK']}"
     return slot in assigned.decode("utf-8", "replace").split(",")
+
+
+def capacity_left_out(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """True when the driver formed the current round without capacity it has (a failed worker's slot).
+
+    The driver writes it before it answers any member's rank request, so
+    every member of the round reads the same answer; False outside the
+    launcher and when the store cannot be read.
+    """
+    base = _base_url(environ)
+    if base is None:
+        return False
+    try:
+        return get(f"{base}/{CAPACITY_LEFT_OUT}") is not None
+    except OSError:
+        return False
 
 
 def watch(reset: bool, on_lost: Optional[Callable[[int], None]] = None) -> Callable[[], None]:

@@ -117,6 +117,7 @@ class Recoverer:
             self.driver.joined()  # the links just learned are this round's
         state.sync()
         self.numeric.reapply(state)  # sync loads the commit, which may not hold a numeric skip yet
+        state._start_early_at_sync()  # a failed slot's new worker starts now, while the survivors train
         if self.pending is not None:
             state.events.emit(RECOVERED, **self.pending.event(state.binding.size(), state.generation),
                               learn_connections_s=learned - started, sync_s=time.perf_counter() - learned)

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
 from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_RESTART_IN_PLACE, launched
 from elastic_ext.errors import ConfigError, NumericFaultError
 from elastic_ext.events import FINISH, RESTARTED_IN_PLACE, STALL, SUSPENDED
-from elastic_ext.launch import keeper, newcomer, prestart
+from elastic_ext.launch import keeper, newcomer, prestart, round_watch
 from elastic_ext.launch.gloo_timeout import reset_timeout
 from elastic_ext.runtime.recovery import Recoverer, controller
 from elastic_ext.launch.sigterm import install_sigterm, restore_sigterm
@@ -98,7 +98,8 @@ def _elastic_session(state: "State", kind: str) -> Iterator[None]:
     if keeper.restarts():
         events.emit(RESTARTED_IN_PLACE, restarts=keeper.restarts())
     if launched():  # the newcomers' side of an early start needs the launcher's entry module
-        state._set_early_start(prestart.early_start_factory(binding, config.rendezvous_timeout_s or 120.0))
+        state._set_early_start(prestart.early_start_factory(binding, config.rendezvous_timeout_s or 120.0),
+                               round_watch.capacity_left_out)
     notification_manager.init()
     notification_manager.register_listener(state)
     dog = Watchdog(config, on_stall=lambda idle: events.emit(STALL, idle_s=idle),

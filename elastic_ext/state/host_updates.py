@@ -126,6 +126,8 @@ class HostUpdates:
         self.last_timestamp = 0
         self.overlap = overlap
         self.prestart_factory = prestart
+        # Under the launcher: whether the driver formed this round without capacity it has (a failed slot).
+        self.capacity_left_out: Optional[Callable[[], bool]] = None
         self.prestart: Optional[EarlyStart] = None   # the early start under way
         self.joined: Optional[EarlyStart] = None     # the one that ended at the last resize
         self.stopped = False  # some rank asked every rank to stop (its checkpoints keep failing)
@@ -240,6 +242,17 @@ class HostUpdates:
             return None, agreed.extra
         # removals need no sync: every remaining rank holds this commit
         return (agreed.removed or agreed.leaving) and not agreed.added, agreed.extra
+
+    def start_for_capacity_left_out(self) -> bool:
+        """At a sync: starts the newcomers early when ``capacity_left_out()`` says the round left capacity out.
+
+        Every rank of the round reads the same answer at its sync, before
+        its first commit, so they all start it at the same point, as at a
+        commit. Returns whether it started one.
+        """
+        if self.prestart is not None or self.capacity_left_out is None or not self.capacity_left_out():
+            return False
+        return self._start_prestart()
 
     def _start_prestart(self) -> bool:
         prestart = self.prestart_factory() if self.prestart_factory is not None else None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Optional
 
+from elastic_ext.events import PRESTART
 from elastic_ext.state.decisions import decide_at_commit, removed_at_resize
 from elastic_ext.state.host_updates import EarlyStart
 
@@ -47,9 +48,18 @@ class HorovodListener:
         """True if Horovod has announced a host change this rank has not acted on yet."""
         return self._hosts.pending()
 
-    def _set_early_start(self, factory: Optional[Callable[[], Optional[EarlyStart]]]) -> None:
-        """How this rank starts newcomers early at a host addition (``run`` sets it under an elastic horovodrun)."""
+    def _set_early_start(self, factory: Optional[Callable[[], Optional[EarlyStart]]],
+                         capacity_left_out: Optional[Callable[[], bool]] = None) -> None:
+        """How this rank starts newcomers early at a host addition, and how it learns at a sync that the
+        round left capacity out (``run`` sets both under the launcher)."""
         self._hosts.prestart_factory = factory
+        self._hosts.capacity_left_out = capacity_left_out
+
+    def _start_early_at_sync(self) -> None:
+        """Right after a sync: starts the newcomers early when the round left capacity out (a failed slot),
+        rather than at the commit that would agree the driver's notification of it."""
+        if self._hosts.start_for_capacity_left_out():
+            self._events.emit(PRESTART, commit_id=self.commit_id, at_sync=True)
 
     def _settle_commits(self) -> None:
         """Waits for this rank's overlapped commit collective, if one is in flight.

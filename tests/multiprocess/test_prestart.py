@@ -3,7 +3,8 @@ survivors keep training while Horovod's driver starts the newcomers, and the
 job resizes at the first commit after the newcomers wait in hvd.init().
 Also a SIGKILL of a survivor while the newcomers start: with two members going
 on (three survivors) the driver dismisses the starting newcomer, with one it
-waits for it."""
+waits for it. A round that leaves a failed slot out starts its new worker at
+the survivors' sync."""
 
 import pytest
 
@@ -92,6 +93,10 @@ def test_a_survivor_killed_while_a_newcomer_starts_does_not_wait_for_its_start(t
     assert "dismissed this worker" in output, "the newcomer did not read its dismissal"
     assert [e["commit_id"] for e in of_rank(events, "rollback")] == [3]
     assert analysis.sizes_by_generation(records) == [[3], [2], [4]], "the survivors waited for the newcomer"
+    # The round of two left the failed and the dismissed slots out: their workers start at its sync,
+    # before its first commit (the addition's early start came at a commit).
+    started = [(e["commit_id"], e["size"], e.get("at_sync", False)) for e in of_rank(events, "prestart")]
+    assert started == [(3, 3, False), (3, 2, True)], started
     assert [e["why"] for e in of_rank(events, "newcomers_joined")][-1:] == ["all_there"]
     analysis.assert_exactly_once(out, DIGITS, EPOCHS)
     finals = analysis.load_finals(out)

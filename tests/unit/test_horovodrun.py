@@ -126,14 +126,18 @@ def test_horovod_blacklists_a_host_when_one_of_its_workers_fails():
 def test_a_failures_round_holds_only_the_survivors_and_the_slot_returns_when_they_ask_again(changed):
     job = started_job()
     try:
+        assert job.store(round_watch.CAPACITY_LEFT_OUT) is None, "the job's first round holds every slot"
         asks = a_worker_of_host_a_dies_in_a_round(job)  # (the hosts' order, so the ranks, vary from run to run)
         assert sorted(asks) == [(0, 3), (1, 3), (2, 3)], "host-a[0] stays; nobody waits for a new worker"
+        # Written before the survivors' rank answers: each reads it at its sync and starts the early start.
+        assert job.store(round_watch.CAPACITY_LEFT_OUT) == b"1"
         assert not job.driver._host_manager.is_blacklisted("host-a")
         assert len(job.started) == 4, f"a worker was started for the survivors' round: {job.started}"
         # The survivors' next rank requests (an early start's, while they train) bring the slot back ...
         asks = survivors_ask_again(job)
         assert len(set(asks)) == 3 and {size for _, size in asks} == {4}, asks  # host-a's new worker: the 4th
         assert job.started.count(("host-a", 1)) == 2, job.started
+        assert job.store(round_watch.CAPACITY_LEFT_OUT) is None, "the early start's round took the capacity"
         # ... and the new worker, its model built, resets with them into a round of four.
         asks, threads = in_threads(*[lambda s=s: job.rank_and_size(*s) for s in SLOTS])
         for thread in threads:
@@ -214,6 +218,7 @@ def test_survivors_fewer_than_min_np_wait_for_the_failed_slots_new_worker(change
         for thread in threads:
             thread.join(30)
         assert [size for _, size in asks] == [4, 4, 4]
+        assert job.store(round_watch.CAPACITY_LEFT_OUT) is None, "the round holds every slot: nothing to start early"
     finally:
         job.stop()
 
@@ -434,6 +439,19 @@ def test_a_keeper_can_tell_whether_its_slot_is_still_in_the_job(changed, monkeyp
         assert a_host_loses_both_workers(job, "host-b", "host-a") == [(0, 2), (1, 2)]
         assert round_watch.slot_assigned(env) is False
         assert round_watch.slot_assigned({**env, "HOROVOD_HOSTNAME": "host-a"}) is True
+    finally:
+        job.stop()
+
+
+def test_a_worker_reads_whether_its_round_left_capacity_out(changed):
+    job = started_job()
+    try:
+        env = worker_env(job, "host-b", 1)
+        assert round_watch.capacity_left_out(env) is False
+        a_worker_of_host_a_dies_in_a_round(job)
+        assert round_watch.capacity_left_out(env) is True
+        assert round_watch.capacity_left_out({**env, "HOROVOD_GLOO_RENDEZVOUS_PORT": "1"}) is False  # unreachable
+        assert round_watch.capacity_left_out({}) is False  # outside an elastic horovodrun
     finally:
         job.stop()
 

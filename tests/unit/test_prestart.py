@@ -415,6 +415,30 @@ def test_a_reset_cancels_the_early_start():
     assert commit() == [None, None]
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_round_that_left_capacity_out_starts_the_newcomers_at_the_sync_not_at_a_commit(overlap):
+    hosts, made, commit = ranks_with_prestart(3, overlap)
+    for h in hosts:
+        h.capacity_left_out = lambda: True  # the driver formed the survivors' round without the failed slot
+    assert [h.start_for_capacity_left_out() for h in hosts] == [True] * 3
+    assert [len(m) for m in made] == [1, 1, 1], "every rank starts the early start before its first commit"
+    assert [h.start_for_capacity_left_out() for h in hosts] == [False] * 3, "one under way: no second"
+    hosts[0].put(100, HOSTS_ADDED)  # the driver's notification of the same capacity, arriving later
+    for _ in range(3):
+        assert commit() == [None] * 3  # it joins the early start under way; training goes on
+    assert [len(m) for m in made] == [1, 1, 1]
+    made[0][0].finish("all_there")
+    assert commit() == [False] * 3  # the resize with the newcomers, at one commit on every rank
+
+
+def test_a_round_with_all_its_capacity_starts_nothing_at_the_sync():
+    hosts, made, _ = ranks_with_prestart(2, False)
+    hosts[0].capacity_left_out = lambda: False
+    assert hosts[0].start_for_capacity_left_out() is False
+    assert hosts[1].start_for_capacity_left_out() is False  # outside the launcher: nobody to ask
+    assert made == [[], []]
+
+
 def test_without_an_elastic_horovodrun_an_addition_resizes_at_once():
     world = ThreadWorld(2)
     hosts = [HostUpdates(prestart=lambda: None) for _ in range(2)]
