@@ -21,7 +21,6 @@ import functools
 import logging
 import os
 import sys
-import threading
 import types
 from typing import Any, Callable, Dict, Mapping, MutableMapping, Optional
 
@@ -107,27 +106,14 @@ def watch_dismissal(environ: Optional[Mapping[str, str]] = None) -> bool:
     except OSError:
         return False
     key = f"{url}/{round_watch.SCOPE}/{round_watch.dismissed_key(host, int(local_rank))}"
-    stop, lock = threading.Event(), threading.Lock()
 
-    def read() -> None:
-        while not stop.wait(DISMISSAL_POLL_S):
-            try:
-                dismissed = round_watch.get(key) is not None
-            except OSError:
-                continue
-            with lock:  # not once stop_watching() returned: the newcomer is announcing itself
-                if dismissed and not stop.is_set():
-                    print(f"elastic_ext: the driver dismissed this worker of {host}[{local_rank}] while it started: "
-                          f"a member of its round failed, and the others go on without waiting for this start; "
-                          f"the slot gets a new worker while they train", file=sys.stderr, flush=True)
-                    os._exit(round_watch.DISMISSED_EXIT_CODE)
+    def dismissed() -> None:  # not once stop_watching() returned: the newcomer is announcing itself
+        print(f"elastic_ext: the driver dismissed this worker of {host}[{local_rank}] while it started: "
+              f"a member of its round failed, and the others go on without waiting for this start; "
+              f"the slot gets a new worker while they train", file=sys.stderr, flush=True)
+        os._exit(round_watch.DISMISSED_EXIT_CODE)
 
-    def stop_watch() -> None:
-        with lock:
-            stop.set()
-
-    _stop_dismissal_watch = stop_watch
-    threading.Thread(target=read, name="elastic_ext-dismissal", daemon=True).start()
+    _stop_dismissal_watch = round_watch.watch_key(key, DISMISSAL_POLL_S, dismissed, "elastic_ext-dismissal")
     return True
 
 

@@ -141,22 +141,34 @@ def watch(reset: bool, on_lost: Optional[Callable[[int], None]] = None) -> Calla
     if current is None:
         return lambda: None
     mine = int(current) + (1 if reset else 0)
-    stop = threading.Event()
-    thread = threading.Thread(target=_watch, args=(f"{base}/{failed_key(mine)}", mine, stop, on_lost or abort),
-                              name="elastic_ext-round-watch", daemon=True)
-    thread.start()
-    return stop.set
+    lost = on_lost or abort
+    return watch_key(f"{base}/{failed_key(mine)}", POLL_S, lambda: lost(mine), "elastic_ext-round-watch")
 
 
-def _watch(url: str, mine: int, stop: threading.Event, on_lost: Callable[[int], None]) -> None:
-    while not stop.wait(POLL_S):
-        try:
-            failed = get(url)
-        except OSError:
-            continue
-        if failed is not None and not stop.is_set():
-            on_lost(mine)
-            return
+def watch_key(url: str, poll_s: float, on_present: Callable[[], None], name: str) -> Callable[[], None]:
+    """Reads the store's key ``url`` every ``poll_s`` from a thread and calls ``on_present()`` there, once,
+    when the key exists. Returns the function that stops the watch: once it has returned, ``on_present``
+    does not run (it must not call that function itself). A read that fails is tried again."""
+    stop, lock = threading.Event(), threading.Lock()
+
+    def read() -> None:
+        while not stop.wait(poll_s):
+            try:
+                present = get(url) is not None
+            except OSError:
+                continue
+            if present:
+                with lock:
+                    if not stop.is_set():
+                        on_present()
+                return
+
+    def stop_watch() -> None:
+        with lock:
+            stop.set()
+
+    threading.Thread(target=read, name=name, daemon=True).start()
+    return stop_watch
 
 
 def abort(round_id: int) -> None:
