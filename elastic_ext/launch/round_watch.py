@@ -87,6 +87,18 @@ def _base_url(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
     return None if url is None else f"{url}/{SCOPE}"
 
 
+def _read(key: str, environ: Optional[Mapping[str, str]] = None) -> Optional[bytes]:
+    """The value of ``key`` in the driver's round scope; None when it is not there, when the store cannot
+    be read, and outside the launcher."""
+    base = _base_url(environ)
+    if base is None:
+        return None
+    try:
+        return get(f"{base}/{key}")
+    except OSError:
+        return None
+
+
 def slot_assigned(environ: Optional[Mapping[str, str]] = None) -> Optional[bool]:
     """Whether this worker's slot is in the driver's current round (None: the driver does not say).
 
@@ -94,13 +106,9 @@ def slot_assigned(environ: Optional[Mapping[str, str]] = None) -> Optional[bool]
     to restart for: Horovod starts a new worker if the slot comes back.
     """
     env = os.environ if environ is None else environ
-    base = _base_url(env)
-    if base is None or not env.get("HOROVOD_HOSTNAME") or "HOROVOD_LOCAL_RANK" not in env:
+    if not env.get("HOROVOD_HOSTNAME") or "HOROVOD_LOCAL_RANK" not in env:
         return None
-    try:
-        assigned = get(f"{base}/{ASSIGNED}")
-    except OSError:
-        return None
+    assigned = _read(ASSIGNED, env)
     if assigned is None:
         return None
     slot = f"{env['HOROVOD_HOSTNAME']}:{env['HOROVOD_LOCAL_RANK']}"
@@ -114,13 +122,7 @@ def capacity_left_out(environ: Optional[Mapping[str, str]] = None) -> bool:
     every member of the round reads the same answer; False outside the
     launcher and when the store cannot be read.
     """
-    base = _base_url(environ)
-    if base is None:
-        return False
-    try:
-        return get(f"{base}/{CAPACITY_LEFT_OUT}") is not None
-    except OSError:
-        return False
+    return _read(CAPACITY_LEFT_OUT, environ) is not None
 
 
 def watch(reset: bool, on_lost: Optional[Callable[[int], None]] = None) -> Callable[[], None]:
@@ -131,18 +133,12 @@ def watch(reset: bool, on_lost: Optional[Callable[[int], None]] = None) -> Calla
     the round failed; by default :func:`abort` (SIGABRT, which the keeper
     restarts). Does nothing when the driver publishes no rounds.
     """
-    base = _base_url()
-    current = None
-    if base is not None:
-        try:
-            current = get(f"{base}/{CURRENT}")
-        except OSError:
-            current = None
+    current = _read(CURRENT)
     if current is None:
         return lambda: None
     mine = int(current) + (1 if reset else 0)
     lost = on_lost or abort
-    return watch_key(f"{base}/{failed_key(mine)}", POLL_S, lambda: lost(mine), "elastic_ext-round-watch")
+    return watch_key(f"{_base_url()}/{failed_key(mine)}", POLL_S, lambda: lost(mine), "elastic_ext-round-watch")
 
 
 def watch_key(url: str, poll_s: float, on_present: Callable[[], None], name: str) -> Callable[[], None]:
