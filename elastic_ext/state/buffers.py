@@ -23,7 +23,6 @@ them while it writes them out. Both talk to this object directly.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import threading
 from typing import Dict, Iterable, List, Optional, Set, Tuple
@@ -31,7 +30,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 import numpy as np
 
 from elastic_ext.state import written
-from elastic_ext.state.snapshot import ArraySource, Capture, Entry
+from elastic_ext.state.snapshot import ArraySource, Capture, Entry, copy_meta
 
 Entries = Dict[str, Entry]
 
@@ -106,7 +105,7 @@ class CommitBuffers:
                 buffer = reuse(old, key, tuple(source.shape), np.dtype(source.dtype))
                 plan.append((source, buffer))
                 arrays[key] = buffer
-            entries[name] = Entry(arrays=arrays, meta=copy.deepcopy(capture.meta))
+            entries[name] = Entry(arrays=arrays, meta=copy_meta(capture.meta))
         if self.count == 1:
             # From here on the buffers of the previous commit are being overwritten.
             self.torn = self.entries is not None

@@ -10,6 +10,7 @@ import elastic_ext
 from elastic_ext import GlobalRNG
 from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import NotCommittedError, StateError
+from elastic_ext.state.snapshot import copy_meta
 from elastic_ext.testing import SoloBinding
 from elastic_ext.testing import state_on
 
@@ -188,6 +189,21 @@ def test_numpy_generator_random_instance_and_plain_values():
     np.testing.assert_array_equal(array, np.arange(4.0))
     assert state.info["epoch"] == 2 and state.info["pair"] == (1, "a")
     assert np.isnan(state.info["history"][1])
+
+
+def test_a_commit_shares_no_container_with_what_it_captured_or_what_it_restored():
+    meta = {"a": [1, {"b": 2}], "t": (3, [4])}  # a tuple is not JSON: deep-copied
+    copied = copy_meta(meta)
+    meta["a"][1]["b"] = 99
+    meta["t"][1].append(5)
+    assert copied == {"a": [1, {"b": 2}], "t": (3, [4])}
+    state = make_state(info={"history": [1, 2]})
+    state.commit()
+    state.info["history"].append(3)
+    state.restore()
+    state.info["history"].append(4)  # into the restored value, not into the commit
+    state.restore()
+    assert state.info == {"history": [1, 2]}
 
 
 def test_failed_commit_leaves_previous_commit_intact():
