@@ -174,7 +174,7 @@ class ElasticConfig:
     events_path: Optional[str] = None
     commit_buffers: int = 1
     checkpoint_dir: Optional[str] = None
-    checkpoint_every: Union[int, str] = dataclasses.field(default=1, metadata={"parse": _parse_every})
+    checkpoint_every: Union[int, str] = dataclasses.field(default="auto", metadata={"parse": _parse_every})
     checkpoint_keep_last: int = 3
     checkpoint_failure_limit: int = 5
     replica_check_every: int = 10

@@ -27,7 +27,8 @@ Durability on the way out: at every resize, and above all when a worker
 leaves (SIGTERM: preemption, ``scancel``, the driver ending the job), rank 0
 starts writing the agreed commit as a durable checkpoint even if it is not
 due under ``checkpoint_every``; a leaving rank 0 waits for that write (at most
-what is left of ``term_grace_s``) before it exits.
+what is left of ``term_grace_s``) before it exits. When the training
+function returns, rank 0 writes the last commit too, and waits for it.
 
 Under an MPI controller (``horovodrun --mpi``, ``mpirun``) Horovod cannot
 re-form a job: a failed collective ends the job (the launcher kills every
@@ -153,6 +154,8 @@ def run(func: Optional[F] = None, *, counter: Optional[str] = "step") -> Any:
                         recover.sync()
                         result = _train(state, func, args, kwargs)
                         recover.finish_with_newcomers()  # the newcomers of an early start under way end with the job
+                        state.checkpoint_now()  # the end of training is on disk, whatever the cadence
+                        state.wait_for_checkpoint()
                         state.events.emit(FINISH, commit_id=state.commit_id,
                                           duration_s=time.perf_counter() - started)
                         return result

@@ -9,7 +9,7 @@ from elastic_ext.testing.analysis import *  # noqa: F401,F403
 
 def durable_commit_ids(ckpt_dir):
     """The commit ids of the checkpoints in ``ckpt_dir`` whose manifest is written (a checkpoint
-    is durable once its manifest is there), oldest first; [] while the directory does not exist."""
+    is durable once its manifest is there), newest first; [] while the directory does not exist."""
     if not os.path.isdir(ckpt_dir):
         return []
     return [i for i in CheckpointStore(str(ckpt_dir)).commit_ids()

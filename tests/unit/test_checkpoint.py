@@ -266,6 +266,7 @@ class Job:
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.01)
         self.sampler = ElasticPartitioner(64, batch_size=4, world=lambda: (0, 1))
         self.wait_each = wait_each  # wait for each commit's write, so that every due commit is written
+        config.setdefault("checkpoint_every", 1)  # the writes themselves are tested: every commit is due
         self.state = state_on(SoloBinding(), config=ElasticConfig(checkpoint_dir=str(directory), **config),
                            model=self.model, optimizer=self.optimizer, sampler=self.sampler, step=0, rng=GlobalRNG())
 
@@ -341,7 +342,7 @@ def test_resume_refuses_a_checkpoint_of_other_objects(tmp_path):
     first.state.sync()
     first.steps(2)
     first.state.wait_for_checkpoint()
-    other = state_on(SoloBinding(), config=ElasticConfig(checkpoint_dir=str(tmp_path)),
+    other = state_on(SoloBinding(), config=ElasticConfig(checkpoint_dir=str(tmp_path), checkpoint_every=1),
                   model=torch.nn.Linear(2, 2), step=0)
     with pytest.raises(CheckpointError, match=r"holds objects \['optimizer', 'sampler'\]"):
         other.sync()
@@ -402,7 +403,7 @@ def test_tensorflow_keras_state_resumes_bitwise(tmp_path):
                                      tf_keras.layers.Dense(2)])
         optimizer = tf_keras.optimizers.Adam(0.01)
         state = state_on(SoloBinding(), framework="tensorflow",
-                      config=ElasticConfig(checkpoint_dir=str(tmp_path)),
+                      config=ElasticConfig(checkpoint_dir=str(tmp_path), checkpoint_every=1),
                       model=model, optimizer=optimizer, step=0)
         return model, optimizer, state
 

@@ -15,7 +15,7 @@ from elastic_ext.testing import state_on
 def job(tmp_path, limit, fault):
     faulty_fs.install(fault)
     config = ElasticConfig(checkpoint_dir=faulty_fs.url(tmp_path / "ckpt"), checkpoint_failure_limit=limit,
-                           hang_timeout_s=0)
+                           checkpoint_every=1, hang_timeout_s=0)
     return state_on(SoloBinding(), config=config, weights=np.zeros(4), step=0)
 
 
