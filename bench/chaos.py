@@ -9,7 +9,9 @@ in the job's newest generation; if it is not alive, the highest rank alive;
 if no worker of rank > 0 is alive, as during torchrun's restart of every
 worker, the kill waits for one until the next kill's time and is dropped
 after that), the same times and ranks for every system, whatever state the
-job is in (a kill may land during a recovery). A job that dies, or that
+job is in (a kill may land during a recovery). elastic_ext commits and torchrun
+checkpoints every ``--commit-every`` steps (5: Young's interval for this
+profile, see :data:`COMMIT_EVERY`); torchft commits every step. A job that dies, or that
 completes no step for ``HANG_S``, is killed whole and launched again for the
 time left. Then the job is stopped at a step boundary and each system
 runs the failure-free jobs of bench.compare for its throughput.
@@ -66,6 +68,10 @@ from elastic_ext.testing import launch
 SYSTEMS = ("torchft", "torchrun", "ext", "torchft_ddp")  # the ones that refill a failed slot by themselves
 MAX_RESTARTS = 1000  # torchrun agents (torchrun, torchft groups): every failure is a restart
 HANG_S = 90.0  # no completed step for this long: the job is stuck, killed and launched again
+# Young's interval sqrt(2 C M) for this profile: a commit (elastic_ext's, or torchrun's torch.save of
+# the model) costs C of about 2 ms of training here (bench.compare's "commit, median"), a failure comes
+# every M = 15 s: 0.25 s, 4 to 5 steps of 60 ms. (bench.compare, one failure per ~17 s cycle, keeps 10.)
+COMMIT_EVERY = 5
 
 
 def schedule(seed: int, mtbf_s: float, duration_s: float) -> List[Tuple[float, int]]:
@@ -296,7 +302,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overhead-s", type=float, default=12.0,
                         help="seconds of each failure-free job (two per system, A B C C B A); 0: none")
-    parser.add_argument("--commit-every", type=int, default=10)
+    parser.add_argument("--commit-every", type=int, default=COMMIT_EVERY,
+                        help="steps between commits (elastic_ext) and checkpoints (torchrun)")
     parser.add_argument("--compute-ms-per-sample", type=float, default=3.0)
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--name", default="chaos")
