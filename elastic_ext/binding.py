@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+import time
 from typing import Any, Callable, Dict, List, Optional, Protocol, runtime_checkable
 
 import numpy as np
@@ -70,8 +71,12 @@ class HorovodBasics:
     def size(self) -> int:
         return self.hvd.size()
 
+    shutdown_s: Optional[float] = None  # the last reset's Horovod shutdown (the reset event's ``shutdown_s``)
+
     def reset(self) -> None:
+        started = time.perf_counter()
         self.hvd.shutdown()
+        self.shutdown_s = time.perf_counter() - started
         self.hvd.init()
 
     def local_rank(self) -> int:

@@ -39,6 +39,7 @@ The run loop (``run.py``):
 - ``reset`` (:data:`RESET`): Horovod re-initialised after a rollback or a
   resize; ``duration_s``, ``cause``, ``reinit_s`` (Horovod's shutdown and
   init: the rendezvous with the driver's new round and the Gloo context),
+  ``shutdown_s`` (the shutdown's part of it, where the binding times it),
   ``callbacks_s`` (the State's reset callbacks); after a rollback whose
   restore went to a thread (:mod:`elastic_ext.state.restore`) also
   ``restore_background_s`` (the thread's time) and ``restore_wait_s`` (what

@@ -230,9 +230,11 @@ class Recoverer:
         done = time.perf_counter()
         background = {} if restore_s is None else {"restore_background_s": restore_s,
                                                    "restore_wait_s": waited - reinit_done}
+        shutdown_s = getattr(self.state.binding, "shutdown_s", None)
+        parts = {} if shutdown_s is None else {"shutdown_s": shutdown_s}
         self.pending.fields.update(background)
         self.state.events.emit(RESET, duration_s=done - started, cause=self.pending.cause,
-                               reinit_s=reinit_done - reinit, callbacks_s=done - callbacks, **background)
+                               reinit_s=reinit_done - reinit, callbacks_s=done - callbacks, **parts, **background)
 
 
 def leave(state: "State", liveness: Liveness, kind: str, cause: str) -> None:

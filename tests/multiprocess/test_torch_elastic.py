@@ -88,6 +88,9 @@ def test_sigkill_rolls_back_and_matches_a_failure_free_run(tmp_path, references,
     # The worker's 2 MiB table was restored on the background thread, beside Horovod's re-forming.
     recovered = [e for e in events if e["event"] == "recovered" and e["cause"] == "collective_failed"]
     assert recovered and all("restore_background_s" in e for e in recovered), recovered
+    # Each reset's event breaks Horovod's re-init down: its shutdown is timed apart.
+    resets = [e for e in events if e["event"] == "reset"]
+    assert resets and all(0 <= e["shutdown_s"] <= e["reinit_s"] for e in resets), resets
     analysis.assert_exactly_once(failed, DIGITS, EPOCHS)
     analysis.assert_no_step_went_back_past_a_commit(failed, COMMIT_EVERY)
     starts = ledger.starts(ledger.read(str(failed)))
