@@ -34,6 +34,12 @@ Reported per system, beside bench.compare's figures (bench/compare_report.py):
   throughput on 4 in this run (median samples per second over the whole
   seconds at each size; 3/4 where the run has fewer than 5 such seconds at
   3 workers); overlapping failures count once, each instant at its worst;
+- **step efficiency against the run's own pace**: goodput over the
+  run's median second at 4 workers between failures (its timeline's
+  seconds whose neighbours are at 4 too), which the VM's speed at the
+  time moves as it moves the goodput; the failure-free jobs run minutes
+  later. Reported beside the other, with its distance to the bound at
+  the reduced throughput;
 - **trained after a failure**: the samples of the 10 s after a failure
   (the run's per-second timeline), in seconds of failure-free throughput,
   averaged over the failures within 5 s of the previous one ("close": they
@@ -190,14 +196,18 @@ def lost(kills_at: List[float], recovery_s: float, end: float) -> float:
     return total
 
 
+def steady(timeline: List[List[Any]], size: int) -> List[float]:
+    """Samples of the seconds of the run's timeline (per second: [second, samples, size]) at ``size``
+    workers whose neighbours are at that size too."""
+    return [row[1] for before, row, after in zip(timeline, timeline[1:], timeline[2:])
+            if before[2] == row[2] == after[2] == size and row[1] > 0]
+
+
 def reduced_throughput(timeline: List[List[Any]], fewer: int = WORKERS_PER_JOB - 1) -> Tuple[float, bool]:
     """(throughput on ``fewer`` workers over throughput at full size, measured?) from the run's
-    timeline (per second: [second, samples, size]): the median over the seconds whose neighbours
-    are at the same size; ``fewer / WORKERS_PER_JOB`` when fewer than 5 such seconds."""
-    def steady(size: int) -> List[float]:
-        return [row[1] for before, row, after in zip(timeline, timeline[1:], timeline[2:])
-                if before[2] == row[2] == after[2] == size and row[1] > 0]
-    full, reduced = steady(WORKERS_PER_JOB), steady(fewer)
+    timeline: the median over the :func:`steady` seconds; ``fewer / WORKERS_PER_JOB`` when fewer
+    than 5 such seconds."""
+    full, reduced = steady(timeline, WORKERS_PER_JOB), steady(timeline, fewer)
     if len(full) < 5 or len(reduced) < 5:
         return fewer / WORKERS_PER_JOB, False
     return min(1.0, harness.median(reduced) / harness.median(full)), True
@@ -259,6 +269,14 @@ def efficiency(result: Dict[str, Any]) -> Dict[str, Optional[float]]:
         out["bound_reduced_throughput"] = max(0.0, 1.0 - lost_capacity(kills_at, resume, full, reduced, wall) / wall)
         out["points_below_bound_reduced_throughput"] = 100.0 * (out["bound_reduced_throughput"]
                                                                 - out["step_efficiency"])
+        # The same against the run's own pace: the median second at 4 workers between failures,
+        # taken in the run rather than in the failure-free jobs that follow it.
+        full = steady(result.get("timeline") or [], WORKERS_PER_JOB)
+        if len(full) >= 5:
+            out["throughput_in_run_samples_per_s"] = harness.median(full)
+            out["step_efficiency_in_run"] = result["goodput_samples_per_s"] / out["throughput_in_run_samples_per_s"]
+            out["points_below_bound_reduced_throughput_in_run"] = 100.0 * (out["bound_reduced_throughput"]
+                                                                           - out["step_efficiency_in_run"])
     windows = after_failures(result)
     for kind in ("close", "isolated"):
         trained = windows[kind]
@@ -274,6 +292,9 @@ ROWS = [("SIGKILLs / job deaths", None), ("scheduled SIGKILLs dropped", "kills_d
         ("bound at the reduced throughput", "bound_reduced_throughput"),
         ("  points below it", "points_below_bound_reduced_throughput"),
         ("  throughput on 3 / on 4", "throughput_on_3_over_4"),
+        ("throughput at 4 in the run (median second)", "throughput_in_run_samples_per_s"),
+        ("step efficiency against it", "step_efficiency_in_run"),
+        ("  points below the reduced bound", "points_below_bound_reduced_throughput_in_run"),
         (f"trained {WINDOW_S} s after a close failure (s)", "trained_after_close_failure_mean_s"),
         (f"trained {WINDOW_S} s after an isolated one (s)", "trained_after_isolated_failure_mean_s"),
         ("time to resume, median (s)", "resume_median_s"), ("back to 4 workers, median (s)", "full_size_median_s"),

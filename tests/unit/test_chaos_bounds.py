@@ -45,3 +45,19 @@ def test_what_was_trained_after_a_failure_is_split_into_close_and_isolated_failu
     assert windows == {"close": [9.0], "isolated": [9.0]}  # 50.2 has a failure within 10 s after it: neither
     timeline[55][1] = 0  # a second lost after the close one
     assert chaos.after_failures(result)["close"] == [8.0]
+
+
+def test_efficiency_against_the_run_s_own_pace_uses_its_steady_seconds_at_four():
+    # The failure-free jobs measured 1100 samples/s; in the run, steady seconds at 4 did 1000.
+    timeline = [[t, 1000, 4] for t in range(0, 40)] + [[40, 0, 3]] + [[t, 750, 3] for t in range(41, 44)]
+    timeline += [[t, 1000, 4] for t in range(44, 100)]
+    result = {"training_wall_s": 100.0, "throughput_samples_per_s": 1100.0, "goodput_samples_per_s": 950.0,
+              "resume_median_s": 1.0, "full_size_median_s": 4.0, "failures": [{"at_s": 40.0}], "timeline": timeline}
+    out = chaos.efficiency(result)
+    assert out["step_efficiency"] == pytest.approx(950 / 1100)
+    assert out["throughput_in_run_samples_per_s"] == 1000
+    assert out["step_efficiency_in_run"] == pytest.approx(0.95)
+    assert out["points_below_bound_reduced_throughput_in_run"] == pytest.approx(
+        100 * (out["bound_reduced_throughput"] - 0.95))
+    del result["timeline"][5:]  # too few steady seconds: not reported
+    assert "step_efficiency_in_run" not in chaos.efficiency(result)
