@@ -196,6 +196,9 @@ def lost(kills_at: List[float], recovery_s: float, end: float) -> float:
     return total
 
 
+STEADY_MIN_SECONDS = 5  # fewer steady seconds at a size than this: its throughput is not measured
+
+
 def steady(timeline: List[List[Any]], size: int) -> List[float]:
     """Samples of the seconds of the run's timeline (per second: [second, samples, size]) at ``size``
     workers whose neighbours are at that size too."""
@@ -206,9 +209,9 @@ def steady(timeline: List[List[Any]], size: int) -> List[float]:
 def reduced_throughput(timeline: List[List[Any]], fewer: int = WORKERS_PER_JOB - 1) -> Tuple[float, bool]:
     """(throughput on ``fewer`` workers over throughput at full size, measured?) from the run's
     timeline: the median over the :func:`steady` seconds; ``fewer / WORKERS_PER_JOB`` when fewer
-    than 5 such seconds."""
+    than :data:`STEADY_MIN_SECONDS` such seconds."""
     full, reduced = steady(timeline, WORKERS_PER_JOB), steady(timeline, fewer)
-    if len(full) < 5 or len(reduced) < 5:
+    if len(full) < STEADY_MIN_SECONDS or len(reduced) < STEADY_MIN_SECONDS:
         return fewer / WORKERS_PER_JOB, False
     return min(1.0, harness.median(reduced) / harness.median(full)), True
 
@@ -271,9 +274,9 @@ def efficiency(result: Dict[str, Any]) -> Dict[str, Optional[float]]:
                                                                 - out["step_efficiency"])
         # The same against the run's own pace: the median second at 4 workers between failures,
         # taken in the run rather than in the failure-free jobs that follow it.
-        full = steady(result.get("timeline") or [], WORKERS_PER_JOB)
-        if len(full) >= 5:
-            out["throughput_in_run_samples_per_s"] = harness.median(full)
+        at_four = steady(result.get("timeline") or [], WORKERS_PER_JOB)
+        if len(at_four) >= STEADY_MIN_SECONDS:
+            out["throughput_in_run_samples_per_s"] = harness.median(at_four)
             out["step_efficiency_in_run"] = result["goodput_samples_per_s"] / out["throughput_in_run_samples_per_s"]
             out["points_below_bound_reduced_throughput_in_run"] = 100.0 * (out["bound_reduced_throughput"]
                                                                            - out["step_efficiency_in_run"])
