@@ -4,28 +4,29 @@
 does, in the worker and before the user's code runs, what an elastic worker
 needs at that moment and what ``import elastic_ext`` therefore never does:
 
-1. restart in place (:mod:`elastic_ext.launch.keeper`): this process becomes
+1. PyTorch's allocator puts large tensors in huge pages, so that a killed
+   worker's links close sooner (:mod:`elastic_ext.launch.torch_pages`): an
+   environment variable, set before step 2 may import PyTorch;
+2. restart in place (:mod:`elastic_ext.launch.keeper`): this process becomes
    the keeper and forks the one that runs the script, when the job restarts
-   workers in place;
-2. the newcomer's side of an early start (:mod:`elastic_ext.launch.newcomer`):
+   workers in place; it imports PyTorch first when the script does;
+3. the newcomer's side of an early start (:mod:`elastic_ext.launch.newcomer`):
    Horovod's ``hvd.init()`` and rank queries are wrapped, so a newcomer the
    survivors started early builds its model in a world of one, and until it
    announces itself it exits when the driver dismisses it (a member of its
    round failed meanwhile);
-3. Gloo's timeout for the first ``hvd.init()`` (:mod:`elastic_ext.launch.gloo_timeout`),
+4. Gloo's timeout for the first ``hvd.init()`` (:mod:`elastic_ext.launch.gloo_timeout`),
    the same as the survivors' resets wait;
-4. SIGTERM means "leave at the first commit" (:mod:`elastic_ext.launch.sigterm`),
+5. SIGTERM means "leave at the first commit" (:mod:`elastic_ext.launch.sigterm`),
    also while the script builds its model and the job re-forms;
-5. a preemption notice (the cloud's metadata endpoint, Slurm's signal) means
+6. a preemption notice (the cloud's metadata endpoint, Slurm's signal) means
    the same (:mod:`elastic_ext.launch.notices`);
-6. Horovod's PyTorch binding waits for its collectives without spinning on a
-   core (:mod:`elastic_ext.launch.torch_wait`);
-7. PyTorch's allocator puts large tensors in huge pages, so that a killed
-   worker's links close sooner (:mod:`elastic_ext.launch.torch_pages`).
+7. Horovod's PyTorch binding waits for its collectives without spinning on a
+   core (:mod:`elastic_ext.launch.torch_wait`).
 
 Then it runs the script as ``__main__`` in this interpreter, with
 ``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS`` would set them.
-Steps 1 to 5 do nothing outside a worker of an elastic ``horovodrun``.
+Steps 2 to 6 do nothing outside a worker of an elastic ``horovodrun``.
 """
 
 from __future__ import annotations
@@ -38,18 +39,19 @@ from typing import List, Optional
 USAGE = "usage: python -m elastic_ext.launch.worker (SCRIPT | -m MODULE) [ARGS...]"
 
 
-def prepare() -> None:
-    """Steps 1 to 7 of the module docstring, in that order (the keeper forks before anything else runs)."""
+def prepare(script: Optional[str] = None) -> None:
+    """Steps 1 to 7 of the module docstring, in that order: the keeper forks before anything that starts a
+    thread or wraps Horovod. ``script``: the source file the worker runs, if known (the keeper's preload)."""
     from elastic_ext.launch import gloo_timeout, keeper, newcomer, notices, sigterm, torch_pages, torch_wait
 
-    keeper.install()
+    torch_pages.install()
+    keeper.install(script=script)
     newcomer.install()
     newcomer.watch_dismissal()
     gloo_timeout.first_rendezvous_timeout()
     sigterm.install_early_sigterm()
     notices.install()
     torch_wait.install()
-    torch_pages.install()
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -62,8 +64,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     if not args or (args[0] == "-m" and len(args) < 2):
         print(USAGE, file=sys.stderr)
         raise SystemExit(2)
-    prepare()
-    if args[0] == "-m":
+    from elastic_ext.launch.keeper import script_path
+
+    module = args[0] == "-m"
+    prepare(script_path(args[1] if module else args[0], module))
+    if module:
         sys.argv = [args[1], *args[2:]]
         sys.path[0] = os.getcwd()
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)

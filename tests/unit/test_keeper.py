@@ -202,3 +202,55 @@ def test_a_process_the_script_starts_gets_no_keeper_of_its_own(tmp_path):
     """)
     assert proc.returncode == 0, proc.stderr
     assert children == ["child-0"]
+
+
+def test_every_child_of_a_torch_script_finds_torch_imported_by_the_keeper(tmp_path):
+    # A restarted child runs the script from its start again: the keeper imported PyTorch before its first
+    # fork, so no child imports it itself.
+    proc, children = run_script(tmp_path, """
+        with open(os.path.join(out, f"torch-{n}"), "w") as f:
+            f.write(str("torch" in sys.modules))
+        import torch
+        if n < 1:
+            keeper.enter_init()
+            os.abort()
+        sys.exit(0)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert children == ["child-0", "child-1"], proc.stderr
+    assert [(tmp_path / f"torch-{n}").read_text() for n in range(2)] == ["True", "True"]
+
+
+def test_the_keeper_imports_nothing_for_a_script_that_does_not_import_torch(tmp_path):
+    proc, children = run_script(tmp_path, """
+        sys.exit(0 if "torch" not in sys.modules else 5)
+    """)
+    assert proc.returncode == 0, "the keeper imported torch for a script that never does"
+    assert children == ["child-0"]
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("import torch\n", True),
+    ("import numpy as np, torch.nn as nn\n", True),
+    ("import horovod.torch as hvd\n", True),
+    ("from elastic_ext.torch import ElasticSampler\n", True),
+    ("def f():\n    import torch\n", True),
+    ("import tensorflow as tf\nimport horovod.tensorflow as hvd\n", False),
+    ("import torchvision_like\nfrom . import torch\n", False),  # another name; a relative import
+    ("# import torch\ntext = 'import torch'\n", False),
+    ("import torch(\n", False),  # not Python: the script's own run reports it
+])
+def test_which_scripts_import_torch(tmp_path, source, expected):
+    path = tmp_path / "script.py"
+    path.write_text(source)
+    assert keeper.imports_torch(str(path)) is expected
+
+
+def test_script_path_of_a_module_is_found_only_for_a_top_level_module(tmp_path, monkeypatch):
+    (tmp_path / "train_mod.py").write_text("import torch\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert keeper.script_path("train_mod", module=True) == str(tmp_path / "train_mod.py")
+    assert keeper.script_path("elastic_ext.launch.worker", module=True) is None  # would import its package
+    assert keeper.script_path("no_such_module_here", module=True) is None
+    assert keeper.script_path("train.py", module=False) == "train.py"
+    assert keeper.imports_torch(str(tmp_path / "missing.py")) is False
