@@ -219,7 +219,7 @@ def install(environ: Optional[Mapping[str, str]] = None, script: Optional[str] =
         if pid == 0:
             for sig, disposition in dispositions.items():
                 signal.signal(sig, disposition)
-            _die_with(keeper)
+            die_with(keeper)
             os.environ[ENV_RESTARTED_IN_PLACE] = str(count)
             _shared = shared
             return True
@@ -239,18 +239,19 @@ def install(environ: Optional[Mapping[str, str]] = None, script: Optional[str] =
         else:
             without_joining += 1
         if not restartable(status, phase) or round_watch.slot_assigned(env) is False:
-            _end_as(status)  # an end the driver must see, or removed from the job: nothing to restart for
+            end_as(status)  # an end the driver must see, or removed from the job: nothing to restart for
         if without_joining > MAX_RESTARTS_WITHOUT_JOINING or lost_without_joining > MAX_LOST_ROUNDS_WITHOUT_JOINING:
             print(f"elastic_ext: worker {pid} died in hvd.init() again; not restarting it (restarts since it "
                   f"last joined its job: {without_joining + lost_without_joining}, {lost_without_joining} of them "
                   f"after a round lost a member)", file=sys.stderr, flush=True)
-            _end_as(status)
+            end_as(status)
         count += 1
         print(f"elastic_ext: worker {pid} died in hvd.init() while its job re-formed; restarting it in place "
               f"(restart {count}; it asks for a rank in the driver's next round)", file=sys.stderr, flush=True)
 
 
-def _die_with(keeper: int) -> None:
+def die_with(keeper: int) -> None:
+    """In a forked child: makes it die of SIGKILL when ``keeper`` (its parent) dies; exits if it already has."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
@@ -270,8 +271,9 @@ def _wait(pid: int) -> int:
             return status
 
 
-def _end_as(status: int) -> Any:
-    """Ends the keeper with the child's exit code or signal, so the driver sees what the child did."""
+def end_as(status: int) -> Any:
+    """Ends this process with ``status``'s exit code or signal (as ``os.waitpid`` gives a child's end), so the
+    driver sees what the child did."""
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         try:

@@ -24,6 +24,15 @@ needs at that moment and what ``import elastic_ext`` therefore never does:
 7. Horovod's PyTorch binding waits for its collectives without spinning on a
    core (:mod:`elastic_ext.launch.torch_wait`).
 
+Before all that, when the host keeps a spare (:mod:`elastic_ext.launch.spare`:
+a process of the same job that already imported PyTorch), this process
+hands it the slot and only relays the worker's end and signals; the spare's
+worker then does steps 1 to 7. Otherwise this process starts a spare for
+the next new worker on the host.
+
+``python -m elastic_ext.launch.worker --spare [--next] SCRIPT`` is that spare
+(started by an entry, :func:`elastic_ext.launch.spare.start`; never by hand).
+
 Then it runs the script as ``__main__`` in this interpreter, with
 ``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS`` would set them.
 Steps 2 to 6 do nothing outside a worker of an elastic ``horovodrun``.
@@ -55,15 +64,34 @@ def prepare(script: Optional[str] = None) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    """Prepares this worker, then runs its script or module as ``__main__``.
+    """Hands this worker's slot to the host's spare if there is one, else prepares it and runs its script.
 
     Raises:
         SystemExit: no script or module was named (exit code 2, with :data:`USAGE`).
     """
     args = sys.argv[1:] if argv is None else list(argv)
+    from elastic_ext.launch import keeper, spare
+
+    if args[:1] == [spare.SPARE_FLAG]:  # the host's spare, started by an entry (spare.start)
+        first = args[1:2] != [spare.NEXT_FLAG]
+        raise SystemExit(spare.serve(args[-1], first, run) if len(args) == (2 if first else 3) else 2)
     if not args or (args[0] == "-m" and len(args) < 2):
         print(USAGE, file=sys.stderr)
         raise SystemExit(2)
+
+    module = args[0] == "-m"
+    script = keeper.script_path(args[1] if module else args[0], module)
+    name = spare.address(script)
+    if name is not None:
+        ended = spare.hand_off(name, args)
+        if ended is not None:
+            keeper.end_as(ended)  # ends this process as the worker ended
+        spare.start(os.path.abspath(script))  # for the next new worker on this host
+    run(args)
+
+
+def run(args: List[str]) -> None:
+    """Prepares this worker (module docstring), then runs its script or module as ``__main__``."""
     from elastic_ext.launch.keeper import script_path
 
     module = args[0] == "-m"
