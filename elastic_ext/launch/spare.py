@@ -32,8 +32,9 @@ entry stays the process Horovod's driver started and watches:
 The spare that took a slot starts the next spare at once, so the slot after
 it finds one too. An entry that found no spare starts one (the job's first
 workers); of several started at once only the first to bind the name stays.
-A spare exits when the job's rendezvous server stops answering
-(:data:`ALIVE_POLL_S`), and never holds more than PyTorch's import (no
+A spare exits when the job's rendezvous server refuses a connection or
+misses :data:`MISSES_BEFORE_GONE` reads in a row (one every
+:data:`ALIVE_POLL_S`), and never holds more than PyTorch's import (no
 model, no CUDA context, no thread but the interpreter's own).
 
 Nothing here runs outside a worker of ``elastic-horovodrun`` (the
@@ -64,6 +65,7 @@ ENTRY_MODULE = "elastic_ext.launch.worker"  # a spare is this module's process: 
 SPARE_FLAG = "--spare"
 NEXT_FLAG = "--next"  # a spare started by the one that took a slot (see serve)
 ALIVE_POLL_S = 1.0   # how often a waiting spare checks that its job's rendezvous server still answers
+MISSES_BEFORE_GONE = 3  # reads in a row the server does not answer before a spare takes its job for gone
 CONNECT_TIMEOUT_S = 2.0  # an entry's wait for a spare to take its slot, once connected
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 MAX_MESSAGE = 1 << 20  # the hand-over's JSON (arguments, environment, working directory)
@@ -227,12 +229,25 @@ def start(script: str, first: bool = True) -> bool:
     return True
 
 
-def _current_round(environ: Mapping[str, str]) -> Tuple[bool, Optional[bytes]]:
-    """(whether the job's rendezvous server answers, the driver's current round number as stored)."""
-    try:
-        return True, round_watch.read(round_watch.CURRENT, environ)
-    except OSError:
-        return False, None
+class _Job:
+    """Whether the spare's job is still there: its rendezvous server refused a connection (the driver is
+    gone), or did not answer :data:`MISSES_BEFORE_GONE` reads in a row (a busy driver misses one)."""
+
+    def __init__(self) -> None:
+        self.misses = 0
+        self.gone = False
+
+    def current_round(self) -> Optional[bytes]:
+        """The driver's current round number as stored (None: not there, or not read this time)."""
+        try:
+            value = round_watch.read(round_watch.CURRENT, os.environ)
+        except OSError as exc:
+            self.misses += 1
+            refused = isinstance(getattr(exc, "reason", exc), ConnectionRefusedError)  # urllib wraps it
+            self.gone = refused or self.misses >= MISSES_BEFORE_GONE
+            return None
+        self.misses = 0
+        return value
 
 
 def serve(script: str, first: bool, run: Callable[[List[str]], None]) -> int:
@@ -255,13 +270,14 @@ def serve(script: str, first: bool, run: Callable[[List[str]], None]) -> int:
         listener.bind(name)  # not listening yet: an entry that connects now starts its worker itself
     except OSError:
         return 0  # another spare holds the name
-    alive, started_in = _current_round(os.environ)
-    while not first and alive:
+    job = _Job()
+    started_in = job.current_round()
+    while not first and not job.gone:
         time.sleep(ALIVE_POLL_S)
-        alive, current = _current_round(os.environ)
-        if current != started_in:
+        current = job.current_round()
+        if current is not None and current != started_in:
             break
-    if not alive:
+    if job.gone:
         return 0
     torch_pages.install()  # before PyTorch's first allocation, as the worker's entry does
     keeper.preload(script)
@@ -271,7 +287,8 @@ def serve(script: str, first: bool, run: Callable[[List[str]], None]) -> int:
         try:
             conn, _ = listener.accept()
         except socket.timeout:
-            if not _current_round(os.environ)[0]:
+            job.current_round()
+            if job.gone:
                 return 0
             continue
         taken = _take(conn) if _same_user(conn) else None

@@ -219,8 +219,36 @@ def test_a_spare_exits_when_its_job_is_gone(job):
     proc = start_spare(job)
     wait_for(lambda: listening(spare_name(job)), "the spare to listen")
     job["server"].stop()
+    job["server"]._httpd.server_close()  # the driver's process is gone: connections are refused
     job["stopped"] = True
     assert proc.wait(timeout=DEADLINE_S) == 0
+
+
+def test_a_busy_driver_missing_a_read_is_not_a_job_gone(monkeypatch):
+    import urllib.error
+
+    answers = []
+
+    def read(key, environ=None):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(round_watch, "read", read)
+    job = spare._Job()
+    answers.extend([TimeoutError("timed out")] * (spare.MISSES_BEFORE_GONE - 1) + [b"3"])
+    for _ in range(spare.MISSES_BEFORE_GONE - 1):
+        assert job.current_round() is None and not job.gone
+    assert job.current_round() == b"3" and job.misses == 0, "an answer starts the count again"
+    answers.extend([TimeoutError("timed out")] * spare.MISSES_BEFORE_GONE)
+    for _ in range(spare.MISSES_BEFORE_GONE):
+        job.current_round()
+    assert job.gone, f"{spare.MISSES_BEFORE_GONE} reads in a row without an answer"
+    refused = spare._Job()
+    answers.append(urllib.error.URLError(ConnectionRefusedError(111, "Connection refused")))
+    refused.current_round()
+    assert refused.gone, "a refused connection means the driver is gone"
 
 
 def test_a_second_spare_for_the_same_job_exits_at_once(job):
