@@ -47,17 +47,6 @@ Those restarts have their own, larger limit,
 every start would otherwise cost a round and a restart of every other
 worker forever (``--reset-limit`` bounds it on Horovod's side).
 
-A restarted child runs the script from its start again, so the keeper
-imports PyTorch before its first fork when the script imports it
-(:func:`preload`): every child then finds it imported, and a restart
-skips what is, on a loaded host, the longest part of a script's start
-(``import torch``: 1.0 s of 1.5 s for ``torch``, ``horovod.torch`` and
-``elastic_ext`` on an idle core of this project's test machine; 2 to 3
-workers restart at once, on the cores their job trains on). Nothing else
-is imported: Horovod's modules would bind ``hvd.init`` before the
-launcher wraps it in the child, and TensorFlow starts threads when it is
-imported, which a fork does not carry over.
-
 The keeper ignores SIGTERM, SIGINT, SIGHUP and SIGUSR1: the driver's
 shutdown and a scheduler's preemption signal the whole process tree, and
 the child handles them (a SIGTERM, or a SIGUSR1 preemption notice, is a
@@ -67,15 +56,12 @@ leave at the next commit). The child dies with its keeper
 
 from __future__ import annotations
 
-import ast
 import ctypes
-import importlib
-import importlib.util
 import mmap
 import os
 import signal
 import sys
-from typing import Any, Mapping, MutableMapping, Optional
+from typing import Any, Callable, Mapping, MutableMapping, Optional
 
 from elastic_ext.launch import round_watch
 from elastic_ext.config import ENV_RESTARTED_IN_PLACE, elastic_horovodrun, restart_in_place
@@ -83,7 +69,9 @@ from elastic_ext.config import ENV_RESTARTED_IN_PLACE, elastic_horovodrun, resta
 MAX_RESTARTS_WITHOUT_JOINING = 2
 MAX_LOST_ROUNDS_WITHOUT_JOINING = 8
 IGNORED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
-PRELOADED = "torch"  # imported by the keeper before its first fork when the script imports it
+# Called with the child's end just before the keeper ends the same way (the host's spare sets it: its
+# worker's entry then learns of the end before this process's own exit, elastic_ext.launch.spare).
+on_end: Optional[Callable[[int], None]] = None
 PR_SET_PDEATHSIG = 1
 
 # Where the child is, in bytes the keeper reads after the child's end.
@@ -146,56 +134,12 @@ def restartable(status: int, phase: int) -> bool:
     return os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGABRT and phase == IN_INIT
 
 
-def imports_torch(path: str) -> bool:
-    """True when the Python source at ``path`` imports PyTorch or a module under it or named after it
-    (``torch.nn``, ``horovod.torch``, ``elastic_ext.torch``); False for a file that cannot be read or parsed
-    (the script then fails on its own, with its own error)."""
-    try:
-        with open(path, "rb") as f:
-            tree = ast.parse(f.read(), filename=path)
-    except (OSError, SyntaxError, ValueError):
-        return False
-    names = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.extend(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names.append(node.module)
-    return any(PRELOADED in name.split(".") for name in names)
-
-
-def script_path(target: str, module: bool) -> Optional[str]:
-    """The source file of the worker's script, or of its ``-m`` module when that is a top-level module
-    (finding a submodule would import its package in the keeper); None when there is none."""
-    if not module:
-        return target
-    if "." in target:
-        return None
-    try:
-        spec = importlib.util.find_spec(target)
-    except (ImportError, ValueError):
-        return None
-    return spec.origin if spec is not None and spec.has_location else None
-
-
-def preload(path: Optional[str]) -> bool:
-    """Imports :data:`PRELOADED` when the script at ``path`` imports it (module docstring); True if it did."""
-    if path is None or not imports_torch(path):
-        return False
-    try:
-        importlib.import_module(PRELOADED)
-    except ImportError:
-        return False  # the script's own import raises it, where the user sees it
-    return True
-
-
-def install(environ: Optional[Mapping[str, str]] = None, script: Optional[str] = None) -> bool:
+def install(environ: Optional[Mapping[str, str]] = None) -> bool:
     """Becomes the keeper (see the module docstring) when asked to; returns True in the child.
 
-    ``script``: the source file the child runs (:func:`script_path`), which
-    decides :func:`preload`. In the keeper this never returns: it ends as
-    its last child ended. Returns False, doing nothing, when not asked to,
-    outside an elastic ``horovodrun``, or off Linux.
+    In the keeper this never returns: it ends as its last child ended.
+    Returns False, doing nothing, when not asked to, outside an elastic
+    ``horovodrun``, or off Linux.
     """
     global _shared
     env = os.environ if environ is None else environ
@@ -203,7 +147,6 @@ def install(environ: Optional[Mapping[str, str]] = None, script: Optional[str] =
         return False
     if ENV_RESTARTED_IN_PLACE in env:
         return False  # a process the script started (the guardian, a data worker) inherited the variable
-    preload(script)
     keeper = os.getpid()
     dispositions = {sig: signal.getsignal(sig) for sig in IGNORED}
     for sig in IGNORED:  # before the first fork: a SIGTERM in the child's first moments must not end the keeper
@@ -239,15 +182,21 @@ def install(environ: Optional[Mapping[str, str]] = None, script: Optional[str] =
         else:
             without_joining += 1
         if not restartable(status, phase) or round_watch.slot_assigned(env) is False:
-            end_as(status)  # an end the driver must see, or removed from the job: nothing to restart for
+            _end(status)  # an end the driver must see, or removed from the job: nothing to restart for
         if without_joining > MAX_RESTARTS_WITHOUT_JOINING or lost_without_joining > MAX_LOST_ROUNDS_WITHOUT_JOINING:
             print(f"elastic_ext: worker {pid} died in hvd.init() again; not restarting it (restarts since it "
                   f"last joined its job: {without_joining + lost_without_joining}, {lost_without_joining} of them "
                   f"after a round lost a member)", file=sys.stderr, flush=True)
-            end_as(status)
+            _end(status)
         count += 1
         print(f"elastic_ext: worker {pid} died in hvd.init() while its job re-formed; restarting it in place "
               f"(restart {count}; it asks for a rank in the driver's next round)", file=sys.stderr, flush=True)
+
+
+def _end(status: int) -> Any:
+    if on_end is not None:
+        on_end(status)
+    end_as(status)
 
 
 def die_with(keeper: int) -> None:

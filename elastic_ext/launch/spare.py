@@ -9,8 +9,8 @@ its job trains on one worker fewer.
 Under ``elastic-horovodrun`` each worker's entry
 (:mod:`elastic_ext.launch.worker`) whose script imports PyTorch keeps one
 *spare* per host and job: a detached process (``python -m
-elastic_ext.launch.worker --spare SCRIPT``) that imported PyTorch as the keeper does
-(:func:`elastic_ext.launch.keeper.preload`) and waits on a Unix socket in
+elastic_ext.launch.worker --spare SCRIPT``) that imported PyTorch
+(:func:`preload`) and waits on a Unix socket in
 the abstract namespace, named after the job's rendezvous server, the
 interpreter and the script (:func:`address`). The next entry on that host
 connects to it and hands over its slot (:func:`hand_off`): its arguments,
@@ -45,8 +45,11 @@ environment), off Linux, or for a script that does not import PyTorch.
 from __future__ import annotations
 
 import array
+import ast
 import ctypes
 import hashlib
+import importlib
+import importlib.util
 import json
 import os
 import signal
@@ -74,9 +77,51 @@ PR_SET_NAME = 15
 # An entry that handed its slot over names itself RELAY_NAME + the worker's pid (its process group), so
 # that tools find the worker from the process the driver started (elastic_ext.testing.launch.script_process).
 RELAY_NAME = "relay:"
+PRELOADED = "torch"  # what a spare imports, for a script that imports it
 
 # In a worker the spare forked: how its entry handed the slot over (the fields of the from_spare event).
 served: Optional[Dict[str, Any]] = None
+
+
+def imports_torch(path: str) -> bool:
+    """True when the Python source at ``path`` imports PyTorch or a module under it or named after it
+    (``torch.nn``, ``horovod.torch``, ``elastic_ext.torch``); False for a file that cannot be read or parsed
+    (the script then fails on its own, with its own error)."""
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return False
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.append(node.module)
+    return any(PRELOADED in name.split(".") for name in names)
+
+
+def script_path(target: str, module: bool) -> Optional[str]:
+    """The source file of the worker's script, or of its ``-m`` module when that is a top-level module
+    (finding a submodule would import its package in the entry); None when there is none."""
+    if not module:
+        return target
+    if "." in target:
+        return None
+    try:
+        spec = importlib.util.find_spec(target)
+    except (ImportError, ValueError):
+        return None
+    return spec.origin if spec is not None and spec.has_location else None
+
+
+def preload() -> bool:
+    """Imports :data:`PRELOADED` in this process (the spare's); False where it is not installed."""
+    try:
+        importlib.import_module(PRELOADED)
+    except ImportError:
+        return False  # the worker's own import raises it, where the user sees it
+    return True
 
 
 def address(script: Optional[str], environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
@@ -86,8 +131,6 @@ def address(script: Optional[str], environ: Optional[Mapping[str, str]] = None) 
     a script started (it inherited the keeper's variable), without a script
     file, or for one that does not import PyTorch.
     """
-    from elastic_ext.launch.keeper import imports_torch
-
     env = os.environ if environ is None else environ
     if not sys.platform.startswith("linux") or not elastic_horovodrun(env) or not launched(env):
         return None
@@ -260,7 +303,7 @@ def serve(script: str, first: bool, run: Callable[[List[str]], None]) -> int:
     that its import does not take CPU from the worker that just took that
     slot while it starts (it joins in a new round).
     """
-    from elastic_ext.launch import keeper, torch_pages
+    from elastic_ext.launch import torch_pages
 
     name = address(script)
     if name is None:
@@ -280,7 +323,7 @@ def serve(script: str, first: bool, run: Callable[[List[str]], None]) -> int:
     if job.gone:
         return 0
     torch_pages.install()  # before PyTorch's first allocation, as the worker's entry does
-    keeper.preload(script)
+    preload()
     listener.listen(1)
     listener.settimeout(ALIVE_POLL_S)
     while True:
@@ -351,7 +394,7 @@ def _recv_fds(conn: socket.socket, size: int) -> tuple:
 def _relay(conn: socket.socket, message: Dict[str, Any], fds: List[int], run: Callable[[List[str]], None]) -> int:
     """Forks the worker with the entry's streams and environment, tells the entry its end, then exits."""
     global served
-    from elastic_ext.launch.keeper import die_with
+    from elastic_ext.launch import keeper
 
     spare = os.getpid()
     conn_peer = _peer_pid(conn)
@@ -360,11 +403,13 @@ def _relay(conn: socket.socket, message: Dict[str, Any], fds: List[int], run: Ca
         # The worker: from here on it is the process the entry would have been; its end (an exception
         # included) is the interpreter's, as for a script Python runs.
         os.setpgid(0, 0)
-        die_with(spare)
+        keeper.die_with(spare)
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
-        conn.close()
+        # When the worker's keeper ends, it tells the entry first: the entry ends before this process has
+        # unmapped PyTorch (tens of milliseconds the survivors' next round would wait for).
+        keeper.on_end = lambda status: _tell_end(conn, status)
         os.environ.clear()
         os.environ.update(message["env"])
         os.chdir(message["cwd"])
@@ -397,11 +442,16 @@ def _relay(conn: socket.socket, message: Dict[str, Any], fds: List[int], run: Ca
     threading.Thread(target=watch_entry, name="elastic_ext-spare-entry", daemon=True).start()
     _, status = os.waitpid(pid, 0)
     if not gone.is_set():
-        try:
-            conn.sendall(f"ended {status}\n".encode())
-        except OSError:
-            pass
+        _tell_end(conn, status)
     return 0
+
+
+def _tell_end(conn: socket.socket, status: int) -> None:
+    """Sends the worker's end (as ``os.waitpid`` gives it) to its entry; the first one it reads counts."""
+    try:
+        conn.sendall(f"ended {status}\n".encode())
+    except OSError:
+        pass  # the entry is gone already
 
 
 __all__ = ["ALIVE_POLL_S", "NEXT_FLAG", "RELAY_NAME", "SPARE_FLAG", "address", "hand_off", "relayed_worker", "start",

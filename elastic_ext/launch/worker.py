@@ -6,10 +6,10 @@ needs at that moment and what ``import elastic_ext`` therefore never does:
 
 1. PyTorch's allocator puts large tensors in huge pages, so that a killed
    worker's links close sooner (:mod:`elastic_ext.launch.torch_pages`): an
-   environment variable, set before step 2 may import PyTorch;
+   environment variable, read at PyTorch's first allocation;
 2. restart in place (:mod:`elastic_ext.launch.keeper`): this process becomes
    the keeper and forks the one that runs the script, when the job restarts
-   workers in place; it imports PyTorch first when the script does;
+   workers in place;
 3. the newcomer's side of an early start (:mod:`elastic_ext.launch.newcomer`):
    Horovod's ``hvd.init()`` and rank queries are wrapped, so a newcomer the
    survivors started early builds its model in a world of one, and until it
@@ -48,13 +48,13 @@ from typing import List, Optional
 USAGE = "usage: python -m elastic_ext.launch.worker (SCRIPT | -m MODULE) [ARGS...]"
 
 
-def prepare(script: Optional[str] = None) -> None:
+def prepare() -> None:
     """Steps 1 to 7 of the module docstring, in that order: the keeper forks before anything that starts a
-    thread or wraps Horovod. ``script``: the source file the worker runs, if known (the keeper's preload)."""
+    thread or wraps Horovod."""
     from elastic_ext.launch import gloo_timeout, keeper, newcomer, notices, sigterm, torch_pages, torch_wait
 
     torch_pages.install()
-    keeper.install(script=script)
+    keeper.install()
     newcomer.install()
     newcomer.watch_dismissal()
     gloo_timeout.first_rendezvous_timeout()
@@ -80,7 +80,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         raise SystemExit(2)
 
     module = args[0] == "-m"
-    script = keeper.script_path(args[1] if module else args[0], module)
+    script = spare.script_path(args[1] if module else args[0], module)
     name = spare.address(script)
     if name is not None:
         ended = spare.hand_off(name, args)
@@ -92,10 +92,8 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 def run(args: List[str]) -> None:
     """Prepares this worker (module docstring), then runs its script or module as ``__main__``."""
-    from elastic_ext.launch.keeper import script_path
-
     module = args[0] == "-m"
-    prepare(script_path(args[1] if module else args[0], module))
+    prepare()
     if module:
         sys.argv = [args[1], *args[2:]]
         sys.path[0] = os.getcwd()

@@ -193,6 +193,27 @@ def test_a_worker_killed_ends_its_entry_with_the_same_signal(job):
     assert proc.returncode == -signal.SIGKILL
 
 
+def test_with_a_keeper_the_entry_learns_the_end_from_the_keeper_not_from_the_spare(job):
+    # Restart in place: the spare's worker is a keeper and the script runs in its child. The keeper
+    # tells the entry of the child's end itself, before its own exit (the spare is stopped here).
+    job["env"]["ELASTIC_EXT_RESTART_IN_PLACE"] = "1"
+    relay = start_spare(job)
+    wait_for(lambda: listening(spare_name(job)), "the spare to listen")
+    proc = entry(job, "wait")
+    wait_for(lambda: (job["out"] / "waiting").exists(), "the worker to start")
+    [record] = records(job)
+    keeper_process = psutil.Process(record["pid"]).parent()
+    assert keeper_process.pid == spare.relayed_worker(psutil.Process(proc.pid).name())
+    assert launch.script_process(psutil.Process(proc.pid)).pid == record["pid"]
+    os.kill(relay.pid, signal.SIGSTOP)
+    try:
+        os.kill(record["pid"], signal.SIGKILL)
+        proc.communicate(timeout=DEADLINE_S)
+    finally:
+        os.kill(relay.pid, signal.SIGCONT)
+    assert proc.returncode == -signal.SIGKILL
+
+
 def test_sigterm_to_the_entry_reaches_the_worker(job):
     start_spare(job)
     wait_for(lambda: listening(spare_name(job)), "the spare to listen")
@@ -277,3 +298,30 @@ def test_only_the_same_user_may_hand_over_a_slot():
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("import torch\n", True),
+    ("import numpy as np, torch.nn as nn\n", True),
+    ("import horovod.torch as hvd\n", True),
+    ("from elastic_ext.torch import ElasticSampler\n", True),
+    ("def f():\n    import torch\n", True),
+    ("import tensorflow as tf\nimport horovod.tensorflow as hvd\n", False),
+    ("import torchvision_like\nfrom . import torch\n", False),  # another name; a relative import
+    ("# import torch\ntext = 'import torch'\n", False),
+    ("import torch(\n", False),  # not Python: the script's own run reports it
+])
+def test_which_scripts_import_torch(tmp_path, source, expected):
+    path = tmp_path / "script.py"
+    path.write_text(source)
+    assert spare.imports_torch(str(path)) is expected
+
+
+def test_script_path_of_a_module_is_found_only_for_a_top_level_module(tmp_path, monkeypatch):
+    (tmp_path / "train_mod.py").write_text("import torch\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert spare.script_path("train_mod", module=True) == str(tmp_path / "train_mod.py")
+    assert spare.script_path("elastic_ext.launch.worker", module=True) is None  # would import its package
+    assert spare.script_path("no_such_module_here", module=True) is None
+    assert spare.script_path("train.py", module=False) == "train.py"
+    assert spare.imports_torch(str(tmp_path / "missing.py")) is False
