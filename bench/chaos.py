@@ -94,7 +94,7 @@ def schedule(seed: int, mtbf_s: float, duration_s: float) -> List[Tuple[float, i
 def victim(run: compare.Attempt, rank: int) -> Optional[dict]:
     """The start record of the live worker holding ``rank`` in the newest generation, else of the
     highest rank alive (never rank 0); None when no worker of rank > 0 is alive."""
-    pids = run.live_pids()
+    pids = run.pids()
     starts = sorted((r for r in run.records if "start" in r and r.get("pid") in pids and r["rank"] > 0),
                     key=lambda r: r["t"], reverse=True)
     alive = [r for r in starts if running(r["pid"])]

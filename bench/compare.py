@@ -11,11 +11,6 @@ One run, the same model, data, global batch and failure schedule for every syste
   with the defaults and a checkpoint directory (``ELASTIC_EXT_CHECKPOINT_DIR``,
   checkpoints written in the background at the default cadence):
   bench/workers/compare_ext.py;
-- ``ext_cold`` (only when asked for): the same worker under
-  ``elastic-horovodrun``, started through bench/workers/compare_ext_cold.py,
-  which hides its PyTorch import from the launcher's entry: no host's spare
-  (elastic_ext/launch/spare.py), every new worker imports PyTorch itself.
-  ``--systems ext_cold,ext`` measures what the spare gives;
 - ``ext_horovodrun`` (only when asked for): the same worker under plain
   ``horovodrun``, which gives up what the launcher does (a failed worker's
   host mate leaves with it; no early start of newcomers);
@@ -98,7 +93,7 @@ from bench.compare_report import DATASET_SIZE, LABELS, WORKERS_PER_JOB, analyze,
 from bench.workers import compare_common
 from elastic_ext.testing import launch
 
-SYSTEMS = ("plain", "torchrun", "ext", "ext_cold", "ext_horovodrun", "torchft", "torchft_ddp")
+SYSTEMS = ("plain", "torchrun", "ext", "ext_horovodrun", "torchft", "torchft_ddp")
 # Under plain horovodrun a failed worker's host is blacklisted: the job regrows onto a spare host the driver adds.
 # The others start a new worker in the failed slot themselves.
 REGROWS_ON_SPARE_HOST = ("plain", "ext_horovodrun")
@@ -128,11 +123,10 @@ def launch_jobs(system: str, log_dir: str, hosts_file: str, checkpoint: str,
                                         ddp=system == "torchft_ddp", lighthouse_options=() if heartbeat is None
                                         else ("--heartbeat_timeout_ms", str(heartbeat)))
     if system != "torchrun":
-        script = {"ext_cold": "compare_ext_cold.py"}.get(
-            system, "compare_ext.py" if system.startswith("ext") else f"compare_{system}.py")
+        script = "compare_ext.py" if system.startswith("ext") else f"compare_{system}.py"
         cmd = harness.horovodrun(os.path.join(harness.WORKERS, script), worker_args(log_dir, args),
                                  hosts_file, WORKERS_PER_JOB, 2, WORKERS_PER_JOB)
-        if system in ("ext", "ext_cold"):
+        if system == "ext":
             cmd = launch.under_elastic_ext_driver(cmd)  # elastic-horovodrun, the same arguments
         env = launch.base_env(HOROVOD_FUSION_THRESHOLD=harness.HOROVOD_DEFAULT_FUSION,
                               ELASTIC_EXT_EVENTS_PATH=os.path.join(log_dir, "events-{rank}.jsonl"))
@@ -298,7 +292,7 @@ def main() -> int:
                              "replica group still counts as alive, which the survivors' next quorum waits out")
     parser.add_argument("--name", default="compare", help="result file stem under bench/results")
     args = parser.parse_args()
-    systems = [s for s in args.systems.split(",") if s]  # default: plain, torchrun, ext
+    systems = [s for s in args.systems.split(",") if s]  # default: every system but ext_horovodrun
     for system in systems:
         if system not in SYSTEMS:
             parser.error(f"unknown system {system!r}; choose from {SYSTEMS}")

@@ -25,7 +25,7 @@ from bench.workers.compare_common import DATASET_SIZE
 from elastic_ext.testing import ledger
 
 LABELS = {"plain": "plain Horovod", "torchrun": "torchrun", "ext": "elastic_ext",
-          "ext_horovodrun": "elastic_ext, plain horovodrun", "ext_cold": "elastic_ext, no spare", "torchft": "torchft", "torchft_ddp": "torchft, DDP"}
+          "ext_horovodrun": "elastic_ext, plain horovodrun", "torchft": "torchft", "torchft_ddp": "torchft, DDP"}
 WORKERS_PER_JOB = 4
 WARMUP_S = 1.0  # throughput stretches start this long after the job is at 4 workers
 GEN_STRIDE = 10 ** 19  # generation ids of attempt a become a * GEN_STRIDE + id (ids are < 2**63)
@@ -236,15 +236,11 @@ def failure_free(runs: List[Any]) -> Dict[str, Any]:
 
 
 def ratios(results: Dict[str, Dict[str, Any]], subject: str = "ext") -> Dict[str, Dict[str, Optional[float]]]:
-    """``subject`` (an elastic_ext flavour) against each baseline, as a factor in its favour (> 1: better).
-
-    The baselines are the peers, and for ``ext`` also ``ext_cold`` (the same without the host's spare).
-    """
+    """``subject`` (an elastic_ext flavour) against each baseline, as a factor in its favour (> 1: better)."""
     ext = results.get(subject)
     if not ext:
         return {}
-    return {name: harness.favour(ext, base, METRICS) for name, base in results.items()
-            if not name.startswith("ext") or (subject == "ext" and name == "ext_cold")}
+    return {name: harness.favour(ext, base, METRICS) for name, base in results.items() if not name.startswith("ext")}
 
 
 # ------------------------------------------------------------------ plots

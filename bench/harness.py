@@ -153,14 +153,6 @@ class Watch:
             pids |= job.descendants
         return pids
 
-    def live_pids(self) -> set:
-        """The live processes of these jobs: their descendants, and the processes the host's spare forked
-        for them (elastic_ext.launch.spare), which are not (a scan of /proc: not for polling loops)."""
-        import psutil
-
-        tagged = {pid for job in self.jobs for pid in launch.tagged(job.tag)}
-        return {pid for pid in self.pids() if psutil.pid_exists(pid)} | tagged
-
     def wait_for(self, predicate: Callable[[dict], bool], timeout_s: float) -> Tuple[Optional[dict], str]:
         """(the earliest record, read or still to come, that satisfies ``predicate``, "") or
         (None, why not: the job exited or the timeout passed)."""
@@ -185,11 +177,11 @@ class Watch:
             time.sleep(POLL_S)
 
     def kill(self, pid: int, sig: int = signal.SIGKILL) -> Optional[float]:
-        """Sends ``sig`` to ``pid`` if it is a process of these jobs (never to another's; see :meth:`live_pids`).
+        """Sends ``sig`` to ``pid`` if it is a process of these jobs (never to another's).
 
         Returns the time it was sent, or None if ``pid`` is not theirs.
         """
-        if pid not in self.pids() and not any(launch.has_tag(pid, job.tag) for job in self.jobs):
+        if pid not in self.pids():
             return None
         sent = time.time()
         os.kill(pid, sig)

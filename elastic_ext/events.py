@@ -83,10 +83,6 @@ The run loop (``run.py``):
   of a worker its keeper restarted, see :mod:`elastic_ext.launch.keeper`): Gloo
   aborted the previous process of this slot inside ``hvd.init()``;
   ``restarts`` (how many times this slot's keeper restarted it).
-- ``from_spare`` (:data:`FROM_SPARE`, at ``@elastic_ext.run`` of a worker the
-  host's spare forked, see :mod:`elastic_ext.launch.spare`): its entry
-  handed the slot over; ``handed_over_s`` (from the entry's process start to
-  the script's start in the spare's worker), ``entry_pid``.
 - ``member_failed`` (:data:`MEMBER_FAILED`, from the driver watch,
   :mod:`elastic_ext.runtime.driver_watch`): the launcher's driver reports a
   member of this worker's round failed (its host went silent: no TCP reset
@@ -166,7 +162,6 @@ STRAGGLER = "straggler"
 REPLICA_MISMATCH = "replica_mismatch"
 JOB_RESTART = "job_restart"
 RESTARTED_IN_PLACE = "restarted_in_place"
-FROM_SPARE = "from_spare"
 MEMBER_FAILED = "member_failed"
 FENCED = "fenced"
 LINKS_CLOSED = "links_closed"
@@ -175,7 +170,7 @@ LINKS_CLOSED = "links_closed"
 ALL_EVENTS = (SYNC, ROLLBACK, ROLLBACK_LIMIT, RESIZE, PRESTART, NEWCOMERS_JOINED, RESET, RECOVERED,
               FINISH, STALL, SUSPENDED, LEAVE, CHECKPOINT, CHECKPOINT_SKIPPED, CHECKPOINT_FAILED, CHECKPOINT_FAILING,
               CHECKPOINT_RESUMED, CHECKPOINT_CADENCE, NUMERIC_ROLLBACK, STRAGGLER, REPLICA_MISMATCH, JOB_RESTART,
-              RESTARTED_IN_PLACE, FROM_SPARE, MEMBER_FAILED, FENCED, LINKS_CLOSED)
+              RESTARTED_IN_PLACE, MEMBER_FAILED, FENCED, LINKS_CLOSED)
 
 
 class EventLog:

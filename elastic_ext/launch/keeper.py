@@ -61,7 +61,7 @@ import mmap
 import os
 import signal
 import sys
-from typing import Any, Callable, Mapping, MutableMapping, Optional
+from typing import Any, Mapping, MutableMapping, Optional
 
 from elastic_ext.launch import round_watch
 from elastic_ext.config import ENV_RESTARTED_IN_PLACE, elastic_horovodrun, restart_in_place
@@ -69,9 +69,6 @@ from elastic_ext.config import ENV_RESTARTED_IN_PLACE, elastic_horovodrun, resta
 MAX_RESTARTS_WITHOUT_JOINING = 2
 MAX_LOST_ROUNDS_WITHOUT_JOINING = 8
 IGNORED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
-# Called with the child's end just before the keeper ends the same way (the host's spare sets it: its
-# worker's entry then learns of the end before this process's own exit, elastic_ext.launch.spare).
-on_end: Optional[Callable[[int], None]] = None
 PR_SET_PDEATHSIG = 1
 
 # Where the child is, in bytes the keeper reads after the child's end.
@@ -162,7 +159,7 @@ def install(environ: Optional[Mapping[str, str]] = None) -> bool:
         if pid == 0:
             for sig, disposition in dispositions.items():
                 signal.signal(sig, disposition)
-            die_with(keeper)
+            _die_with(keeper)
             os.environ[ENV_RESTARTED_IN_PLACE] = str(count)
             _shared = shared
             return True
@@ -182,25 +179,18 @@ def install(environ: Optional[Mapping[str, str]] = None) -> bool:
         else:
             without_joining += 1
         if not restartable(status, phase) or round_watch.slot_assigned(env) is False:
-            _end(status)  # an end the driver must see, or removed from the job: nothing to restart for
+            _end_as(status)  # an end the driver must see, or removed from the job: nothing to restart for
         if without_joining > MAX_RESTARTS_WITHOUT_JOINING or lost_without_joining > MAX_LOST_ROUNDS_WITHOUT_JOINING:
             print(f"elastic_ext: worker {pid} died in hvd.init() again; not restarting it (restarts since it "
                   f"last joined its job: {without_joining + lost_without_joining}, {lost_without_joining} of them "
                   f"after a round lost a member)", file=sys.stderr, flush=True)
-            _end(status)
+            _end_as(status)
         count += 1
         print(f"elastic_ext: worker {pid} died in hvd.init() while its job re-formed; restarting it in place "
               f"(restart {count}; it asks for a rank in the driver's next round)", file=sys.stderr, flush=True)
 
 
-def _end(status: int) -> Any:
-    if on_end is not None:
-        on_end(status)
-    end_as(status)
-
-
-def die_with(keeper: int) -> None:
-    """In a forked child: makes it die of SIGKILL when ``keeper`` (its parent) dies; exits if it already has."""
+def _die_with(keeper: int) -> None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
@@ -220,9 +210,8 @@ def _wait(pid: int) -> int:
             return status
 
 
-def end_as(status: int) -> Any:
-    """Ends this process with ``status``'s exit code or signal (as ``os.waitpid`` gives a child's end), so the
-    driver sees what the child did."""
+def _end_as(status: int) -> Any:
+    """Ends the keeper with the child's exit code or signal, so the driver sees what the child did."""
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         try:

@@ -87,20 +87,14 @@ def _base_url(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
     return None if url is None else f"{url}/{SCOPE}"
 
 
-def read(key: str, environ: Optional[Mapping[str, str]] = None) -> Optional[bytes]:
-    """The value of ``key`` in the driver's round scope; None when it is not there, and outside the launcher.
-
-    Raises:
-        OSError: the store cannot be read (the driver is gone, or does not answer in time).
-    """
-    base = _base_url(environ)
-    return None if base is None else get(f"{base}/{key}")
-
-
 def _read(key: str, environ: Optional[Mapping[str, str]] = None) -> Optional[bytes]:
-    """:func:`read`, with None also when the store cannot be read."""
+    """The value of ``key`` in the driver's round scope; None when it is not there, when the store cannot
+    be read, and outside the launcher."""
+    base = _base_url(environ)
+    if base is None:
+        return None
     try:
-        return read(key, environ)
+        return get(f"{base}/{key}")
     except OSError:
         return None
 

@@ -53,8 +53,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
 
 from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_RESTART_IN_PLACE, launched
 from elastic_ext.errors import ConfigError, NumericFaultError
-from elastic_ext.events import FINISH, FROM_SPARE, RESTARTED_IN_PLACE, STALL, SUSPENDED
-from elastic_ext.launch import keeper, newcomer, prestart, round_watch, spare
+from elastic_ext.events import FINISH, RESTARTED_IN_PLACE, STALL, SUSPENDED
+from elastic_ext.launch import keeper, newcomer, prestart, round_watch
 from elastic_ext.launch.gloo_timeout import reset_timeout
 from elastic_ext.runtime.recovery import Recoverer, controller
 from elastic_ext.launch.sigterm import install_sigterm, restore_sigterm
@@ -98,8 +98,6 @@ def _elastic_session(state: "State", kind: str) -> Iterator[None]:
             "from scratch: set one, or turn restarts in place off")
     if keeper.restarts():
         events.emit(RESTARTED_IN_PLACE, restarts=keeper.restarts())
-    elif spare.served is not None:
-        events.emit(FROM_SPARE, **spare.served)
     if launched():  # the newcomers' side of an early start needs the launcher's entry module
         state._set_early_start(prestart.early_start_factory(binding, config.rendezvous_timeout_s or 120.0),
                                round_watch.capacity_left_out)

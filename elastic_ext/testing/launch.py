@@ -19,8 +19,6 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import psutil
 
-from elastic_ext.launch import spare
-
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VENV_BIN = os.path.dirname(sys.executable)
 WORKERS = os.path.join(REPO, "tests", "multiprocess", "workers")
@@ -85,31 +83,19 @@ def command_line(proc: psutil.Process) -> List[str]:
 
 
 def script_process(worker: psutil.Process) -> psutil.Process:
-    """The process running a worker's script, from the process Horovod's driver started for it.
+    """The process running a worker's script: ``worker`` itself, or its child when ``worker`` is its keeper.
 
-    That is ``worker`` itself; or, when the job restarts workers in place,
-    its child with the same command line (``worker`` is its keeper,
-    :mod:`elastic_ext.launch.keeper`); or, when ``worker`` handed its slot to
-    the host's spare (:mod:`elastic_ext.launch.spare`; it is named after the
-    spare's worker), that worker or its keeper's child.
+    When the job restarts workers in place the process Horovod's driver
+    started (the keeper, :mod:`elastic_ext.launch.keeper`) forks the script's
+    process, with the same command line.
     """
     try:
-        relayed = spare.relayed_worker(worker.name())
-        if relayed is not None:
-            worker = psutil.Process(relayed)
         for child in worker.children():
             if child.cmdline() == worker.cmdline() and child.status() != psutil.STATUS_ZOMBIE:
                 return child
     except psutil.NoSuchProcess:
         pass
     return worker
-
-
-def spare_process(proc: psutil.Process) -> bool:
-    """True for a process of a host's spare (idle, relaying, or the worker it forked): found through the entry
-    that relays for it (:func:`script_process`), never as a worker of its own."""
-    line = command_line(proc)
-    return spare.ENTRY_MODULE in line and spare.SPARE_FLAG in line
 
 
 def kill_worker(pid: int) -> None:
@@ -128,18 +114,16 @@ def kill_worker(pid: int) -> None:
 
 def tagged(tag: str) -> List[int]:
     """The pids of the live processes whose environment holds ``JOB_TAG_ENV=tag``."""
-    return [pid for pid in psutil.pids() if has_tag(pid, tag)]
-
-
-def has_tag(pid: int, tag: str) -> bool:
-    """True when process ``pid`` started with ``JOB_TAG_ENV=tag`` in its environment, as a job's processes do,
-    the host's spare and the workers it forks included (they are not the job's descendants)."""
     needle = f"{JOB_TAG_ENV}={tag}".encode() + b"\0"
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as handle:
-            return needle in handle.read()
-    except OSError:
-        return False  # gone, or not ours to read
+    found = []
+    for pid in psutil.pids():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as handle:
+                if needle in handle.read():
+                    found.append(pid)
+        except OSError:
+            pass  # gone, or not ours to read
+    return found
 
 
 class Job:
@@ -289,5 +273,5 @@ def third_host() -> str:
     return others[0]
 
 
-__all__ = ["REPO", "VENV_BIN", "WORKERS", "STATIC", "JOB_TAG_ENV", "base_env", "tagged", "kill_tree", "script_process", "spare_process", "kill_worker", "Job",
+__all__ = ["REPO", "VENV_BIN", "WORKERS", "STATIC", "JOB_TAG_ENV", "base_env", "tagged", "kill_tree", "script_process", "kill_worker", "Job",
            "run", "write_hosts", "elastic_cmd", "under_elastic_ext_driver", "static_cmd", "third_host"]

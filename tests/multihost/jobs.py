@@ -108,9 +108,6 @@ def first_step_after(out, t):
 def workers_on(cluster, host, script="train_torch.py"):
     """The processes running the job's script on ``host`` (a keeper's child, not the keeper), by PID.
 
-    Each is found from the process Horovod started for it, which may relay
-    for the host's spare (:func:`elastic_ext.testing.launch.script_process`).
-
     Horovod hands out ranks in an order of its own (a set's), so tests pick
     their victims by host, not by rank.
     """
@@ -118,7 +115,7 @@ def workers_on(cluster, host, script="train_torch.py"):
     for pid in cluster.processes(host):
         try:
             proc = psutil.Process(pid)
-            if any(arg.endswith(script) for arg in proc.cmdline()) and not launch.spare_process(proc) and \
+            if any(arg.endswith(script) for arg in proc.cmdline()) and \
                     proc.parent().cmdline() != proc.cmdline():  # the process Horovod started (maybe a keeper)
                 started.append(launch.script_process(proc).pid)
         except psutil.NoSuchProcess:

@@ -202,4 +202,3 @@ def test_a_process_the_script_starts_gets_no_keeper_of_its_own(tmp_path):
     """)
     assert proc.returncode == 0, proc.stderr
     assert children == ["child-0"]
-
