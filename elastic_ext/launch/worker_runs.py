@@ -18,12 +18,12 @@ parent the driver sees it in 1 to 2 ms.
 Under the launcher, :func:`execute` (which replaces Horovod's for the
 driver's process) starts the command as Horovod's middleman does (a shell,
 in a session of its own), forwards its output with Horovod's prefixes,
-terminates it with Horovod's own function when one of the driver's events
-is set, and returns the same exit status. The driver's death is still
-covered, by a guard that is not on the exit's path: a ``sh`` reading a pipe
-that only the driver holds open. When the driver dies the read ends and the
-guard sends the worker's process group SIGTERM, then SIGKILL
-:data:`GRACE_S` later (Horovod's middleman: SIGTERM to the shell's
+terminates it as Horovod does when one of the driver's events is set
+(:func:`terminate`), and returns the same exit status. The driver's death
+is still covered, by a guard that is not on the exit's path: a ``sh``
+reading a pipe that only the driver holds open. When the driver dies the
+read ends and the guard sends the worker's process group SIGTERM, then
+SIGKILL :data:`GRACE_S` later (Horovod's middleman: SIGTERM to the shell's
 children, SIGKILL to those alive after 5 s). When the worker ends first,
 the driver kills the guard before closing its end of the pipe.
 """
@@ -51,7 +51,7 @@ def execute(command: str, env: Optional[dict] = None, stdout: Optional[TextIO] =
             events: Optional[Iterable[threading.Event]] = None,
             prefix_output_with_timestamp: bool = False) -> int:
     """Horovod's ``safe_shell_exec.execute`` (same arguments, output and exit status), with no middleman."""
-    from horovod.runner.common.util.safe_shell_exec import prefix_connection, terminate_executor_shell_and_children
+    from horovod.runner.common.util.safe_shell_exec import prefix_connection
     from horovod.runner.util.threads import in_thread, on_event
 
     shell = subprocess.Popen(command, shell=True, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -62,20 +62,64 @@ def execute(command: str, env: Optional[dict] = None, stdout: Optional[TextIO] =
                   for stream, out, name in ((shell.stdout, stdout, "stdout"), (shell.stderr, stderr, "stderr"))]
     stop = threading.Event()
     for event in events or []:
-        on_event(event, terminate_executor_shell_and_children, args=(shell.pid,), stop=stop, silent=True)
+        on_event(event, terminate, args=(shell,), stop=stop, silent=True)
     try:
         while True:
             try:
                 code = shell.wait()
                 break
             except BaseException:  # interrupted, as Horovod's execute: end the worker, then wait for it
-                terminate_executor_shell_and_children(shell.pid)
+                terminate(shell)
     finally:
         stop.set()
         _stop_guard(guard)
     for forwarder in forwarders:
         forwarder.join()
     return code if code >= 0 else 128 - code  # killed by a signal: a shell's status, as Horovod's middleman
+
+
+def terminate(shell: subprocess.Popen) -> None:
+    """Horovod's ``terminate_executor_shell_and_children`` for a shell that is this process's own child.
+
+    The same steps: SIGTERM to the shell's children, SIGKILL to those (and
+    their descendants) alive :data:`GRACE_S` later, the shell stopped, then
+    sent SIGTERM, and SIGKILL if it is alive :data:`GRACE_S` after. Horovod's
+    waits for the shell with psutil, which reaps a child of the caller: the
+    ``Popen`` waiting for the shell in :func:`execute` would then find no
+    child and report exit status 0 for a worker the driver had terminated.
+    Here the shell is waited for through its ``Popen``, which is safe beside
+    another thread's wait and keeps its status.
+    """
+    import psutil
+
+    if shell.poll() is not None:
+        return
+    try:
+        children = psutil.Process(shell.pid).children()
+    except psutil.NoSuchProcess:
+        return
+    for child in children:
+        try:
+            child.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=GRACE_S)  # not this process's children: nothing is reaped
+    shell.send_signal(signal.SIGSTOP)  # no new children from here on (Popen ignores an ended shell)
+    for child in alive:
+        try:
+            for descendant in child.children(recursive=True):
+                try:
+                    descendant.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    shell.terminate()  # fatal by default, so it ends a stopped shell too
+    try:
+        shell.wait(timeout=GRACE_S)
+    except subprocess.TimeoutExpired:
+        shell.kill()
 
 
 def _start_guard(group: int) -> Optional[Tuple[subprocess.Popen, int]]:
@@ -120,4 +164,4 @@ def uninstall() -> None:
     restore(_originals)
 
 
-__all__ = ["GRACE_S", "GUARD", "execute", "install", "uninstall"]
+__all__ = ["GRACE_S", "GUARD", "execute", "install", "terminate", "uninstall"]

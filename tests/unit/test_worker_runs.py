@@ -106,3 +106,15 @@ def test_install_replaces_horovods_execute_and_uninstall_puts_it_back():
     finally:
         worker_runs.uninstall()
     assert safe_shell_exec.execute is original
+
+
+def test_the_termination_keeps_the_shell_s_exit_status_for_its_popen(tmp_path):
+    """What the driver's event and an interrupt run: the shell's status stays with the ``Popen`` that waits for it
+    (psutil's wait, in Horovod's function, reaps the driver's own child and its ``Popen`` then reports 0)."""
+    pid_file = tmp_path / "pid"
+    shell = subprocess.Popen(f"sleep 600 & echo $! > {pid_file}; wait $!", shell=True, start_new_session=True)
+    child = psutil.Process(int(wait_for_file(pid_file)))
+    worker_runs.terminate(shell)
+    assert shell.wait(30) in (128 + signal.SIGTERM, -signal.SIGTERM), f"the terminated shell's status: {shell.returncode}"
+    gone, alive = psutil.wait_procs([child], timeout=30)
+    assert not alive, "the shell's child outlived the termination"
