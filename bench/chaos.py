@@ -14,7 +14,11 @@ checkpoints every ``--commit-every`` steps (5: Young's interval for this
 profile, see :data:`COMMIT_EVERY`); torchft commits every step. A job that dies, or that
 completes no step for ``HANG_S``, is killed whole and launched again for the
 time left. Then the job is stopped at a step boundary and each system
-runs the failure-free jobs of bench.compare for its throughput.
+runs the failure-free jobs of bench.compare for its throughput: two of
+``--overhead-s`` seconds (30), in the order A B C C B A. At 12 s the two
+jobs of one system differed by up to 15 % in one run (torchft's 1036 and
+891 samples/s in ``chaos_every5_2``), and their median sets every step
+efficiency below.
 
 Reported per system, beside bench.compare's figures (bench/compare_report.py):
 
@@ -324,7 +328,7 @@ def main() -> int:
     parser.add_argument("--duration-s", type=float, default=600.0, help="training time under failures")
     parser.add_argument("--mtbf-s", type=float, default=15.0, help="mean seconds between SIGKILLs")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--overhead-s", type=float, default=12.0,
+    parser.add_argument("--overhead-s", type=float, default=30.0,
                         help="seconds of each failure-free job (two per system, A B C C B A); 0: none")
     parser.add_argument("--commit-every", type=int, default=COMMIT_EVERY,
                         help="steps between commits (elastic_ext) and checkpoints (torchrun)")
