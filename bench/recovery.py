@@ -157,9 +157,12 @@ def measure(out, started):
     # back and its replacement may be back before the survivors' quorum: any later step.
     after = [s for s in steps if s["t"] > kill["t"] and (s["step"] > kill["step"] if torchft else s["size"] < 4)]
     full = next((s for s in after if s["size"] == 4), None)
-    # elastic_ext only (plain Horovod writes no events).
+    # elastic_ext only (plain Horovod writes no events). The failure's recovery: its events up to the
+    # survivors' first step, not those of the slot's new worker joining later (at the latest at the end).
     events_path = os.path.join(out, "events.jsonl")
-    events = [e for e in read_events(events_path) if e["time"] > kill["t"]] if os.path.exists(events_path) else []
+    until = after[0]["t"] if after else float("inf")
+    events = [e for e in read_events(events_path) if kill["t"] < e["time"] <= until] \
+        if os.path.exists(events_path) else []
     # The state bytes the recovery's sync broadcast (0: the survivors held the commit).
     syncs = [e for e in events if e["event"] == "sync"]
     return {"recovery_s": after[0]["t"] - kill["t"] if after else None,

@@ -9,6 +9,12 @@ finishes ``--steps-after`` steps later on the survivors (2 under
 ``--out``, and ``calls-<pid>.jsonl`` (start and end of each ``hvd.init`` and
 ``hvd.shutdown`` call). (One failure per job: Horovod 0.28.1 ends the whole job when a
 host fails again after its blacklist cooldown, with either system.)
+
+The end of training is in the State (``ended``): when the killed slot's new
+worker is on its way as the survivors finish, elastic_ext takes it in first
+and calls the function again on every rank, from the commit of that end,
+where it must return at once (a local "steps since the kill" alone kept
+the job training at 4 workers until the benchmark's timeout).
 """
 
 import argparse
@@ -79,12 +85,12 @@ log = open(os.path.join(args.out, f"steps-{os.getpid()}.jsonl"), "a", buffering=
 kills_path = os.path.join(args.out, "kills.jsonl")
 
 if args.system == "plain":
-    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, step=0,
+    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, step=0, ended=0,
                                    **({} if table is None else {"table": table}))
     run = hvd.elastic.run
 else:
     import elastic_ext
-    state = elastic_ext.State(model=model, optimizer=optimizer, step=0,
+    state = elastic_ext.State(model=model, optimizer=optimizer, step=0, ended=0,
                               **({} if table is None else {"table": table}))
     run = elastic_ext.run
 
@@ -92,7 +98,7 @@ else:
 @run
 def train(state):
     killed_at = None
-    while True:
+    while not state.ended:
         x = torch.randn(*shape)  # a different batch on every rank: BatchNorm statistics differ
         loss = model(x).pow(2).mean()
         optimizer.zero_grad()
@@ -113,6 +119,7 @@ def train(state):
         if hvd.size() < 4:
             killed_at = state.step if killed_at is None else killed_at
             if state.step - killed_at >= args.steps_after:
+                state.ended = 1
                 return
         if state.step % args.commit_every == 0:
             state.commit()
