@@ -125,6 +125,13 @@ def run(func: Optional[F] = None, *, counter: Optional[str] = "step") -> Any:
     thing that runs is ``state.sync()``. Use it bare (``@elastic_ext.run``)
     or with options (``@elastic_ext.run(counter="iteration")``).
 
+    Its end must follow from the State (an epoch counter, a step count), as
+    a job resumed from a checkpoint needs: when it returns while newcomers
+    started early are on their way, every rank commits, takes them in, and
+    calls it again from that commit, where it must return at once (every
+    rank runs the same collectives, newcomers included, and returns its
+    result). An end decided from a local variable would train on there.
+
     Args:
         counter: name of the tracked integer that counts steps, for the
             ``steps_rolled_back`` field of rollback events (None: not reported).
