@@ -157,9 +157,11 @@ class Job:
         return sorted(({pid for pid in self.descendants if psutil.pid_exists(pid)} | set(tagged(self.tag)))
                       - {self.proc.pid})
 
-    def stacks(self, limit_chars: int = 2500) -> str:
-        """The Python stacks of the job's live Python processes, every thread (``py-spy dump``), for the
-        message of a test that gave up waiting: where each process waits. Never raises."""
+    def stacks(self, limit_chars: int = 6000) -> str:
+        """The stacks of the job's live Python processes, every thread, Python and native frames
+        (``py-spy dump --native``), for the message of a test that gave up waiting: where each process
+        waits, down to the lock a thread holding the GIL blocks on. The first ``limit_chars`` of each
+        (the main thread comes first). Never raises."""
         spy = os.path.join(VENV_BIN, "py-spy")
         if not os.path.exists(spy):
             return "(no py-spy in the environment: no stacks)"
@@ -172,12 +174,12 @@ class Job:
             if "python" not in line.split(" ", 1)[0]:
                 continue  # ssh, a shell: no Python stack
             try:
-                dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True,
-                                      timeout=30)
+                dump = subprocess.run([spy, "dump", "--native", "--pid", str(pid)], capture_output=True,
+                                      text=True, timeout=60)
                 text = (dump.stdout + dump.stderr).strip()
             except (OSError, subprocess.SubprocessError) as exc:
                 text = f"(py-spy failed: {exc})"
-            parts.append(f"--- pid {pid}: {line[:160]}\n{text[-limit_chars:]}")
+            parts.append(f"--- pid {pid}: {line[:160]}\n{text[:limit_chars]}")
         return "\n".join(parts) or "(no live Python process)"
 
     def kill(self) -> None:

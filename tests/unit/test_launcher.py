@@ -92,7 +92,7 @@ def test_plain_horovodrun_with_cached_checks_is_horovods_runner(tmp_path):
 
 def test_a_job_that_times_out_says_where_each_of_its_python_processes_waits(tmp_path):
     # A job test that gives up prints every process's stack (Job.stacks, through py-spy): a process
-    # waiting in a function of its own must show that function and the wait it is in.
+    # waiting in a function of its own must show that function, the wait it is in and the C call under it.
     ready = tmp_path / "ready"
     script = ("import sys, threading\n"
               "def waiting_here():\n"
@@ -109,3 +109,4 @@ def test_a_job_that_times_out_says_where_each_of_its_python_processes_waits(tmp_
     message = str(raised.value)
     assert "job timed out after 0.5s" in message and "stacks before the kill" in message, message
     assert "waiting_here" in message and "Event.wait" in message, message
+    assert "(libc.so" in message, f"no native frame (the C call the wait blocks in): {message}"
