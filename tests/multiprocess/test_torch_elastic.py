@@ -15,6 +15,14 @@ from elastic_ext.testing import ledger
 from tests.multiprocess import analysis, launch
 from tests.multiprocess.references import references  # noqa: F401  (the session's shared runs)
 
+# With the guardian on, as users run: a SIGKILL can leave the killed worker's host mate deadlocked
+# in Horovod's native code. Seen once in CI: its main thread stayed inside the extension's allreduce
+# enqueue (which holds the GIL) after Horovod's background loop had died on the dead peer's
+# connection reset, so no thread of it ran, it never raised, and the others waited for it until the
+# test's timeout. The guardian kills a worker whose heartbeat stops while it uses no CPU, which
+# turns that hang into one more failed worker on the failed host.
+USER_DEFAULTS = True
+
 DIGITS = 1797
 EPOCHS = 2
 COMMIT_EVERY = 4
