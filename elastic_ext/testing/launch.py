@@ -173,12 +173,17 @@ class Job:
                 continue
             if "python" not in line.split(" ", 1)[0]:
                 continue  # ssh, a shell: no Python stack
-            try:
-                dump = subprocess.run([spy, "dump", "--native", "--pid", str(pid)], capture_output=True,
-                                      text=True, timeout=60)
-                text = (dump.stdout + dump.stderr).strip()
-            except (OSError, subprocess.SubprocessError) as exc:
-                text = f"(py-spy failed: {exc})"
+            text = ""
+            for native in (["--native"], []):  # without native frames where unwinding them fails
+                try:
+                    dump = subprocess.run([spy, "dump", *native, "--pid", str(pid)], capture_output=True,
+                                          text=True, timeout=60)
+                    text = (dump.stdout + dump.stderr).strip()
+                except (OSError, subprocess.SubprocessError) as exc:
+                    text = f"(py-spy failed: {exc})"
+                    continue
+                if dump.returncode == 0:
+                    break
             parts.append(f"--- pid {pid}: {line[:160]}\n{text[:limit_chars]}")
         return "\n".join(parts) or "(no live Python process)"
 
