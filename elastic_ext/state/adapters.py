@@ -28,8 +28,8 @@ import numpy as np
 
 from elastic_ext.state import tree, written
 from elastic_ext.errors import StateError
-from elastic_ext.state.snapshot import (PLAIN_SCALARS, Capture, Entry, NumpySource, check_plain, decode_plain,
-                                        encode_plain, join_captures, split_entry)
+from elastic_ext.state.snapshot import (PLAIN_SCALARS, Capture, Entry, NumpySource, assign_in_place, check_plain,
+                                        decode_plain, encode_plain, join_captures, split_entry)
 
 
 @runtime_checkable
@@ -82,7 +82,10 @@ class PlainAdapter:
         return Capture(arrays={}, meta=encode_plain(obj))
 
     def apply(self, obj: Any, entry: Entry) -> Any:
-        return decode_plain(entry.meta)  # new containers: the commit's are never handed out
+        # New values (the commit's are never handed out), written into the live list or dict
+        # where there is one: a restore changes values, never the identity of what the user holds.
+        return assign_in_place(obj, decode_plain(entry.meta))
+
 
 
 class NumpyArrayAdapter:

@@ -32,6 +32,12 @@ class HorovodListener:
         self.reset()
         for callback in self._reset_callbacks:
             callback()
+        if self._reset_callbacks and self.committed and not self._buffers.torn:
+            # What the callbacks changed (Horovod's documented ``lr * hvd.size()``) is what every
+            # rank must hold next: under Horovod the sync after them broadcasts rank 0's live objects.
+            # Here the sync ships the commit, so the commit takes their changes, under the same id;
+            # the newcomers load them, and the survivors' agreement check covers them.
+            self._buffers.copy(self._tracked.capture())
 
     def reset(self) -> None:
         """Tells objects that track the world size (samplers) that it changed."""

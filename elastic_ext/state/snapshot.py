@@ -151,6 +151,21 @@ def decode_plain(data: Any) -> Any:
     return data
 
 
+def assign_in_place(live: Any, value: Any) -> Any:
+    """``value``, with ``live`` (a list or dict) and its nested lists and dicts kept as the objects
+    that hold it when their types match; any other value is returned as it is."""
+    if type(live) is list and type(value) is list:
+        kept = [assign_in_place(old, new) for old, new in zip(live, value)] + value[len(live):]
+        live[:] = kept
+        return live
+    if type(live) is dict and type(value) is dict:
+        kept = {key: assign_in_place(live[key], new) if key in live else new for key, new in value.items()}
+        live.clear()
+        live.update(kept)
+        return live
+    return value
+
+
 # ------------------------------------------------------- composite snapshots
 
 def join_captures(parts: Dict[str, Capture]) -> Capture:

@@ -63,6 +63,7 @@ class TorchSource:
         except TypeError:
             raise StateError(f"{where} has dtype {tensor.dtype}, which cannot be committed") from None
         self.tensor = tensor.detach()
+        self.live = tensor  # the object itself, which a restore in place hands back
         self.shape = tuple(tensor.shape)
 
     def copy_into(self, buffer: np.ndarray) -> None:
@@ -181,7 +182,10 @@ class TorchStatefulAdapter(StatefulAdapter):
     already have the right dtype and device). An optimizer's own state
     tensors (Adam's moments) are restored in place, copied into the live
     tensor at the same key when its shape and dtype match, so a rollback
-    allocates nothing; every other tensor is a fresh copy.
+    allocates nothing; every other tensor is a fresh copy. An optimizer keeps
+    its ``param_groups`` list, group dicts and per-parameter state dicts
+    (:func:`load_keeping_identities`): a scheduler or a user's reference to
+    them goes on working after a restore or a sync.
     """
 
     name = "torch.stateful"
@@ -204,11 +208,50 @@ class TorchStatefulAdapter(StatefulAdapter):
             source = reusable.get(key)
             if isinstance(source, TorchSource) and fits(source.tensor, array, tag):
                 copy_back(source.tensor, array, tag)
-                return source.tensor
+                return source.live
             return make_tensor(array, tag, key, devices.get(key))
 
-        obj.load_state_dict(join(entry.meta, entry.arrays, restore))
+        state_dict = join(entry.meta, entry.arrays, restore)
+        if isinstance(obj, torch.optim.Optimizer):
+            load_keeping_identities(obj, state_dict)
+        else:
+            obj.load_state_dict(state_dict)
         return obj
+
+
+def load_keeping_identities(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    """``optimizer.load_state_dict(state_dict)`` that changes values, never identities.
+
+    ``Optimizer.load_state_dict`` installs a new ``param_groups`` list of new
+    dicts and a new ``state`` mapping. Whatever holds the old ones then writes
+    where the optimizer no longer reads: an LR scheduler built on the optimizer
+    before ``hvd.DistributedOptimizer`` wrapped it (the wrapper shares the
+    original's group dicts), a user's ``group = optimizer.param_groups[0]``,
+    an EMA helper. So the loaded values are copied back into the optimizer's
+    own list, group dicts and per-parameter state dicts, which stay in place.
+    """
+    groups, group_dicts = optimizer.param_groups, list(optimizer.param_groups)
+    old_state = optimizer.state
+    per_param = dict(old_state.items())
+    optimizer.load_state_dict(state_dict)
+    for old, new in zip(group_dicts, optimizer.param_groups):
+        if old is not new:
+            loaded = dict(new)
+            old.clear()
+            old.update(loaded)
+    groups[:] = group_dicts
+    loaded_state = dict(optimizer.state.items())
+    old_state.clear()
+    for param, values in loaded_state.items():
+        kept = per_param.get(param)
+        if kept is not None and kept is not values and isinstance(kept, dict):
+            fresh = dict(values)
+            kept.clear()
+            kept.update(fresh)
+            values = kept
+        old_state[param] = values
+    optimizer.param_groups = groups
+    optimizer.state = old_state
 
 
 def fits(tensor: torch.Tensor, array: np.ndarray, tag: dict, grad: bool = True) -> bool:
