@@ -22,6 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from elastic_ext.errors import StateError
+from elastic_ext.tensorflow.guard import ensure_variables
 from elastic_ext.state.snapshot import Capture, Entry
 
 
@@ -161,6 +162,10 @@ class VariablesAdapter:
         return self._handles(obj)
 
     def prepare(self, objects: dict) -> None:
+        # A State is made eagerly, before the user's step is traced: the gradient reduction's
+        # variables must exist by then, or a later trace of a tf.function would create them
+        # ("tf.function only supports singleton tf.Variables created on the first call").
+        ensure_variables()
         if self._builds_optimizers:
             build_optimizers(objects)
 

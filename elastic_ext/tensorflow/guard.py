@@ -95,9 +95,18 @@ def carrying() -> bool:
     return _CARRY["on"]
 
 
+def ensure_variables() -> None:
+    """Creates the variables the gradient reduction writes (the guard's signal, the straggler timing),
+    once per process. Call it eagerly, before any ``tf.function`` that reduces gradients is traced
+    (a State's TensorFlow adapters do, when it is made): a ``tf.function`` may create variables only on its
+    first call, and a step traced again (another argument, a new world size) is not a first call."""
+    _variables()
+
+
 def _variables() -> dict:
     if not _VARIABLES:
-        with tf.init_scope():  # outside any traced function: created once per process
+        # Lifted out of a trace all the same: a reduction used with no State, on its first trace.
+        with tf.init_scope():
             _VARIABLES["signal"] = tf.Variable(tf.zeros([0], tf.float32), shape=tf.TensorShape([None]),
                                                trainable=False, name="elastic_ext_guard_signal")
             _VARIABLES["count"] = tf.Variable(tf.constant(0, tf.int64), trainable=False, name="elastic_ext_guard_count")

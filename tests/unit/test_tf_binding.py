@@ -46,3 +46,38 @@ def test_every_collective_runs_through_real_horovod_in_a_world_of_one():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                             env=dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1"))
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_a_step_traced_again_with_the_project_s_tape_creates_no_variable_in_the_trace():
+    # Horovod's own TF2 elastic script: the step runs once without the allreduce to build the Keras
+    # optimizer's slots, then the State is made, then the same tf.function runs with it: a second trace,
+    # where a tf.function may create no variable. The gradient reduction's variables (its straggler
+    # timing, the guard's signal) must exist before that: the State's binding creates them eagerly.
+    code = (
+        "import os\n"
+        "os.environ.pop('TF_USE_LEGACY_KERAS', None)\n"
+        "import numpy as np, tensorflow as tf, keras, horovod.tensorflow as hvd, elastic_ext\n"
+        "from elastic_ext.tensorflow import DistributedGradientTape\n"
+        "hvd.init()\n"
+        "model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])\n"
+        "schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=2, decay_rate=0.5)\n"
+        "opt = keras.optimizers.Adam(schedule)\n"
+        "@tf.function\n"
+        "def step(x, y, allreduce=True):\n"
+        "    with tf.GradientTape() as tape:\n"
+        "        loss = tf.reduce_mean(tf.square(model(x, training=True) - y))\n"
+        "    if allreduce:\n"
+        "        tape = DistributedGradientTape(tape)\n"
+        "    grads = tape.gradient(loss, model.trainable_variables)\n"
+        "    opt.apply_gradients(zip(grads, model.trainable_variables))\n"
+        "    return loss\n"
+        "x, y = tf.ones((2, 4)), tf.zeros((2, 3))\n"
+        "step(x, y, allreduce=False)\n"
+        "state = elastic_ext.State(model=model, optimizer=opt, batch=0)\n"
+        "step(x, y)\n"
+        "step(tf.ones((5, 4)), tf.zeros((5, 3)))  # another shape: traced once more\n"
+        "print('ok', int(opt.iterations.numpy()))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                            env=dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1"))
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok 3"), result.stderr[-3000:]
