@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from elastic_ext.data.sampler import ElasticPartitioner
     from elastic_ext.errors import (CheckpointError, ConfigError, CorruptCheckpointError, DiscoveryError,
                                     ElasticExtError, NotCommittedError, NumericFaultError, NumericRollbackLimitError,
-                                    PartitionError, RollbackLimitError, StateDivergenceError, StateError)
+                                    PartitionError, ReplicaMismatchError, RollbackLimitError, StateDivergenceError,
+                                    StateError)
     from elastic_ext.liveness import phase, progress
     from elastic_ext.policies.guard import LossWindow, NumericGuard
     from elastic_ext.policies.step_timer import StepTimer
@@ -37,7 +38,7 @@ __version__ = "0.1.0"
 
 _ERRORS = ("CheckpointError", "ConfigError", "CorruptCheckpointError", "DiscoveryError", "ElasticExtError",
            "NotCommittedError", "NumericFaultError", "NumericRollbackLimitError", "PartitionError",
-           "RollbackLimitError", "StateDivergenceError", "StateError")
+           "ReplicaMismatchError", "RollbackLimitError", "StateDivergenceError", "StateError")
 # public name -> the module that defines it
 _WHERE = {
     "Adapter": "elastic_ext.state.adapters", "GlobalRNG": "elastic_ext.state.adapters",
@@ -57,7 +58,7 @@ __all__ = [
     "Adapter", "Capture", "Entry", "GlobalRNG", "ElasticConfig", "ElasticPartitioner", "State", "run", "phase", "progress",
     "ElasticExtError", "ConfigError", "DiscoveryError", "PartitionError", "StateError", "NotCommittedError",
     "StateDivergenceError", "CheckpointError", "CorruptCheckpointError", "RollbackLimitError",
-    "NumericGuard", "LossWindow", "NumericFaultError", "NumericRollbackLimitError",
+    "NumericGuard", "LossWindow", "NumericFaultError", "NumericRollbackLimitError", "ReplicaMismatchError",
     "StragglerPolicy", "StepTimer",
 ]
 

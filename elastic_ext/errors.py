@@ -93,6 +93,26 @@ class NumericFaultError(ElasticExtError):
         self.skips: list = []
 
 
+class ReplicaMismatchError(ElasticExtError):
+    """The replica check found ranks whose committed states differ; every rank raises it together.
+
+    A signal for the ``run`` decorator, like :class:`NumericFaultError`: every
+    rank goes back to ``back_to``, the last commit on which all agreed (kept
+    in host memory), and trains again to ``commit_id``, where the check tells
+    a transient fault (all agree now) from a deterministic divergence (the
+    same ranks differ again: :class:`StateDivergenceError`). ``wrong_ranks``
+    and ``first_difference`` are what the check found.
+    """
+
+    def __init__(self, commit_id: int, back_to: int, wrong_ranks: list, first_difference) -> None:
+        super().__init__(f"replica check at commit {commit_id}: ranks {wrong_ranks} differ (first difference: "
+                         f"{first_difference}); replaying from commit {back_to}, the last on which every rank agreed")
+        self.commit_id = commit_id
+        self.back_to = back_to
+        self.wrong_ranks = wrong_ranks
+        self.first_difference = first_difference
+
+
 class NumericRollbackLimitError(RollbackLimitError):
     """More numeric rollbacks in a row than ``ElasticConfig.rollback_limit`` without a new commit.
 
@@ -118,6 +138,7 @@ __all__ = [
     "RollbackLimitError",
     "NumericFaultError",
     "NumericRollbackLimitError",
+    "ReplicaMismatchError",
 ]
 
 

@@ -70,15 +70,22 @@ The run loop (``run.py``):
   shows one rank slow for long enough (:mod:`elastic_ext.policies.eviction`);
   ``commit_id``, ``evicted_rank``, ``step``, ``ratio``, ``slow_since``,
   ``slow_steps``, ``ratios``, and ``host`` on the evicted rank.
-- ``replica_mismatch`` (:data:`REPLICA_MISMATCH`): every rank, when the
-  replica check (``replica_check_every``) found ranks whose committed state
-  differs from the majority's (:mod:`elastic_ext.state.replica`);
-  ``commit_id``, ``wrong_ranks``, ``wrong_hosts``, ``majority_ranks``,
-  ``first_difference`` (the first entry that differs), ``healed`` (the wrong
-  ranks took the majority's state; False: no strict majority, the job
-  stops), ``bytes`` and ``senders`` of the heal, ``repeat_hosts`` (wrong
-  before within the window: their wrong ranks leave, the host goes into
-  ``exclude_file``), ``last_agreed_commit_id``.
+- ``replica_replay`` (:data:`REPLICA_REPLAY`): every rank, when the
+  replica check (``replica_check_every``) found ranks whose committed states
+  differ (:mod:`elastic_ext.state.replica`): every rank goes back to
+  ``back_to`` (the last commit on which all agreed) and trains again to
+  ``commit_id``; ``wrong_ranks``, ``wrong_hosts``, ``majority_ranks`` (empty
+  when no strict majority), ``first_difference`` (the first entry that
+  differs), ``last_agreed_commit_id``, ``replays``.
+- ``replica_mismatch`` (:data:`REPLICA_MISMATCH`): every rank, when a
+  mismatch is explained, with the same fields and ``cause``:
+  ``"transient"`` (all agree after the replay: a hardware fault, ``healed``
+  True, ``struck_hosts`` the hosts a strict majority named wrong,
+  ``repeat_hosts`` those struck before within the window: their wrong ranks
+  leave and the host goes into ``exclude_file``), ``"divergence"`` (the
+  same ranks differ again: the job stops with ``StateDivergenceError``, no
+  strike) or ``"unexplained"`` (nothing to replay from, or the mismatch kept
+  moving: the job stops); ``replayed_from``, ``replays``.
 - ``restarted_in_place`` (:data:`RESTARTED_IN_PLACE`, at ``@elastic_ext.run``
   of a worker its keeper restarted, see :mod:`elastic_ext.launch.keeper`): Gloo
   aborted the previous process of this slot inside ``hvd.init()``;
@@ -160,6 +167,7 @@ CHECKPOINT_CADENCE = "checkpoint_cadence"
 NUMERIC_ROLLBACK = "numeric_rollback"
 STRAGGLER = "straggler"
 REPLICA_MISMATCH = "replica_mismatch"
+REPLICA_REPLAY = "replica_replay"
 JOB_RESTART = "job_restart"
 RESTARTED_IN_PLACE = "restarted_in_place"
 MEMBER_FAILED = "member_failed"
@@ -169,8 +177,8 @@ LINKS_CLOSED = "links_closed"
 #: Every event name elastic_ext emits (the module docstring says what each means).
 ALL_EVENTS = (SYNC, ROLLBACK, ROLLBACK_LIMIT, RESIZE, PRESTART, NEWCOMERS_JOINED, RESET, RECOVERED,
               FINISH, STALL, SUSPENDED, LEAVE, CHECKPOINT, CHECKPOINT_SKIPPED, CHECKPOINT_FAILED, CHECKPOINT_FAILING,
-              CHECKPOINT_RESUMED, CHECKPOINT_CADENCE, NUMERIC_ROLLBACK, STRAGGLER, REPLICA_MISMATCH, JOB_RESTART,
-              RESTARTED_IN_PLACE, MEMBER_FAILED, FENCED, LINKS_CLOSED)
+              CHECKPOINT_RESUMED, CHECKPOINT_CADENCE, NUMERIC_ROLLBACK, STRAGGLER, REPLICA_MISMATCH, REPLICA_REPLAY,
+              JOB_RESTART, RESTARTED_IN_PLACE, MEMBER_FAILED, FENCED, LINKS_CLOSED)
 
 
 class EventLog:

@@ -2,6 +2,9 @@
 
 - :meth:`Recoverer.numeric_fault`: every rank judged a step bad together;
   restore the last commit and skip the step's samples, no Horovod reset.
+- :meth:`Recoverer.replica_mismatch`: the replica check found ranks that
+  differ; every rank goes back to the last commit all agreed on and trains
+  again, no Horovod reset.
 - :meth:`Recoverer.collective_failed`: a collective failed; cut the Gloo
   links so every rank learns it at once, count the rollback against
   ``rollback_limit``, restore the last commit.
@@ -27,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 import numpy as np
 
 from elastic_ext.config import launched
-from elastic_ext.errors import NumericFaultError, RollbackLimitError, error_detail
+from elastic_ext.errors import NumericFaultError, ReplicaMismatchError, RollbackLimitError, error_detail
 from elastic_ext.events import LEAVE, LINKS_CLOSED, RECOVERED, RESET, RESIZE, ROLLBACK, ROLLBACK_LIMIT
 from elastic_ext.launch.gloo_timeout import reset_timeout
 from elastic_ext.runtime.closed_links import ClosedLinksWatch
@@ -126,6 +129,16 @@ class Recoverer:
     def numeric_fault(self, exc: NumericFaultError) -> None:
         """Every rank raised it together and no collective failed: roll back and skip, no Horovod reset."""
         self.numeric.roll_back(self.state, exc, self.steps_now(self.state), self.steps_now)
+
+    def replica_mismatch(self, exc: ReplicaMismatchError) -> None:
+        """Every rank raised it together at a checked commit: back to the last commit all agreed on, no reset.
+
+        The training function is then called again from that commit, without a sync (every rank holds
+        the same bytes already), so the replay takes the steps a failure-free run took, and the check
+        at the commit that differed tells a transient fault from a deterministic divergence.
+        """
+        self.state._replay_from_agreed()
+        self.numeric.reapply(self.state)  # skips of numeric rollbacks no commit holds yet
 
     def collective_failed(self, exc: BaseException) -> None:
         """Restores the last commit after a failed collective.

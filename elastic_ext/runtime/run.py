@@ -8,8 +8,11 @@ Control flow, per worker (the same on every rank)::
       │          │     restore last commit, count the rollback, reset Horovod
       │          ├─ HostsUpdatedInterrupt (hosts added or removed, raised by commit):
       │          │     no rollback; reset Horovod
-      │          └─ NumericFaultError (state.guard_step judged a step bad, on every rank):
-      │                restore last commit, skip the step's samples; no reset
+      │          ├─ NumericFaultError (state.guard_step judged a step bad, on every rank):
+      │          │     restore last commit, skip the step's samples; no reset
+      │          └─ ReplicaMismatchError (the replica check found ranks that differ, on every rank):
+      │                back to the last commit all agreed on, train again to the one that differed
+      │                (no reset, no sync: the replay is what a failure-free run did)
       └──────────┘  (sync sends no state when every rank already holds the agreed commit)
 
 Differences from ``hvd.elastic.run``: one decorator for both frameworks;
@@ -52,7 +55,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
 
 from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_RESTART_IN_PLACE, launched
-from elastic_ext.errors import ConfigError, NumericFaultError
+from elastic_ext.errors import ConfigError, NumericFaultError, ReplicaMismatchError
 from elastic_ext.events import FINISH, RESTARTED_IN_PLACE, STALL, SUSPENDED
 from elastic_ext.launch import keeper, newcomer, prestart, round_watch
 from elastic_ext.launch.gloo_timeout import reset_timeout
@@ -156,9 +159,12 @@ def run(func: Optional[F] = None, *, counter: Optional[str] = "step") -> Any:
             started = time.perf_counter()
             recover = Recoverer(state, LIVENESS, kind, steps_now)
             try:
+                replaying = False
                 while True:
                     try:
-                        recover.sync()
+                        if not replaying:  # a replay starts from a commit every rank holds alike
+                            recover.sync()
+                        replaying = False
                         result = _train(state, func, args, kwargs)
                         recover.finish_with_newcomers()  # the newcomers of an early start under way end with the job
                         state.checkpoint_now()  # the end of training is on disk, whatever the cadence
@@ -168,6 +174,10 @@ def run(func: Optional[F] = None, *, counter: Optional[str] = "step") -> Any:
                         return result
                     except NumericFaultError as exc:
                         recover.numeric_fault(exc)
+                        continue
+                    except ReplicaMismatchError as exc:
+                        recover.replica_mismatch(exc)
+                        replaying = True
                         continue
                     except HorovodInternalError as exc:
                         recover.collective_failed(exc)
@@ -188,7 +198,7 @@ def _train(state: "State", func: Callable[..., Any], args: Any, kwargs: Any) -> 
     try:
         with LIVENESS.training():
             return func(state, *args, **kwargs)
-    except (HorovodInternalError, HostsUpdatedInterrupt, NumericFaultError):
+    except (HorovodInternalError, HostsUpdatedInterrupt, NumericFaultError, ReplicaMismatchError):
         raise
     except Exception as exc:
         translated = state.binding.as_internal_error(exc)

@@ -1,4 +1,4 @@
-"""What every rank decides together at a commit, from its one collective: resize, leave, evict, stop, heal.
+"""What every rank decides together at a commit, from its one collective: resize, leave, evict, stop, replay.
 
 (One decision is a single rank's: a leaver whose grace runs out before an
 overlapped commit's leave could act leaves at its commit, see
@@ -6,8 +6,8 @@ overlapped commit's leave could act leaves at its commit, see
 
 :class:`~elastic_ext.state.host_updates.HostUpdates` runs the commit's
 allreduce; :func:`decide_at_commit` acts on what it agreed, the same way on
-every rank: it stops the job when rank 0's checkpoints keep failing, heals
-ranks whose committed state differs from the majority's (the replica check), evicts
+every rank: it stops the job when rank 0's checkpoints keep failing, sends
+every rank back to replay when the replica check finds committed states that differ, evicts
 a straggler the table names (through the leave path), reports an early
 start of newcomers beginning or ending, and raises ``HostsUpdatedInterrupt``
 everywhere when the world changes.
@@ -35,15 +35,17 @@ def decide_at_commit(hosts: HostUpdates, straggler: StragglerWatch, binding: Bin
 
     ``checkpoints_failing``: on the rank whose checkpoint writer failed
     ``checkpoint_failure_limit`` times in a row, what failed; every rank then stops.
-    ``replica``: at its checked commits, each rank's digest rides along and
-    ranks whose committed state differs from the majority's are healed
+    ``replica``: at its checked commits, each rank's digest rides along; ranks whose
+    committed states differ send every rank back to the last agreed commit to replay
     (:mod:`elastic_ext.state.replica`).
 
     Raises:
         CheckpointError: on every rank together, when some rank's checkpoints keep failing.
         HostsUpdatedInterrupt: on every rank together, when hosts changed or a rank leaves.
-        StateDivergenceError: ranks hold different commit ids, or different committed states
-            with no strict majority among them (replica check).
+        ReplicaMismatchError: on every rank together, when the replica check found committed
+            states that differ (``run`` replays from the last agreed commit).
+        StateDivergenceError: ranks hold different commit ids, or the replica check found a
+            deterministic divergence.
     """
     rank, size = binding.rank(), binding.size()
     local_size = getattr(binding, "local_size", None)
@@ -60,8 +62,8 @@ def decide_at_commit(hosts: HostUpdates, straggler: StragglerWatch, binding: Bin
             seen, evicted = table, straggler.decide(table, size)
         return evicted is not None
 
-    # A checked commit's collective blocks even where commits overlap: the heal must come before the
-    # wrong ranks train on (its buffers are this commit's until the next snapshot).
+    # A checked commit's collective blocks even where commits overlap: a replay must start before
+    # any rank trains on from a commit that differs (its buffers are this commit's until the next snapshot).
     skip_sync, reduced = hosts.agree(binding, commit_id, liveness.leaving(), extra,
                                      stop=checkpoints_failing is not None, blocking=digest is not None,
                                      changes_world=evicts)

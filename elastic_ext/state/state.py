@@ -46,6 +46,7 @@ from elastic_ext.state.listener import HorovodListener
 from elastic_ext.policies import numeric_rollback as _numeric
 from elastic_ext.policies.guard import NumericGuard
 from elastic_ext.state.records import CommitRecord, RollbackRecord
+from elastic_ext.state.snapshot import copy_meta
 from elastic_ext.state.replica import ReplicaCheck
 from elastic_ext.state.restore import BackgroundRestore, split
 from elastic_ext.data.sampler import ElasticPartitioner
@@ -235,6 +236,7 @@ class State(HorovodListener, DurableCommits, SoftFailures):
         """The local half of :meth:`commit`: snapshot without any collective."""
         self._settle_restore()
         captures = self._tracked.capture()
+        self._replica.before_commit(self.commit_id)  # a synced commit the replica check keeps, before it goes
         try:
             self._buffers.copy(captures)
         except BaseException:
@@ -326,6 +328,21 @@ class State(HorovodListener, DurableCommits, SoftFailures):
         party = _sync.Party(self._binding, self._tracked, self._buffers, self._record, self._hosts,
                             self._rollbacks, self._events, self._checkpointer, self._digests)
         _sync.sync(party)
+        self._replica.synced(self.commit_id)
+
+    def _replay_from_agreed(self) -> None:
+        """Brings every object and the commit buffers back to the last commit on which every rank agreed
+        (the replica check's, :mod:`elastic_ext.state.agreed`), after a replica mismatch: ``run`` then
+        trains again to the commit that differed, with every rank together and no reset."""
+        self._settle_restore()
+        agreed = self._replica.agreed
+        for name, entry in agreed.entries.items():
+            # (load copies the kept arrays into the commit buffers: the kept ones stay as they are)
+            self._tracked.apply(name, self._buffers.load(name, entry.arrays, copy_meta(entry.meta)))
+        self._record.commit_id = int(agreed.commit_id)
+        self._record.generation += 1  # the training function starts again, on every rank together
+        self._guarded.drop()
+        self._straggler.reset()
 
 def reserved_names() -> FrozenSet[str]:
     """Names no tracked object may take: every public member of :class:`State`

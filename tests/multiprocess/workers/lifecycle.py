@@ -4,8 +4,11 @@ Like train_torch.py (ledger steps-<pid>.jsonl, final-<rank>.npz, events via
 ELASTIC_EXT_EVENTS_PATH, checkpoints via ELASTIC_EXT_CHECKPOINT_*), plus:
 
 --faults "RANK:STEP:HOW[:WHERE[:TARGET]]"  injected faults (elastic_ext.testing), once each; a bit flip
-                                   ("flip", WHERE before_commit) corrupts TARGET: param (the first layer's
-                                   weight) or moment (its Adam exp_avg), on that rank only
+                                   ("flip", WHERE step: before the step's forward, or before_commit)
+                                   corrupts TARGET: param (the first layer's weight) or moment (its
+                                   Adam exp_avg), on that rank only
+--twice "RANK:STEP"                a LambdaLR scheduler in the State; from STEP on, RANK steps it twice
+                                   per step (a deterministic divergence the replica check must stop on)
 --phase "RANK:STEP:SECONDS"        at STEP, RANK spends SECONDS in ``state.phase("eval")``
 --bare-phase                       the same time without opening a phase (the old behaviour)
 --side "HOST:PORT"                 after hvd.init, open a TCP connection to an echo server and
@@ -68,6 +71,7 @@ p.add_argument("--guard-blocks", type=int, default=0,
 p.add_argument("--newcomer-delay-s", type=float, default=0.0)
 p.add_argument("--newcomer-gate", default="")
 p.add_argument("--heartbeat-period-s", type=float, default=0.0)
+p.add_argument("--twice", default="")
 args = p.parse_args()
 if args.heartbeat_period_s:
     heartbeat_period(args.heartbeat_period_s)
@@ -99,6 +103,8 @@ Y = torch.tensor(digits.target, dtype=torch.int64)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
 optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.97 ** step) if args.twice else None
+twice = tuple(int(x) for x in args.twice.split(":")) if args.twice else None
 sampler = ElasticSampler(len(X), global_batch_size=args.global_batch, seed=1, policy="pad")
 book = Ledger(args.out)
 commit_probe = CommitFaultProbe(faults, hvd.rank)
@@ -154,6 +160,10 @@ def train_step(state, indices, pad):
         state.guard_step(loss, grads, samples=int((~pad).sum()))
         guard_seconds.append(time.perf_counter() - started)
     optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+        if hvd.rank() == twice[0] and state.step >= twice[1]:
+            scheduler.step()
 
 
 def flip_targets():
@@ -168,7 +178,7 @@ def train(state):
     while state.epoch < args.epochs:
         sampler.set_epoch(state.epoch)
         for indices, pad in sampler.batches():
-            faults.maybe_fire(hvd.rank(), state.step, where="step")
+            faults.maybe_fire(hvd.rank(), state.step, where="step", targets=flip_targets())
             book.step(state.generation, sampler.epoch, sampler.cursor, state.step, hvd.rank(), hvd.size(),
                       indices[~pad], int(pad.sum()))
             long_phase(state)
@@ -201,7 +211,8 @@ guard_seconds = []
 config = elastic_ext.ElasticConfig.from_env(exclude_file=os.path.join(args.out, "exclude") if straggler else None)
 state = elastic_ext.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0, config=config,
                           commit_probe=commit_probe, adapters=[commit_probe], straggler=straggler,
-                          guard=elastic_ext.NumericGuard() if args.guard else None)
+                          guard=elastic_ext.NumericGuard() if args.guard else None,
+                          **({"scheduler": scheduler} if scheduler is not None else {}))
 if args.guard_blocking:
     state.binding.allgather_start = None  # no background allgather: the guard's collective blocks every step
 elastic_ext.run(train)(state)
