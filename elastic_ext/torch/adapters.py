@@ -28,22 +28,13 @@ from elastic_ext.state.adapters import StatefulAdapter
 from elastic_ext.errors import StateError
 from elastic_ext.state.snapshot import Capture, Entry
 from elastic_ext.state.tree import join, path_key, split
+from elastic_ext.torch.identities import STATEFUL_TYPES, check_schedulers, load_keeping_identities
 
 # torch dtypes without a numpy twin, stored bit for bit as unsigned ints
 _BIT_VIEWS = {torch.bfloat16: np.uint16}
 for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
     if hasattr(torch, _name):
         _BIT_VIEWS[getattr(torch, _name)] = np.uint8
-
-
-# Optimizers, LR schedulers (ReduceLROnPlateau included) and gradient scalers.
-_STATEFUL_TYPES = tuple(t for t in (
-    torch.optim.Optimizer,
-    torch.optim.lr_scheduler.LRScheduler,
-    getattr(torch.optim.lr_scheduler, "ReduceLROnPlateau", None),
-    getattr(getattr(torch, "amp", None), "GradScaler", None),
-    getattr(getattr(getattr(torch, "cuda", None), "amp", None), "GradScaler", None),
-) if isinstance(t, type))
 
 
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
@@ -184,7 +175,7 @@ class TorchStatefulAdapter(StatefulAdapter):
     tensor at the same key when its shape and dtype match, so a rollback
     allocates nothing; every other tensor is a fresh copy. An optimizer keeps
     its ``param_groups`` list, group dicts and per-parameter state dicts
-    (:func:`load_keeping_identities`): a scheduler or a user's reference to
+    (:func:`elastic_ext.torch.identities.load_keeping_identities`): a scheduler or a user's reference to
     them goes on working after a restore or a sync.
     """
 
@@ -194,7 +185,11 @@ class TorchStatefulAdapter(StatefulAdapter):
     make = staticmethod(make_tensor)
 
     def handles(self, obj: Any) -> bool:
-        return isinstance(obj, _STATEFUL_TYPES)
+        return isinstance(obj, STATEFUL_TYPES)
+
+    def prepare(self, objects: dict) -> None:
+        """Refuses an LR scheduler whose optimizer the State does not hold (raises StateError)."""
+        check_schedulers(objects)
 
     def apply(self, obj: Any, entry: Entry) -> Any:
         # Where this rank's live object keeps a tensor (an optimizer's
@@ -217,41 +212,6 @@ class TorchStatefulAdapter(StatefulAdapter):
         else:
             obj.load_state_dict(state_dict)
         return obj
-
-
-def load_keeping_identities(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-    """``optimizer.load_state_dict(state_dict)`` that changes values, never identities.
-
-    ``Optimizer.load_state_dict`` installs a new ``param_groups`` list of new
-    dicts and a new ``state`` mapping. Whatever holds the old ones then writes
-    where the optimizer no longer reads: an LR scheduler built on the optimizer
-    before ``hvd.DistributedOptimizer`` wrapped it (the wrapper shares the
-    original's group dicts), a user's ``group = optimizer.param_groups[0]``,
-    an EMA helper. So the loaded values are copied back into the optimizer's
-    own list, group dicts and per-parameter state dicts, which stay in place.
-    """
-    groups, group_dicts = optimizer.param_groups, list(optimizer.param_groups)
-    old_state = optimizer.state
-    per_param = dict(old_state.items())
-    optimizer.load_state_dict(state_dict)
-    for old, new in zip(group_dicts, optimizer.param_groups):
-        if old is not new:
-            loaded = dict(new)
-            old.clear()
-            old.update(loaded)
-    groups[:] = group_dicts
-    loaded_state = dict(optimizer.state.items())
-    old_state.clear()
-    for param, values in loaded_state.items():
-        kept = per_param.get(param)
-        if kept is not None and kept is not values and isinstance(kept, dict):
-            fresh = dict(values)
-            kept.clear()
-            kept.update(fresh)
-            values = kept
-        old_state[param] = values
-    optimizer.param_groups = groups
-    optimizer.state = old_state
 
 
 def fits(tensor: torch.Tensor, array: np.ndarray, tag: dict, grad: bool = True) -> bool:

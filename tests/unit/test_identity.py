@@ -131,3 +131,18 @@ def test_what_the_reset_callbacks_change_reaches_the_newcomers():
         assert optimizer.param_groups[0]["lr"] == BASE_LR * 3, (r, optimizer.param_groups[0]["lr"])
         assert torch.equal(model.weight, jobs[0][0].weight), r
     assert [s.commit_id for s in states] == [1, 1, 1]
+
+
+def test_a_scheduler_whose_optimizer_is_not_tracked_is_refused_at_construction():
+    import pytest
+
+    from elastic_ext.errors import StateError
+
+    model, optimizer, scheduler = build()
+    with pytest.raises(StateError, match=r"scheduler 'sched' \(LambdaLR\) drives an optimizer \(AdamW\) .*"
+                                         r"Track the optimizer too"):
+        state_on(ThreadWorld(1).binding(0), model=model, sched=scheduler)
+    other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(StateError, match="does not track"):
+        state_on(ThreadWorld(1).binding(0), model=model, optimizer=other, sched=scheduler)
+    state_on(ThreadWorld(1).binding(0), model=model, optimizer=optimizer, sched=scheduler)  # the wrapper counts
