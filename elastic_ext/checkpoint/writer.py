@@ -170,26 +170,30 @@ class Checkpointer:
         self._thread.start()
 
     def _write(self, commit_id: int, lease: Lease, info: Dict[str, Any]) -> None:
+        # The result is recorded before anything is reported: whatever happens to the
+        # reporting, _collect counts this write (checkpoint_failure_limit depends on it),
+        # and a thread that dies unexpectedly counts as a failed write, never as a stale result.
+        self._result = (commit_id, CheckpointError(f"the write of commit {commit_id} ended without a result"))
         started = time.perf_counter()
         try:
             path = write_checkpoint(self.store.directory, commit_id, lease.entries, info)
         except Exception as exc:  # noqa: BLE001 - reported here and in the event; training goes on
+            self._result = (commit_id, exc)
             logger.error("checkpoint of commit %d failed: %s", commit_id, exc)
             self._events.emit(CHECKPOINT_FAILED, commit_id=commit_id, error=error_detail(exc),
                               failures_in_a_row=self.failures_in_a_row + 1)
-            self._result = (commit_id, exc)
             return
         finally:
             lease.release()
+        self._duration_s = time.perf_counter() - started
         # The checkpoint is durable now. Retention is housekeeping: what it cannot
         # delete is logged (once) by the store, and never makes this write count as
         # failed, which would change the cadence (a full write at every commit).
         deleted = self.store.apply_retention(commit_id, self._config.checkpoint_keep_last)
+        self._result = (commit_id, None)
         nbytes = sum(int(a.nbytes) for e in lease.entries.values() for a in e.arrays.values())
-        self._duration_s = time.perf_counter() - started
         self._events.emit(CHECKPOINT, commit_id=commit_id, path=path, bytes=nbytes, deleted=deleted,
                           not_deleted=list(self.store.not_deleted), duration_s=self._duration_s)
-        self._result = (commit_id, None)
 
     def wait(self, timeout_s: Optional[float] = None) -> bool:
         """Waits for the running write (at most ``timeout_s``); True if none is left running."""
