@@ -102,12 +102,15 @@ class Watcher(threading.Thread):
     """
 
     def __init__(self, client: Any, on_notice: Any, stop: Optional[threading.Event] = None,
-                 retry_s: float = RETRY_S) -> None:
+                 retry_s: Optional[float] = None) -> None:
         super().__init__(name=f"elastic_ext-notices-{client.source}", daemon=True)
         self.client, self.on_notice = client, on_notice
         self.stop = stop or threading.Event()
-        self.retry_s = retry_s
+        self.retry_s = retry_s  # None: RETRY_S, read at each failure
         self.failures = 0
+
+    def _retry_s(self) -> float:
+        return RETRY_S if self.retry_s is None else self.retry_s
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -117,8 +120,8 @@ class Watcher(threading.Thread):
                 self.failures += 1
                 (logger.warning if self.failures == 1 else logger.debug)(
                     "preemption notices: %s at %s failed (%s: %s); asking again in %.0fs", self.client.source,
-                    self.client.base_url, type(exc).__name__, exc, self.retry_s)
-                self.stop.wait(self.retry_s)
+                    self.client.base_url, type(exc).__name__, exc, self._retry_s())
+                self.stop.wait(self._retry_s())
                 continue
             if notice is not None:
                 self.on_notice(notice)
