@@ -167,9 +167,8 @@ def _comm(pid: int) -> str:
         return ""
 
 
-def _trusted(path: str, private: bool) -> Optional[str]:
-    """Why ``path`` cannot be trusted by root (None if it can): not a real directory, not root's (or this
-    user's), writable by others than its owner, or (``private``) open to others at all."""
+def _untrusted(path: str, private: bool) -> Optional[str]:
+    """Why root cannot trust directory ``path`` (None if it can); ``private``: nobody else may even enter it."""
     try:
         info = os.lstat(path)
     except OSError as exc:
@@ -178,36 +177,27 @@ def _trusted(path: str, private: bool) -> Optional[str]:
         return "not a directory (a symbolic link or a file)"
     if info.st_uid not in (0, os.geteuid()):
         return f"owned by uid {info.st_uid}"
-    mask = 0o077 if private else 0o022
-    if info.st_mode & mask:
+    if info.st_mode & (0o077 if private else 0o022):
         return f"mode {stat.S_IMODE(info.st_mode):o} lets others {'in' if private else 'write'}"
     return None
 
 
 def check_private(path: str) -> None:
-    """Raises ClusterError unless ``path`` is a directory only its owner (root) can enter, under parents
-    nobody else can write: what root runs from and sshd trusts must be root's alone."""
-    problems = [f"{path}: {why}" for why in [_trusted(path, private=True)] if why]
-    parent = os.path.dirname(os.path.abspath(path))
-    while True:
-        why = _trusted(parent, private=False)
-        if why:
-            problems.append(f"{parent}: {why}")
-        if parent == os.path.dirname(parent):
-            break
+    """Raises ClusterError unless ``path`` is root's alone, under parents nobody else can write."""
+    path = os.path.abspath(path)
+    chain, parent = [path], path
+    while parent != os.path.dirname(parent):
         parent = os.path.dirname(parent)
+        chain.append(parent)
+    problems = [f"{p}: {why}" for p in chain if (why := _untrusted(p, private=p == path))]
     if problems:
-        raise ClusterError(f"the state directory {path} is not root's alone ({'; '.join(problems)}); "
-                           "give the cluster one under a directory only root can write")
+        raise ClusterError(f"the state directory {path} is not root's alone ({'; '.join(problems)}); give the "
+                           "cluster one under a directory only root can write")
 
 
 def private_dir(path: str) -> None:
-    """Makes ``path`` anew, mode 0700, and checks it (:func:`check_private`).
-
-    Raises:
-        ClusterError: it exists already (someone made it after :func:`down`
-            removed it), or it or a parent is not root's alone.
-    """
+    """Makes ``path`` anew, mode 0700, and checks it; ClusterError if it exists (someone made it after
+    :func:`down` removed it) or is not root's alone."""
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
