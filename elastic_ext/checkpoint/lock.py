@@ -16,7 +16,8 @@ retention, until nothing verifies. So a local directory belongs to one job:
   again at its next write; another job id is refused with a
   :class:`~elastic_ext.errors.CheckpointError` naming the holder.
 
-The job id is horovodrun's rendezvous server (:func:`job_id`): every
+A filesystem without locks (``flock`` answers ENOLCK or EOPNOTSUPP) is
+treated as an object store, with a warning. The job id is horovodrun's rendezvous server (:func:`job_id`): every
 worker of one job names the same one, and no two jobs running at once
 share it; outside horovodrun (a single process, ``mpirun``, whose rank 0
 never moves) each process is its own job. A lingering process of an
@@ -119,7 +120,7 @@ class DirectoryLock:
             raise CheckpointError(f"cannot lock checkpoint directory {self.path}: {exc}") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
+        except BlockingIOError as exc:
             os.close(fd)
             owner = read_owner(self.path)
             if owner.get("job_id") == self.identity["job_id"]:
@@ -129,6 +130,12 @@ class DirectoryLock:
                 f"checkpoint directory {self.path} is in use by {describe(owner) if owner else 'another process'}"
                 f" ({exc.strerror}); two jobs writing one directory destroy each other's checkpoints: stop that "
                 f"job, or give this one another checkpoint_dir") from None
+        except OSError as exc:  # ENOLCK, EOPNOTSUPP...: this filesystem has no locks, as an object store
+            os.close(fd)
+            self.local = False
+            logger.warning("checkpoint directory %s cannot be locked (%s): one job at a time on it is up to you",
+                           self.path, exc)
+            return
         previous = read_owner(self.path)
         if previous and previous.get("job_id") != self.identity["job_id"]:
             logger.warning("taking over checkpoint directory %s from %s: no process of it holds the lock any more",

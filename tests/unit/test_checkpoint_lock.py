@@ -89,6 +89,21 @@ def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path, caplog):
     assert any("taking over" in r.getMessage() and "job-dead" in r.getMessage() for r in caplog.records)
 
 
+def test_a_filesystem_without_locks_warns_once_and_writes_on(tmp_path, monkeypatch, caplog):
+    import errno
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    lock = DirectoryLock(str(tmp_path), "job-A")
+    lock.acquire()
+    lock.acquire()
+    warned = [r.getMessage() for r in caplog.records if "cannot be locked" in r.getMessage()]
+    assert len(warned) == 1 and "No locks available" in warned[0] and not lock.held
+
+
 def test_an_owner_file_that_is_not_ours_is_no_identity(tmp_path):
     (tmp_path / checkpoint.OWNER_FILE).write_bytes(b"{" * 10_000)
     assert read_owner(str(tmp_path)) == {}
