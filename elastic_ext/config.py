@@ -32,8 +32,7 @@ ENV_HOROVOD_RENDEZVOUS_PORT = "HOROVOD_GLOO_RENDEZVOUS_PORT"
 ENV_NOTICE_ENDPOINT = "ELASTIC_EXT_NOTICE_ENDPOINT"
 NOTICE_CLOUDS = ("aws", "gcp", "azure")
 # Variables of this prefix that are not settings: the launcher's and the supervisor's to the workers,
-# tools/setup.sh's cache, and the
-# notices' endpoint (a test seam, and the rare machine whose endpoint is elsewhere).
+# tools/setup.sh's cache, and the notices' endpoint (a test seam, and the rare machine whose endpoint is elsewhere).
 NOT_SETTINGS = frozenset({ENV_RESTART_IN_PLACE, ENV_RESTARTED_IN_PLACE, ENV_LAUNCHER, ENV_MIN_NP, ENV_RESTART,
                           "ELASTIC_EXT_CACHE", ENV_NOTICE_ENDPOINT})
 
@@ -64,17 +63,13 @@ def _parse_float(name: str, text: str) -> float:
         raise ConfigError(f"{name} ({text!r}) must be a number") from None
 
 
-def _parse_path(name: str, text: str) -> str:
-    return text
-
-
 def _parse_every(name: str, text: str) -> Union[int, str]:
     """An integer, or "auto" (``checkpoint_every``)."""
     return "auto" if text.strip().lower() == "auto" else _parse_int(name, text, "an integer or 'auto'")
 
 
 # How a variable's text becomes a field's value, by the type of the field's default (None: a path).
-_PARSERS = {bool: _parse_bool, int: _parse_int, float: _parse_float, type(None): _parse_path}
+_PARSERS = {bool: _parse_bool, int: _parse_int, float: _parse_float, type(None): lambda name, text: text}
 
 
 def env_name(field: str) -> str:
@@ -106,7 +101,10 @@ class ElasticConfig:
             commit id); ``"auto"``: as often as Young's rule says from the
             measured cost of a write and the failures the job has seen
             (:mod:`elastic_ext.checkpoint.cadence`).
-        checkpoint_keep_last: keep the newest this many checkpoints.
+        checkpoint_keep_last: keep the newest this many checkpoints that verify.
+        checkpoint_fresh_start: start from the initial state even if the directory's checkpoints cannot be used
+            (all corrupt, or of a newer format version); off, the job stops with ``CheckpointError`` instead of
+            training again and overwriting them.
         checkpoint_failure_limit: after this many checkpoint writes failed
             in a row (a full disk, lost storage credentials, a bad path),
             every rank stops at the next commit with ``CheckpointError``
@@ -176,6 +174,7 @@ class ElasticConfig:
     checkpoint_dir: Optional[str] = None
     checkpoint_every: Union[int, str] = dataclasses.field(default="auto", metadata={"parse": _parse_every})
     checkpoint_keep_last: int = 3
+    checkpoint_fresh_start: bool = False
     checkpoint_failure_limit: int = 5
     replica_check_every: int = 10
     exclude_file: Optional[str] = None
@@ -217,6 +216,8 @@ class ElasticConfig:
         every = self.checkpoint_every
         if every != "auto" and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
             raise ConfigError(f"checkpoint_every ({every!r}) must be an integer >= 1 or 'auto'")
+        if not isinstance(self.checkpoint_fresh_start, bool):
+            raise ConfigError(f"checkpoint_fresh_start ({self.checkpoint_fresh_start!r}) must be True or False")
         for name, low in (("checkpoint_keep_last", 1), ("checkpoint_failure_limit", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -270,9 +271,7 @@ def horovod_rendezvous(environ: Optional[Mapping[str, str]] = None) -> Optional[
     """(address, port) of horovodrun's rendezvous server, or None outside horovodrun."""
     env = os.environ if environ is None else environ
     addr, port = env.get(ENV_HOROVOD_RENDEZVOUS_ADDR), env.get(ENV_HOROVOD_RENDEZVOUS_PORT)
-    if not addr or not port:
-        return None
-    return addr, _parse_int(ENV_HOROVOD_RENDEZVOUS_PORT, port)
+    return (addr, _parse_int(ENV_HOROVOD_RENDEZVOUS_PORT, port)) if addr and port else None
 
 
 def launch_min_np(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:

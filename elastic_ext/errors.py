@@ -62,6 +62,18 @@ class CorruptCheckpointError(CheckpointError):
     """A checkpoint failed verification (checksum, size or manifest); it is never loaded."""
 
 
+class PartialCheckpointError(CorruptCheckpointError):
+    """A checkpoint has no manifest: its write was cut before it finished (a leftover, not damage)."""
+
+
+class UnsupportedCheckpointError(CheckpointError):
+    """A checkpoint of a newer format version than this elastic_ext reads.
+
+    Not corruption: the job stops rather than fall back to an older
+    checkpoint or its initial state (``checkpoint_fresh_start`` overrides).
+    """
+
+
 class CheckpointReadError(CheckpointError):
     """Checkpoint storage could not be read (permission denied, I/O error, service unavailable).
 
@@ -134,6 +146,8 @@ __all__ = [
     "StateDivergenceError",
     "CheckpointError",
     "CorruptCheckpointError",
+    "PartialCheckpointError",
+    "UnsupportedCheckpointError",
     "CheckpointReadError",
     "RollbackLimitError",
     "NumericFaultError",

@@ -207,7 +207,14 @@ class EventLog:
             return -1
 
     def emit(self, event: str, **fields: Any) -> dict:
-        """Writes one event (a name from :data:`ALL_EVENTS`) and returns its record."""
+        """Writes one event (a name from :data:`ALL_EVENTS`) and returns its record.
+
+        Never raises for the file: events are a side channel, and a full disk
+        (ENOSPC), an I/O error or a closed file must not turn a rollback, a
+        failed checkpoint or a fence into a crash. The first failure is logged
+        once; the file is then closed and events go to the log (and
+        :attr:`history`) only.
+        """
         record = {"event": event, "time": time.time(), "rank": self._safe(self._rank_fn),
                   "size": self._safe(self._size_fn), "pid": os.getpid()}
         record.update(fields)
@@ -216,24 +223,53 @@ class EventLog:
         logger.info("[rank %s] %s", record["rank"], line)
         if self._path_template is not None:
             with self._lock:
-                if self._file is None:
-                    path = self._path_template.replace("{rank}", str(record["rank"]))
-                    parent = os.path.dirname(path)
-                    if parent:
-                        os.makedirs(parent, exist_ok=True)
-                    self._file = open(path, "a", encoding="utf-8")
-                self._file.write(line + "\n")
-                self._file.flush()
+                if self._path_template is not None:  # checked again: a failed write turns the file off
+                    self._append(record["rank"], line)
         return record
+
+    def _append(self, rank: int, line: str) -> None:
+        path = self._path_template.replace("{rank}", str(rank)) if self._path_template else ""
+        try:
+            if self._file is None:
+                parent = os.path.dirname(path)
+                if parent:
+                    os.makedirs(parent, exist_ok=True)
+                # 0o600: events name hosts, paths and errors of one user's job.
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                self._file = os.fdopen(fd, "a", encoding="utf-8")
+            self._file.write(line + "\n")
+            self._file.flush()
+        except (OSError, ValueError) as exc:  # ValueError: a closed file
+            logger.error("cannot write events to %s (%s: %s); events go to the log only from now on",
+                         path, type(exc).__name__, exc)
+            self._path_template = None
+            file, self._file = self._file, None
+            if file is not None:
+                try:
+                    file.close()
+                except (OSError, ValueError) as close_exc:  # its buffer holds the line that failed
+                    logger.debug("closing the events file %s failed: %s", path, close_exc)
 
 
 def read_events(path: str) -> list[dict]:
     """Reads a JSON-lines event file written by :class:`EventLog`.
 
     A missing file reads as no events: a worker that never emitted one
-    never opened its file.
+    never opened its file. A last line without its newline that does not
+    parse is a write cut short (the worker died in it) and is skipped with a
+    warning; a bad line anywhere else raises ``ValueError``.
     """
     if not os.path.exists(path):
         return []
-    with open(path, encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        lines = [line for line in handle if line.strip()]
+    events = []
+    for index, line in enumerate(lines):
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            if index < len(lines) - 1 or line.endswith("\n"):
+                raise  # damage inside the file: not a write cut short
+            # The last line, without its newline: a writer that died mid-write (or is writing now).
+            logger.warning("%s: ignoring its torn last line (%d characters)", path, len(line))
+    return events

@@ -14,7 +14,11 @@ cluster can reach beyond it. Every host runs Debian's ``sshd`` on its
 address with a host key generated here; the client key, the host keys,
 ``known_hosts``, an ``ssh_config`` and an ``ssh`` wrapper that uses it
 (put ``bin/`` of the state directory first on PATH) live in the state
-directory, so nothing of root's own ssh setup is read or written. Host
+directory, so nothing of root's own ssh setup is read or written. The state
+directory (:data:`STATE`, under ``/run``) is made mode 0700 and checked,
+with each of its parents, to be root's and writable by no one else, since
+root runs ``bin/ssh`` from it and sshd (``StrictModes yes``) trusts its
+``authorized_keys``. Host
 names resolve inside the namespaces through ``/etc/netns/eehI/hosts``
 (``ip netns exec`` mounts it over ``/etc/hosts`` for what it starts, so
 the machine's ``/etc/hosts`` is left alone). The file system is shared:
@@ -36,6 +40,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -48,7 +53,9 @@ BRIDGE = "br0"
 SUBNET = "192.0.2"        # TEST-NET-1 (RFC 5737): never routed anywhere
 FIRST_ADDRESS = 10
 MAX_HOSTS = 16
-STATE = "/tmp/elastic_ext-testcluster"
+# Root's alone: /run is root's and not world-writable (unlike /tmp, where another user could make this
+# directory first and own what root later runs from its bin/); up() checks that on every start.
+STATE = "/run/elastic_ext-testcluster"
 NETNS_ETC = "/etc/netns"
 PARTITION_TABLE = "ee_partition"
 HOSTS_MARK = "# elastic_ext test cluster (tools/testcluster.py)"
@@ -160,6 +167,45 @@ def _comm(pid: int) -> str:
         return ""
 
 
+def _untrusted(path: str, private: bool) -> Optional[str]:
+    """Why root cannot trust directory ``path`` (None if it can); ``private``: nobody else may even enter it."""
+    try:
+        info = os.lstat(path)
+    except OSError as exc:
+        return str(exc)
+    if not stat.S_ISDIR(info.st_mode):
+        return "not a directory (a symbolic link or a file)"
+    if info.st_uid not in (0, os.geteuid()):
+        return f"owned by uid {info.st_uid}"
+    if info.st_mode & (0o077 if private else 0o022):
+        return f"mode {stat.S_IMODE(info.st_mode):o} lets others {'in' if private else 'write'}"
+    return None
+
+
+def check_private(path: str) -> None:
+    """Raises ClusterError unless ``path`` is root's alone, under parents nobody else can write."""
+    path = os.path.abspath(path)
+    chain, parent = [path], path
+    while parent != os.path.dirname(parent):
+        parent = os.path.dirname(parent)
+        chain.append(parent)
+    problems = [f"{p}: {why}" for p in chain if (why := _untrusted(p, private=p == path))]
+    if problems:
+        raise ClusterError(f"the state directory {path} is not root's alone ({'; '.join(problems)}); give the "
+                           "cluster one under a directory only root can write")
+
+
+def private_dir(path: str) -> None:
+    """Makes ``path`` anew, mode 0700, and checks it; ClusterError if it exists (someone made it after
+    :func:`down` removed it) or is not root's alone."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        raise ClusterError(f"the state directory {path} exists after down removed it: someone else made it; "
+                           "remove it and look who did") from None
+    check_private(path)
+
+
 class Cluster:
     """``size`` hosts ``eeh0`` .. (see the module docstring); :meth:`up` builds them, :meth:`down` removes them."""
 
@@ -174,6 +220,7 @@ class Cluster:
     @classmethod
     def attach(cls, state: str = STATE) -> "Cluster":
         """The cluster that ``up`` (in this or another process) built."""
+        check_private(state)
         try:
             with open(os.path.join(state, "cluster.json")) as handle:
                 return cls(json.load(handle)["size"], state)
@@ -194,7 +241,8 @@ class Cluster:
         if os.geteuid() != 0:
             raise ClusterError("the test cluster needs root (network namespaces, nftables, sshd)")
         down(self.state)
-        os.makedirs(self.bin)
+        private_dir(self.state)
+        os.mkdir(self.bin, 0o700)
         if not os.path.isdir(NETNS_ETC):
             os.makedirs(NETNS_ETC)
             open(os.path.join(self.state, "made-etc-netns"), "w").close()
@@ -248,7 +296,7 @@ class Cluster:
         self._write(config, "\n".join([
             f"ListenAddress {host.address}:22", f"HostKey {home}/host_key", f"PidFile {home}/sshd.pid",
             f"AuthorizedKeysFile {self.state}/authorized_keys", "PermitRootLogin prohibit-password",
-            "PasswordAuthentication no", "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes no",
+            "PasswordAuthentication no", "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes yes",
             "PrintMotd no", "MaxStartups 100", "MaxSessions 100", "ClientAliveInterval 5",
             "ClientAliveCountMax 3", "LogLevel ERROR", ""]))
         _run("ip", "netns", "exec", ns, "/usr/sbin/sshd", "-f", config, "-E", f"{home}/sshd.log")

@@ -31,21 +31,36 @@ def address(view: memoryview) -> int:
 class DirectFile:
     """A new file at ``path``, written sequentially through :meth:`write`, then :meth:`sync`.
 
+    The file must not exist: it is created with ``O_EXCL|O_NOFOLLOW`` and
+    mode 0600, so a name planted beforehand (a symbolic link to another
+    file, someone else's file) fails the write instead of being followed or
+    truncated. The ``O_DIRECT`` descriptor reopens the file through this
+    process's own descriptor (``/proc/self/fd``), never through the path,
+    which could have been swapped meanwhile.
+
     ``direct_bytes`` counts the bytes that bypassed the page cache.
     """
 
     def __init__(self, path: str) -> None:
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         self.direct: Optional[int] = None
         if O_DIRECT:
             try:
-                self.direct = os.open(path, os.O_WRONLY | os.O_CLOEXEC | O_DIRECT)
+                self.direct = self._open_direct()
             except OSError as exc:
-                if exc.errno != errno.EINVAL:  # EINVAL: this filesystem has no O_DIRECT
+                if exc.errno not in (errno.EINVAL, errno.ENOENT):  # no O_DIRECT here, or no /proc
                     os.close(self.fd)
                     raise
         self.offset = 0
         self.direct_bytes = 0
+
+    def _open_direct(self) -> Optional[int]:
+        direct = os.open(f"/proc/self/fd/{self.fd}", os.O_WRONLY | os.O_CLOEXEC | O_DIRECT)
+        mine, other = os.fstat(self.fd), os.fstat(direct)
+        if (mine.st_dev, mine.st_ino) != (other.st_dev, other.st_ino):  # cannot happen through /proc; checked anyway
+            os.close(direct)
+            return None
+        return direct
 
     def __enter__(self) -> "DirectFile":
         return self

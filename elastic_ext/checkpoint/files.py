@@ -1,14 +1,16 @@
 """Writing and reading one checkpoint directory (see :mod:`elastic_ext.checkpoint.format`).
 
-Each file is written to ``<name>.tmp``, flushed, fsynced and renamed into
+Each file is written to a temporary name of its own (see
+:mod:`~elastic_ext.checkpoint.storage`), flushed, fsynced and renamed into
 place, then the directory is fsynced (on object stores, the manifest written
 last is what makes a checkpoint valid); a directory without a manifest is a
 *partial* checkpoint (the write was cut) and is never loaded. Reading
 validates the manifest before using it and reads raw bytes into fresh
 buffers of numeric dtypes only. A checkpoint that fails any check raises
-:class:`CorruptCheckpointError`; storage that cannot be read (permission
-denied, EIO, a 503) raises :class:`CheckpointReadError`: that says nothing
-about the checkpoint itself.
+:class:`CorruptCheckpointError` (:class:`PartialCheckpointError` without a
+manifest), one of a newer format :class:`UnsupportedCheckpointError`;
+storage that cannot be read (permission denied, EIO, a 503) raises
+:class:`CheckpointReadError`: that says nothing about the checkpoint itself.
 """
 
 from __future__ import annotations
@@ -17,20 +19,23 @@ import json
 import logging
 import os
 import time
-from typing import Any, Callable, Dict, Iterable, List
+from typing import Any, Callable, Dict, Iterable, List, Tuple
 
 import numpy as np
 
 from elastic_ext.state.buffers import aligned_empty
 from elastic_ext.checkpoint.format import (CHUNK_BYTES, DATA_DIGESTS, DATA_FILE, DTYPE_TEXT, FORMAT, FORMAT_VERSION,
-                                           MANIFEST_FILE, MAX_JSON_DEPTH, NAME_PATTERN, SAFE_KINDS, SKIP_BYTES,
-                                           Crc32, Loaded, array_offset, canonical, check_manifest, checkpoint_name,
-                                           data_digest, json_depth, parse_manifest, versions)
+                                           MANIFEST_FILE, MAX_JSON_DEPTH, MAX_MANIFEST_BYTES, NAME_PATTERN, SAFE_KINDS,
+                                           SKIP_BYTES, Crc32, Loaded, array_offset, canonical, check_manifest,
+                                           checkpoint_name, data_digest, json_depth, parse_manifest, versions)
 from elastic_ext.checkpoint.storage import Storage, open_storage
-from elastic_ext.errors import CheckpointError, CheckpointReadError, CorruptCheckpointError
+from elastic_ext.errors import (CheckpointError, CheckpointReadError, CorruptCheckpointError,
+                                PartialCheckpointError)
 from elastic_ext.state.snapshot import Entry
 
 logger = logging.getLogger(__name__)
+
+VERIFY_CHUNK_BYTES = 8 << 20
 
 
 def _array_chunks(arrays: List[np.ndarray]) -> Iterable[memoryview]:
@@ -102,13 +107,51 @@ def read_checkpoint(path: str) -> Loaded:
     never allocates more than the data file's size for arrays.
 
     Raises:
-        CorruptCheckpointError: the manifest is missing (a partial write), is
-            not JSON, nests too deep, fails its checksum or a field check
-            (types, commit id, dtype, shape, offsets, sizes); the data file is
-            missing or has the wrong size or checksum.
+        CorruptCheckpointError: the manifest is missing (a partial write:
+            :class:`PartialCheckpointError`), is not JSON, is over
+            ``MAX_MANIFEST_BYTES``, nests too deep, fails its checksum or a
+            field check (types, commit id, dtype, shape, offsets, sizes); the
+            data file is missing or has the wrong size or checksum.
+        UnsupportedCheckpointError: the manifest's ``format_version`` is
+            newer than this elastic_ext's.
         CheckpointReadError: the storage failed (permission, I/O error,
             service error): nothing is known about the checkpoint itself.
     """
+    store, name, manifest = _manifest(path)
+    entries = _read_arrays(store, store.join(name, DATA_FILE), path, manifest)
+    return Loaded(path=path, commit_id=manifest["commit_id"], manifest=manifest, entries=entries)
+
+
+def verify_checkpoint(path: str) -> int:
+    """Checks one checkpoint as :func:`read_checkpoint` does, without building its arrays; returns its commit id.
+
+    The data file is streamed through its checksum in bounded memory, so
+    retention can verify a checkpoint of any size.
+
+    Raises:
+        CorruptCheckpointError, CheckpointReadError, UnsupportedCheckpointError: as :func:`read_checkpoint`.
+    """
+    store, name, manifest = _manifest(path)
+    record, data_path = manifest["files"][DATA_FILE], store.join(name, DATA_FILE)
+    (field, digest), size = data_digest(manifest), 0
+    handle = _io(path, f"open {DATA_FILE}", store.open_read, data_path)
+    try:
+        while True:
+            chunk = _io(path, f"read {DATA_FILE}", handle.read, VERIFY_CHUNK_BYTES)
+            if not chunk:
+                break
+            digest.update(chunk)
+            size += len(chunk)
+    finally:
+        handle.close()
+    if size != record["bytes"] or digest.hexdigest() != record[field]:
+        raise CorruptCheckpointError(f"{path}: {DATA_FILE} ({size} bytes, {field} {digest.hexdigest()}) does not "
+                                     f"match the manifest ({record['bytes']} bytes, {record[field]})")
+    return manifest["commit_id"]
+
+
+def _manifest(path: str) -> Tuple[Storage, str, dict]:
+    """The storage, directory name and validated manifest of checkpoint ``path``."""
     trimmed = path.rstrip("/")
     parent, name = trimmed.rpartition("/")[::2] if "://" in trimmed else os.path.split(trimmed)
     store = _io(path, "open the checkpoint directory", open_storage, parent)
@@ -120,13 +163,12 @@ def read_checkpoint(path: str) -> Loaded:
     except CheckpointReadError as exc:
         if not isinstance(exc.__cause__, FileNotFoundError):
             raise
-        raise CorruptCheckpointError(f"{path} is partial: it has no {MANIFEST_FILE} (its write was cut "
+        raise PartialCheckpointError(f"{path} is partial: it has no {MANIFEST_FILE} (its write was cut "
                                      "before it finished)") from None
     manifest = parse_manifest(path, raw)
     expected_id = NAME_PATTERN.match(name)
     check_manifest(path, manifest, None if expected_id is None else int(expected_id.group(1)))
-    entries = _read_arrays(store, store.join(name, DATA_FILE), path, manifest)
-    return Loaded(path=path, commit_id=manifest["commit_id"], manifest=manifest, entries=entries)
+    return store, name, manifest
 
 
 def _io(path: str, what: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -141,8 +183,15 @@ def _io(path: str, what: str, fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def _read_all(store: Storage, file_path: str) -> bytes:
+    parts, size = [], 0
     with store.open_read(file_path) as handle:
-        return handle.read()
+        while size <= MAX_MANIFEST_BYTES:  # in pieces: read(n) would allocate n bytes up front
+            part = handle.read(SKIP_BYTES)
+            if not part:
+                return b"".join(parts)
+            parts.append(part)
+            size += len(part)
+    raise CorruptCheckpointError(f"{file_path} is larger than {MAX_MANIFEST_BYTES} bytes: not a manifest")
 
 
 def _read_exact(handle: Any, view: memoryview) -> int:

@@ -33,7 +33,7 @@ import numpy as np
 import xxhash
 
 from elastic_ext.state.buffers import ALIGNED_MIN_BYTES, PAGE_BYTES
-from elastic_ext.errors import CorruptCheckpointError
+from elastic_ext.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from elastic_ext.state.snapshot import Entry
 
 FORMAT = "elastic_ext.checkpoint"
@@ -55,6 +55,9 @@ HEX_TEXT = re.compile(r"^[0-9a-f]+$")
 # the manifest (checksum, consumers) far from Python's recursion limit.
 MAX_JSON_DEPTH = 200
 MAX_NDIM = 32  # numpy's own limit
+MAX_MANIFEST_BYTES = 64 << 20  # a manifest grows with the number of arrays: megabytes at most
+# How a message names the way to start from the initial state despite unusable checkpoints.
+FRESH_START_HINT = "checkpoint_fresh_start=True (ELASTIC_EXT_CHECKPOINT_FRESH_START=1)"
 
 
 def checkpoint_name(commit_id: int) -> str:
@@ -162,6 +165,11 @@ def parse_manifest(path: str, raw: bytes) -> dict:
         raise CorruptCheckpointError(f"{path}: {MANIFEST_FILE} format ({quote(manifest.get('format'))}) must be "
                                      f"{FORMAT!r}")
     version = manifest.get("format_version")
+    if type(version) is int and version > FORMAT_VERSION:
+        raise UnsupportedCheckpointError(
+            f"{path}: written in a newer format_version {version} (this elastic_ext reads "
+            f"{sorted(DATA_DIGESTS)}): resume it with the elastic_ext that wrote it, or allow a fresh start "
+            f"with {FRESH_START_HINT}")
     if type(version) is not int or version not in DATA_DIGESTS:
         raise CorruptCheckpointError(f"{path}: format_version ({quote(version)}) must be one of "
                                      f"{sorted(DATA_DIGESTS)}")

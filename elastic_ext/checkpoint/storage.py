@@ -1,8 +1,9 @@
 """Where checkpoint files live: one protocol, a local and an fsspec implementation.
 
 The format needs a handful of file operations. :class:`LocalStorage` makes
-each one durable the POSIX way (write to ``.tmp``, fsync, rename, fsync the
-directory); :class:`FsspecStorage` serves URLs (``s3://``, ``memory://``...),
+each one durable the POSIX way (write to a temporary name of this write
+alone, ``<name>.<pid>.<random>.tmp`` created with ``O_EXCL|O_NOFOLLOW`` and
+mode 0600, fsync, rename, fsync the directory; directories are made 0700); :class:`FsspecStorage` serves URLs (``s3://``, ``memory://``...),
 where there is no rename and the manifest written last is what makes a
 checkpoint valid. :func:`open_storage` picks one from the path.
 
@@ -15,7 +16,9 @@ missing one.
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import secrets
 import shutil
 from typing import IO, Iterable, List, Protocol, Tuple
 
@@ -87,6 +90,21 @@ class LocalStorage:
         return self.join(*parts)
 
     def makedirs(self, path: str) -> None:
+        """Creates ``path`` (mode 0700) and its missing parents; a symbolic link below the root is refused.
+
+        Raises:
+            OSError: it cannot be created, or an existing directory below the
+                root is a symbolic link (a planted ``ckpt-N`` would send the
+                write elsewhere).
+        """
+        below = os.path.relpath(os.path.abspath(path), self.base)
+        if not below.startswith(os.pardir):
+            current = self.base
+            for part in () if below == os.curdir else below.split(os.sep):
+                current = os.path.join(current, part)
+                if os.path.islink(current):
+                    raise OSError(errno.ELOOP, "a symbolic link inside the checkpoint directory is not "
+                                  "followed", current)
         missing = []
         while not os.path.isdir(path):
             missing.append(path)
@@ -96,7 +114,7 @@ class LocalStorage:
             path = parent
         for directory in reversed(missing):
             try:
-                os.mkdir(directory)
+                os.mkdir(directory, 0o700)  # checkpoints hold a job's weights: its user's alone
             except FileExistsError:
                 if not os.path.isdir(directory):
                     raise
@@ -125,11 +143,17 @@ class LocalStorage:
         return open(path, "rb")
 
     def write(self, path: str, chunks: Iterable[memoryview]) -> Tuple[int, str]:
-        target = path + ".tmp"
-        with DirectFile(target) as handle:  # O_DIRECT where it can: no copy into the page cache
-            result = _copy_chunks(handle, chunks)
-            handle.sync()
-        os.replace(target, path)
+        # A name of this write alone: two writers (or a leftover) never share a temporary file,
+        # and DirectFile refuses one that exists (O_EXCL), a planted link included.
+        target = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        try:
+            with DirectFile(target) as handle:  # O_DIRECT where it can: no copy into the page cache
+                result = _copy_chunks(handle, chunks)
+                handle.sync()
+            os.replace(target, path)
+        except BaseException:
+            _remove_quietly(target)  # a failed write leaves no partial file of gigabytes behind
+            raise
         return result
 
     def remove(self, path: str) -> None:
@@ -154,6 +178,15 @@ class LocalStorage:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # the write's own error is the one that matters
+        logging.getLogger(__name__).warning("cannot remove the partial file %s: %s", path, exc)
 
 
 class FsspecStorage:

@@ -1,8 +1,9 @@
 """The checkpoints under one directory: listing, the newest valid one, retention, read retries.
 
 :meth:`CheckpointStore.load_newest` skips a corrupt or partial checkpoint
-with a warning (path and reason) and falls back to the previous one. A
-storage error (permission denied, EIO, a 503) is retried a few times, then
+with a warning (path and reason) and falls back to the previous one; when
+none is left but some were corrupt, or one is of a newer format, it stops
+the job unless told to start fresh. A storage error (permission denied, EIO, a 503) is retried a few times, then
 raised as :class:`CheckpointReadError`: it says nothing about the checkpoint,
 so the job must stop rather than silently train from an older state.
 """
@@ -11,12 +12,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Set
 
-from elastic_ext.checkpoint.files import read_checkpoint
-from elastic_ext.checkpoint.format import MANIFEST_FILE, NAME_PATTERN, Loaded, checkpoint_name
+from elastic_ext.checkpoint.files import read_checkpoint, verify_checkpoint
+from elastic_ext.checkpoint.format import FRESH_START_HINT, MANIFEST_FILE, NAME_PATTERN, Loaded, checkpoint_name
 from elastic_ext.checkpoint.storage import open_storage
-from elastic_ext.errors import CheckpointReadError, ConfigError, CorruptCheckpointError
+from elastic_ext.errors import (CheckpointError, CheckpointReadError, ConfigError, CorruptCheckpointError,
+                                PartialCheckpointError, UnsupportedCheckpointError)
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,8 @@ class CheckpointStore:
         self._storage = open_storage(directory)
         self._retention_warned: set = set()  # what retention could not delete, warned about once
         self.not_deleted: List[int] = []      # ids the last apply_retention failed to delete
+        self.held: Optional[int] = None       # see hold()
+        self._verified: Set[int] = set()      # ids retention verified
 
     def commit_ids(self) -> List[int]:
         """Ids of every ``ckpt-*`` directory, complete or not, newest first.
@@ -87,46 +91,93 @@ class CheckpointStore:
             delay *= 2
         raise AssertionError("unreachable")  # the loop returns or raises
 
-    def load_newest(self) -> Optional[Loaded]:
-        """The newest checkpoint that verifies, or None if there is none.
+    def load_newest(self, fresh_start: bool = False) -> Optional[Loaded]:
+        """The newest checkpoint that verifies, or None if there is none to resume from.
 
         Each corrupt or partial one is skipped with a warning that names it
-        and the reason. A storage error is retried (``read_attempts``), then
-        raised: it never makes the job fall back.
+        and the reason, and the previous one is tried. A storage error is
+        retried (``read_attempts``), then raised: it never makes the job fall
+        back. Without ``fresh_start``, checkpoints that exist but cannot be
+        used stop the job rather than let it train again from its initial
+        state and overwrite them: one of a newer format version, or a
+        directory whose every checkpoint with a manifest fails verification.
+        Partial checkpoints (no manifest: a write that was cut) never do.
 
         Raises:
             CheckpointReadError: listing or reading failed with a storage
                 error on every try; the message names the path and the error.
-            CheckpointError: a checkpoint cannot be loaded for another reason
-                than corruption (it does not fit in memory).
+            UnsupportedCheckpointError: a checkpoint of a newer format
+                version (unless ``fresh_start``).
+            CheckpointError: every checkpoint with a manifest is corrupt
+                (unless ``fresh_start``), or one does not fit in memory.
         """
-        skipped = []
+        skipped, corrupt = [], []
         for commit_id in self._retried(f"listing {self.directory}", self.commit_ids):
             path = self.path(commit_id)
             try:
                 loaded = self._retried(f"reading {path}", lambda: read_checkpoint(path))
-            except CorruptCheckpointError as exc:
+            except (CorruptCheckpointError, UnsupportedCheckpointError) as exc:
+                if isinstance(exc, UnsupportedCheckpointError) and not fresh_start:
+                    raise
                 logger.warning("skipping checkpoint: %s", exc)  # the message starts with its path
                 skipped.append(commit_id)
+                if not isinstance(exc, PartialCheckpointError):
+                    corrupt.append(str(exc))
                 continue
             if skipped:
                 logger.warning("resuming from checkpoint %s (commit %d), older than the skipped %s",
                                loaded.path, commit_id, skipped)
             return loaded
+        if corrupt and not fresh_start:
+            raise CheckpointError(
+                f"no checkpoint in {self.directory} can be used: {len(corrupt)} failed verification (the newest: "
+                f"{corrupt[0]}); starting from the initial state would train again and later overwrite them. "
+                f"Move them away, or allow a fresh start with {FRESH_START_HINT}")
         if skipped:
             logger.warning("no valid checkpoint in %s (skipped %s); starting from the initial state",
                            self.directory, skipped)
         return None
 
+    def hold(self, commit_id: int) -> None:
+        """Keeps the newest checkpoint at or before ``commit_id`` through every retention until :meth:`release`.
+
+        For the replica check: when ranks disagree and nothing explains it,
+        the checkpoints written since the last agreed commit may hold the
+        corrupt copy, and the one before must outlive ``keep_last``.
+        """
+        if type(commit_id) is not int or commit_id < 0:
+            raise ConfigError(f"hold({commit_id!r}): a commit id is an integer >= 0")
+        self.held = commit_id
+
+    def release(self) -> None:
+        """Ends :meth:`hold`: retention applies ``keep_last`` alone again."""
+        self.held = None
+
+    def _verifies(self, commit_id: int) -> bool:
+        """True if checkpoint ``commit_id`` verifies now or did before (a checkpoint is never changed in place)."""
+        if commit_id in self._verified:
+            return True
+        try:
+            verify_checkpoint(self.path(commit_id))
+        except Exception as exc:  # noqa: BLE001 - not verified is all retention needs to know
+            self._retention_failed(("verify", commit_id), f"retention: {type(exc).__name__}: {exc}; not counted "
+                                                          "as a checkpoint to keep")
+            return False
+        self._verified.add(commit_id)
+        return True
+
     def apply_retention(self, newest: int, keep_last: int) -> List[int]:
         """Deletes checkpoints older than ``newest`` beyond the policy; returns the deleted ids.
 
-        Kept: the newest ``keep_last`` complete checkpoints up to ``newest``.
-        Partial ones older
-        than ``newest`` are leftovers of cut writes and go. Ids above
-        ``newest`` are left alone: they are what a previous run wrote past
-        the checkpoint this run resumed from, and are overwritten as the job
-        reaches those ids again.
+        Kept: the newest ``keep_last`` checkpoints up to ``newest`` that
+        verify (each is verified once, streamed through its checksum: one
+        read of the new checkpoint per write), ``newest`` itself, the one
+        :meth:`hold` names, and whatever lies between them (a corrupt one is
+        not counted). Older ones go, and so do partial ones (leftovers of cut
+        writes) older than ``newest``. When nothing verifies, no checkpoint
+        with a manifest is deleted. Ids above ``newest`` are left alone: they
+        are what a previous run wrote past the checkpoint this run resumed
+        from, and are overwritten as the job reaches those ids again.
 
         Never raises: an entry that cannot be deleted (a symbolic link, a
         permission error) is logged once, listed in :attr:`not_deleted`, and
@@ -134,6 +185,7 @@ class CheckpointStore:
         was just written.
         """
         self.not_deleted = []
+        self._verified.discard(newest)  # written again just now
         try:
             ids = self.commit_ids()
             complete = [i for i in ids if i <= newest
@@ -141,9 +193,20 @@ class CheckpointStore:
         except Exception as exc:  # noqa: BLE001 - retention is housekeeping: report, never fail the write
             self._retention_failed("list", f"retention cannot list {self.directory}: {type(exc).__name__}: {exc}")
             return []
-        keep = set(complete[:keep_last]) | {newest}
+        verified: List[int] = []
+        for commit_id in complete:
+            if len(verified) == keep_last:
+                break
+            if self._verifies(commit_id):
+                verified.append(commit_id)
+        keep = set(verified) | {newest}
+        held = self.held
+        if held is not None:
+            before = [i for i in complete if i <= held]
+            keep.add(next((i for i in before if self._verifies(i)), before[0]) if before else newest)
+        floor = min(verified) if verified else -1  # below the oldest kept one that verifies: all goes
         deleted = []
-        for commit_id in (i for i in ids if i < newest and i not in keep):
+        for commit_id in (i for i in ids if i < newest and i not in keep and (i < floor or i not in complete)):
             try:
                 self._storage.remove(self._storage.join(checkpoint_name(commit_id)))
             except Exception as exc:  # noqa: BLE001 - as above
@@ -152,6 +215,7 @@ class CheckpointStore:
                                                   f"{type(exc).__name__}: {exc}")
                 continue
             self._retention_warned.discard(commit_id)
+            self._verified.discard(commit_id)
             deleted.append(commit_id)
         return deleted
 

@@ -24,6 +24,7 @@ from typing import Any, Dict, Iterable, Optional, Set, Tuple
 from elastic_ext.state.buffers import CommitBuffers, Lease
 from elastic_ext.checkpoint.files import write_checkpoint
 from elastic_ext.checkpoint.format import Loaded
+from elastic_ext.checkpoint.lock import DirectoryLock, job_id
 from elastic_ext.checkpoint.store import CheckpointStore
 from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import CheckpointError, error_detail
@@ -60,6 +61,7 @@ class Checkpointer:
 
     def __init__(self, config: ElasticConfig, events: EventLog, buffers: CommitBuffers) -> None:
         self.store = CheckpointStore(config.checkpoint_dir)
+        self.lock = DirectoryLock(config.checkpoint_dir, job_id())  # taken at the first resume or write
         self._config = config
         self._events = events
         self._buffers = buffers
@@ -170,26 +172,40 @@ class Checkpointer:
         self._thread.start()
 
     def _write(self, commit_id: int, lease: Lease, info: Dict[str, Any]) -> None:
+        # The result is recorded before anything is reported: whatever happens to the
+        # reporting, _collect counts this write (checkpoint_failure_limit depends on it),
+        # and a thread that dies unexpectedly counts as a failed write, never as a stale result.
+        self._result = (commit_id, CheckpointError(f"the write of commit {commit_id} ended without a result"))
         started = time.perf_counter()
         try:
+            self.lock.acquire()  # another job's directory: a failed write, counted like any other
             path = write_checkpoint(self.store.directory, commit_id, lease.entries, info)
         except Exception as exc:  # noqa: BLE001 - reported here and in the event; training goes on
+            self._result = (commit_id, exc)
             logger.error("checkpoint of commit %d failed: %s", commit_id, exc)
             self._events.emit(CHECKPOINT_FAILED, commit_id=commit_id, error=error_detail(exc),
                               failures_in_a_row=self.failures_in_a_row + 1)
-            self._result = (commit_id, exc)
             return
         finally:
             lease.release()
+        self._duration_s = time.perf_counter() - started
         # The checkpoint is durable now. Retention is housekeeping: what it cannot
         # delete is logged (once) by the store, and never makes this write count as
         # failed, which would change the cadence (a full write at every commit).
         deleted = self.store.apply_retention(commit_id, self._config.checkpoint_keep_last)
+        self._result = (commit_id, None)
         nbytes = sum(int(a.nbytes) for e in lease.entries.values() for a in e.arrays.values())
-        self._duration_s = time.perf_counter() - started
         self._events.emit(CHECKPOINT, commit_id=commit_id, path=path, bytes=nbytes, deleted=deleted,
                           not_deleted=list(self.store.not_deleted), duration_s=self._duration_s)
-        self._result = (commit_id, None)
+
+    def hold(self, commit_id: int) -> None:
+        """Retention keeps the newest checkpoint at or before ``commit_id`` until :meth:`release`
+        (:meth:`CheckpointStore.hold`: the replica check's last agreed commit, when ranks disagree)."""
+        self.store.hold(commit_id)
+
+    def release(self) -> None:
+        """Ends :meth:`hold`."""
+        self.store.release()
 
     def wait(self, timeout_s: Optional[float] = None) -> bool:
         """Waits for the running write (at most ``timeout_s``); True if none is left running."""
@@ -205,13 +221,16 @@ class Checkpointer:
         """The newest valid checkpoint for a State whose synced objects are ``synced``.
 
         Returns ``(checkpoint or None, None)``, or ``(None, message)`` when it
-        cannot be used: the directory cannot be read, or the checkpoint holds
-        objects this State does not track as synced.
+        cannot be used: another job holds the directory, the directory cannot
+        be read, its checkpoints exist but none can be used (see
+        :meth:`CheckpointStore.load_newest`), or the checkpoint holds objects
+        this State does not track as synced.
         """
         try:
-            loaded = self.store.load_newest()
-        except CheckpointError as exc:  # e.g. the directory cannot be listed
-            return None, f"cannot look for checkpoints in {self._config.checkpoint_dir}: {exc}"
+            self.lock.acquire()  # before reading: another job's checkpoints are not this job's to resume
+            loaded = self.store.load_newest(fresh_start=self._config.checkpoint_fresh_start)
+        except CheckpointError as exc:  # another job holds it, none usable, or the directory cannot be read
+            return None, f"cannot resume from the checkpoints in {self._config.checkpoint_dir}: {exc}"
         if loaded is None:
             return None, None
         foreign = sorted(set(loaded.entries) - synced)

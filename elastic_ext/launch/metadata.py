@@ -30,6 +30,12 @@ the answer into a :class:`Notice` (or None):
   are listed, so only those whose ``Resources`` name this VM count (its name:
   ``/metadata/instance/compute/name?api-version=2021-02-01&format=text``).
 
+Every answer is untrusted (anything that can answer on the link-local
+address can): :func:`request` follows no redirect, reads at most
+:data:`MAX_BODY_BYTES` and gives up at a total deadline, and each client
+checks the documented shape of what it uses, raising :class:`MetadataError`
+otherwise.
+
 The base URL of each is the documented link-local address unless
 ``ELASTIC_EXT_NOTICE_ENDPOINT`` gives another (see :mod:`elastic_ext.launch.notices`).
 """
@@ -37,13 +43,21 @@ The base URL of each is the documented link-local address unless
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import json
+import logging
+import re
+import socket
+import threading
 import time
-import urllib.error
-import urllib.request
-from typing import Any, Dict, Mapping, Optional, Tuple
+import urllib.parse
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-REQUEST_TIMEOUT_S = 2.0
+logger = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT_S = 2.0      # for a whole request: connect, headers and body
+MAX_BODY_BYTES = 64 << 10    # every documented answer is a few hundred bytes
+TOKEN_TEXT = re.compile(r"^[A-Za-z0-9+/=_.-]{1,1024}$")  # an IMDSv2 token: what may go back in a header
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,15 +80,59 @@ class MetadataError(Exception):
 
 def request(url: str, headers: Mapping[str, str], method: str = "GET",
             timeout_s: float = REQUEST_TIMEOUT_S) -> Tuple[int, bytes, Mapping[str, str]]:
-    """One HTTP request without proxies (link-local addresses must never go through one): (status, body, headers)."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    req = urllib.request.Request(url, method=method, headers=dict(headers),
-                                 data=b"" if method == "PUT" else None)
+    """One HTTP request, as a metadata endpoint must be asked: (status, body, headers).
+
+    Bounded in every way an answer could hold a watcher: no proxy
+    (link-local addresses must never go through one), no redirect followed
+    (a 3xx is returned as it is: the token headers must never reach another
+    host), ``timeout_s`` for the whole exchange (an answer that trickles in
+    is cut off at the deadline), and a body of at most :data:`MAX_BODY_BYTES`.
+
+    Raises:
+        MetadataError: the answer is not well-formed HTTP, is too large, or
+            did not complete within ``timeout_s``.
+        OSError: the endpoint cannot be reached.
+    """
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise MetadataError(f"{url!r} is not an http(s) URL")
+    connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    connection = connection_class(parts.hostname, parts.port, timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    timer = threading.Timer(timeout_s, _cut, (connection,))
+    timer.daemon = True
     try:
-        with opener.open(req, timeout=timeout_s) as response:
-            return response.status, response.read(), response.headers
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read() or b"", exc.headers
+        connection.connect()
+        timer.interval = max(0.0, deadline - time.monotonic())
+        timer.start()
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        connection.request(method, target, body=b"" if method == "PUT" else None, headers=dict(headers))
+        response = connection.getresponse()
+        body = response.read(MAX_BODY_BYTES + 1)
+        if len(body) > MAX_BODY_BYTES:
+            raise MetadataError(f"{url} answered a body larger than {MAX_BODY_BYTES} bytes")
+        return response.status, body, response.headers
+    except (http.client.HTTPException, ValueError) as exc:
+        late = " (cut off at the deadline)" if time.monotonic() >= deadline else ""
+        raise MetadataError(f"{url} answered no well-formed HTTP within {timeout_s}s{late}: "
+                            f"{type(exc).__name__}: {str(exc)[:200]}") from None
+    except OSError:
+        if time.monotonic() >= deadline:
+            raise MetadataError(f"{url} gave no complete answer within {timeout_s}s") from None
+        raise
+    finally:
+        timer.cancel()
+        connection.close()
+
+
+def _cut(connection: http.client.HTTPConnection) -> None:
+    """At the deadline: ends the exchange under the reading thread (its recv returns at once)."""
+    sock = connection.sock
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError as exc:  # already closed: the request ended on its own
+            logger.debug("cutting %s off: %s", connection.host, exc)
 
 
 class AwsImds:
@@ -101,7 +159,10 @@ class AwsImds:
             status, body, _ = request(self.base_url + self.TOKEN_PATH, {self.TTL_HEADER: str(self.TOKEN_TTL_S)}, "PUT")
             if status != 200 or not body:
                 raise MetadataError(f"IMDSv2 token request to {self.base_url} answered {status}")
-            self._token = body.decode("ascii").strip()
+            token = body.decode("ascii", "replace").strip()
+            if not TOKEN_TEXT.match(token):
+                raise MetadataError(f"IMDSv2 token request to {self.base_url} answered {body[:64]!r}, not a token")
+            self._token = token
             self._token_until = time.monotonic() + self.TOKEN_TTL_S - 60
         return self._token
 
@@ -187,13 +248,16 @@ class AzureScheduledEvents:
     def check(self) -> Optional[Notice]:
         first = self.vm_name is None
         if first:
-            self.vm_name = self._get(self.NAME_PATH).decode("utf-8").strip()
+            name = self._get(self.NAME_PATH).decode("utf-8", "replace").strip()
+            if not name or not name.isprintable():
+                raise MetadataError(f"Azure IMDS {self.NAME_PATH} answered {name[:200]!r}, not a VM name")
+            self.vm_name = name
         document = _json(self._get(self.EVENTS_PATH, self.FIRST_TIMEOUT_S if first else REQUEST_TIMEOUT_S),
                          self.EVENTS_PATH)
-        for event in document.get("Events") or []:
-            if self.vm_name not in (event.get("Resources") or []):
+        for event in _azure_events(document):
+            if self.vm_name not in event["Resources"]:  # a list of names, matched exactly
                 continue  # another VM of this availability set or placement group
-            kind, event_id = event.get("EventType"), event.get("EventId")
+            kind, event_id = event["EventType"], event["EventId"]
             if kind in self.LEAVE_TYPES:
                 return Notice(self.source, kind, True, event)
             if event_id not in self._seen:
@@ -202,17 +266,33 @@ class AzureScheduledEvents:
         return None
 
 
+def _azure_events(document: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The document's ``Events``, each checked for the shape Azure documents (or MetadataError)."""
+    events = document.get("Events")
+    if events is None:
+        return []
+    if not isinstance(events, list):
+        raise MetadataError(f"Azure scheduled events: Events ({str(events)[:200]!r}) must be a list")
+    for event in events:
+        if not (isinstance(event, dict) and isinstance(event.get("EventId"), str)
+                and isinstance(event.get("EventType"), str) and isinstance(event.get("Resources"), list)
+                and all(isinstance(r, str) for r in event["Resources"])):
+            raise MetadataError(f"Azure scheduled events: {str(event)[:200]!r} must be an object with EventId and "
+                                "EventType strings and Resources a list of strings")
+    return events
+
+
 CLIENTS = {"aws": AwsImds, "gcp": GcpMetadata, "azure": AzureScheduledEvents}
 
 
 def _json(body: bytes, path: str) -> Dict[str, Any]:
     try:
         value = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise MetadataError(f"{path} answered something that is not JSON: {body[:200]!r}") from exc
     if not isinstance(value, dict):
         raise MetadataError(f"{path} answered {value!r}, not a JSON object")
     return value
 
 
-__all__ = ["Notice", "MetadataError", "AwsImds", "GcpMetadata", "AzureScheduledEvents", "CLIENTS", "request"]
+__all__ = ["MAX_BODY_BYTES", "Notice", "MetadataError", "AwsImds", "GcpMetadata", "AzureScheduledEvents", "CLIENTS", "request"]

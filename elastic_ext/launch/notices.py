@@ -96,25 +96,32 @@ class Watcher(threading.Thread):
     same instants on every worker of a host. An endpoint that fails is asked
     again after :data:`RETRY_S` (the first failure is a warning, the later
     ones debug lines): a machine whose endpoint cannot be reached behaves as
-    one without notices.
+    one without notices. Any answer at all (garbled HTTP, a wrongly shaped
+    document, a body over the cap) counts as such a failure: it never ends
+    the thread, so a bad answer cannot switch notices off.
     """
 
-    def __init__(self, client: Any, on_notice: Any, stop: Optional[threading.Event] = None) -> None:
+    def __init__(self, client: Any, on_notice: Any, stop: Optional[threading.Event] = None,
+                 retry_s: Optional[float] = None) -> None:
         super().__init__(name=f"elastic_ext-notices-{client.source}", daemon=True)
         self.client, self.on_notice = client, on_notice
         self.stop = stop or threading.Event()
+        self.retry_s = retry_s  # None: RETRY_S, read at each failure
         self.failures = 0
+
+    def _retry_s(self) -> float:
+        return RETRY_S if self.retry_s is None else self.retry_s
 
     def run(self) -> None:
         while not self.stop.is_set():
             try:
                 notice = self.client.check()
-            except (MetadataError, OSError, ValueError) as exc:
+            except Exception as exc:  # noqa: BLE001 - whatever an endpoint answers, the watch goes on
                 self.failures += 1
                 (logger.warning if self.failures == 1 else logger.debug)(
-                    "preemption notices: %s at %s failed (%s); asking again in %.0fs", self.client.source,
-                    self.client.base_url, exc, RETRY_S)
-                self.stop.wait(RETRY_S)
+                    "preemption notices: %s at %s failed (%s: %s); asking again in %.0fs", self.client.source,
+                    self.client.base_url, type(exc).__name__, exc, self._retry_s())
+                self.stop.wait(self._retry_s())
                 continue
             if notice is not None:
                 self.on_notice(notice)

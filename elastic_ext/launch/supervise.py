@@ -18,8 +18,9 @@ Without it a restart starts from scratch, which this refuses unless
 
 Rules: a run that exits 0 ends the supervisor with 0. A run that fails is
 started again after ``--backoff-s``, at most ``--max-restarts`` times; then
-the supervisor exits with the run's code. SIGINT/SIGTERM are passed on to
-the run and stop the restarts. Every restart is written as a ``job_restart``
+the supervisor exits with the run's code. SIGINT, SIGTERM and SIGHUP are
+passed on to the run and stop the restarts (one that arrives while a run is
+being started reaches that run). Every restart is written as a ``job_restart``
 event to ``ELASTIC_EXT_EVENTS_PATH`` when that is set, and the job sees
 ``ELASTIC_EXT_RESTART`` (0 for the first run, k for the k-th restart).
 """
@@ -37,25 +38,29 @@ from typing import List, Optional
 from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_EVENTS_PATH, ENV_RESTART
 from elastic_ext.events import JOB_RESTART, EventLog
 
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # a closed terminal ends the job as Ctrl-C does
 
 
 def supervise(command: List[str], max_restarts: int, backoff_s: float, log=print) -> int:
     """Runs ``command`` until it exits 0 or has failed ``max_restarts + 1`` times; returns its last exit code."""
-    stopping = {"signal": None}
+    stopping: dict = {"signal": None}
     child: Optional[subprocess.Popen] = None
 
     def forward(signum, frame):
         stopping["signal"] = signum
         if child is not None and child.poll() is None:
             child.send_signal(signum)
+            stopping["sent_to"] = child.pid
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     events = EventLog(os.environ.get(ENV_EVENTS_PATH) or None, lambda: -1, lambda: 0)
     restarts = 0
     try:
         while True:
             started = time.time()
             child = subprocess.Popen(command, env={**os.environ, ENV_RESTART: str(restarts)})
+            if stopping["signal"] is not None and stopping.get("sent_to") != child.pid:
+                child.send_signal(stopping["signal"])  # it came while Popen ran: forward() saw the previous child
             code = child.wait()
             if code == 0 or stopping["signal"] is not None or restarts >= max_restarts:
                 if code != 0 and stopping["signal"] is None:
@@ -90,9 +95,11 @@ def main(argv=None) -> int:
         parser.error(f"--max-restarts ({args.max_restarts}) must be >= 0")
     if args.backoff_s < 0:
         parser.error(f"--backoff-s ({args.backoff_s}) must be >= 0")
-    if not os.environ.get(ENV_CHECKPOINT_DIR) and not args.allow_no_checkpoint and args.max_restarts:
-        parser.error(f"{ENV_CHECKPOINT_DIR} is not set: a restarted job would start from scratch; set it "
-                     "(durable checkpoints) or pass --allow-no-checkpoint")
+    directory = os.environ.get(ENV_CHECKPOINT_DIR, "")
+    if not directory.strip() and not args.allow_no_checkpoint and args.max_restarts:
+        # A blank value is "not set" for the workers too (ElasticConfig): checkpoints would be off.
+        parser.error(f"{ENV_CHECKPOINT_DIR} is not set{f' (it is {directory!r})' if directory else ''}: a restarted "
+                     "job would start from scratch; set it (durable checkpoints) or pass --allow-no-checkpoint")
     return supervise(command, args.max_restarts, args.backoff_s, log=lambda text: print(text, file=sys.stderr,
                                                                                          flush=True))
 

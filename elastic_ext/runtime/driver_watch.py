@@ -58,6 +58,7 @@ FENCE_S = 10.0           # below the driver's ssh keepalive bound: fenced before
 FENCE_MIN_ATTEMPTS = 3   # and at least this many failed GETs in a row (not one slow answer)
 REQUEST_TIMEOUT_S = 2.0
 FENCED_EXIT_CODE = 75    # EX_TEMPFAIL: not a crash of the worker, not the leave code (143)
+REPORT_S = 1.0           # the fence waits at most this long for its event and message, then exits anyway
 
 
 def _slot(failed: bytes) -> str:
@@ -127,7 +128,10 @@ class DriverWatch:
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
-            self.check()
+            try:
+                self.check()
+            except Exception as exc:  # noqa: BLE001 - the fence must outlive any one bad poll
+                logger.error("driver watch: one poll failed (%s: %s); polling on", type(exc).__name__, exc)
 
     def check(self) -> None:
         """One poll: cut the links if a member of this worker's round failed; fence if the driver is gone."""
@@ -171,10 +175,23 @@ class DriverWatch:
             logger.warning("cannot reach the driver's rendezvous server (%s); fencing this worker if that lasts "
                            "%.0fs", exc, FENCE_S)
             return
-        self._events.emit(FENCED, unreachable_s=round(unreachable_s, 3), attempts=self._failures,
-                          error=str(exc)[:200])
-        print(f"elastic_ext: this worker has not reached its driver for {unreachable_s:.1f}s ({exc}): it is cut "
-              f"off from its job, which goes on without it; exiting ({FENCED_EXIT_CODE}) rather than train alone",
-              file=sys.stderr, flush=True)
-        logging.shutdown()
-        self._exit(FENCED_EXIT_CODE)
+        fields = {"unreachable_s": round(unreachable_s, 3), "attempts": self._failures, "error": str(exc)[:200]}
+        try:
+            # Reporting comes second: an event write that raises or blocks (a full disk, a hard-mounted
+            # filesystem on the far side of the partition) must never keep a cut-off worker training.
+            reporter = threading.Thread(target=self._report_fence, args=(fields,), name="elastic_ext-fenced",
+                                        daemon=True)
+            reporter.start()
+            reporter.join(REPORT_S)
+        finally:
+            self._exit(FENCED_EXIT_CODE)
+
+    def _report_fence(self, fields: dict) -> None:
+        try:
+            self._events.emit(FENCED, **fields)
+            print(f"elastic_ext: this worker has not reached its driver for {fields['unreachable_s']:.1f}s "
+                  f"({fields['error']}): it is cut off from its job, which goes on without it; exiting "
+                  f"({FENCED_EXIT_CODE}) rather than train alone", file=sys.stderr, flush=True)
+            logging.shutdown()
+        except Exception as exc:  # noqa: BLE001 - the exit follows whatever happens here
+            logger.error("fenced, but could not report it (%s: %s); exiting anyway", type(exc).__name__, exc)

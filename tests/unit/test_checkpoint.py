@@ -185,7 +185,9 @@ def test_a_pickle_payload_is_refused_and_never_executed(tmp_path, dtype_text):
     path = _craft(tmp_path / "ckpts", 5, dtype_text, payload)
     with pytest.raises(CorruptCheckpointError, match="dtype"):
         read_checkpoint(str(path))
-    assert CheckpointStore(str(tmp_path / "ckpts")).load_newest() is None
+    with pytest.raises(CheckpointError, match="checkpoint_fresh_start"):  # none usable: no silent fresh start
+        CheckpointStore(str(tmp_path / "ckpts")).load_newest()
+    assert CheckpointStore(str(tmp_path / "ckpts")).load_newest(fresh_start=True) is None
     assert not marker.exists()
 
 

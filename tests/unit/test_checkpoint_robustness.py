@@ -4,7 +4,8 @@
   anything but a CheckpointError subclass, never make it allocate more than
   the data file holds, and never make it return bytes other than those the
   table points at: unit cases from issue 17, then a hypothesis fuzz test.
-- A fresh job skips a crafted newest checkpoint and resumes from an older one.
+- A fresh job skips a crafted newest checkpoint and resumes from an older one;
+  a checkpoint of a newer format version stops it instead.
 - Storage faults, injected through an fsspec filesystem (faulty_fs.py): a
   read error stops the job with the path and the error, after bounded
   retries, and never falls back; retention that cannot delete is logged once
@@ -29,7 +30,8 @@ import faulty_fs
 from elastic_ext import checkpoint
 from elastic_ext.state.snapshot import Entry
 from elastic_ext.checkpoint import CheckpointStore, read_checkpoint, write_checkpoint
-from elastic_ext.errors import CheckpointError, CheckpointReadError, CorruptCheckpointError
+from elastic_ext.errors import (CheckpointError, CheckpointReadError, CorruptCheckpointError,
+                                UnsupportedCheckpointError)
 from faulty_fs import Fault
 from test_checkpoint import Job, assert_entries_equal, sample_entries
 
@@ -114,7 +116,7 @@ CRAFTED = [
      "xxh3_64 ('0123abcd') must be 16 lowercase hex digits"),
     ("a version-1 checksum in a version-2 manifest", lambda b: b["files"]["arrays.bin"].update(
         {"crc32": "0123abcd", "xxh3_64": None}), "xxh3_64 (None)"),
-    ("unknown format version", _set("format_version", 3), "format_version (3) must be one of [1, 2]"),
+    ("unknown format version", _set("format_version", 0), "format_version (0) must be one of [1, 2]"),
     ("format version as bool", _set("format_version", True), "format_version (True)"),
     ("nested too deep for the limit", _set("extra", json.loads(nested(300))), "nests 301 levels deep"),
 ]
@@ -135,6 +137,22 @@ def test_crafted_manifest_is_corrupt_quotes_the_value_and_is_skipped(tmp_path, c
         loaded = CheckpointStore(str(tmp_path)).load_newest()
     assert loaded.commit_id == 4
     assert_entries_equal(older, loaded.entries)
+
+
+def test_a_newer_format_version_stops_the_load_instead_of_falling_back(tmp_path):
+    """Before (audit M3), it counted as corrupt: skipped, and the job resumed from ckpt-4 and later overwrote it."""
+    write(tmp_path, 4)
+    write(tmp_path, 8)
+    newest = tmp_path / NAME(8)
+    body = manifest_of(newest)
+    body["format_version"] = 3
+    store_manifest(newest, body)
+    listing = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(UnsupportedCheckpointError, match="newer format_version 3") as caught:
+        CheckpointStore(str(tmp_path)).load_newest()
+    assert str(newest) in str(caught.value) and "checkpoint_fresh_start" in str(caught.value)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == listing
+    assert CheckpointStore(str(tmp_path)).load_newest(fresh_start=True).commit_id == 4
 
 
 @pytest.mark.parametrize("raw, reason", [
@@ -265,6 +283,8 @@ def test_fuzz_a_field_of_a_valid_manifest_replaced_by_any_json_value(template, t
     result = load_checked(path, data)
     if not isinstance(result, CheckpointError):
         assert checksum, "a manifest whose checksum does not match was loaded"
+    elif type(body.get("format_version")) is int and body["format_version"] > checkpoint.FORMAT_VERSION:
+        assert isinstance(result, UnsupportedCheckpointError), result
     else:
         assert isinstance(result, CorruptCheckpointError), result
 
@@ -398,7 +418,7 @@ def test_retention_that_cannot_delete_a_symlink_is_logged_once_and_keeps_the_cad
                 and NAME(1) in r.getMessage()]
     assert len(warnings) == 1 and "symbolic link" in warnings[0]
     assert os.path.islink(ckpts / NAME(1)) and target.is_dir()
-    assert sorted(os.listdir(ckpts)) == [NAME(1), NAME(12)]
+    assert sorted(os.listdir(ckpts)) == [checkpoint.LOCK_FILE, NAME(1), NAME(12), checkpoint.OWNER_FILE]
 
 
 def test_retention_permission_errors_are_logged_once_each_and_keep_the_cadence(tmp_path, caplog):

@@ -82,3 +82,38 @@ def test_the_ledger_reads_a_restarted_job_after_the_dead_one(tmp_path):
     report = ledger.audit(ledger.read(str(tmp_path)), dataset_size=6, epochs=1)
     assert report["exactly_once"], report
     assert report["lost_steps"] == 4  # cursors 2, 3, 4 of the dead generation 1 and 4 of its generation 2
+
+
+def test_a_blank_checkpoint_dir_is_not_a_checkpoint_dir(monkeypatch):
+    """Audit L3: before, "  " passed supervise's check while the workers read it as unset (checkpoints off)."""
+    monkeypatch.setenv("ELASTIC_EXT_CHECKPOINT_DIR", "  ")
+    result = subprocess.run([sys.executable, "-m", "elastic_ext.launch.supervise", "--max-restarts", "1", "--",
+                             "true"], capture_output=True, text=True)
+    assert result.returncode == 2 and "ELASTIC_EXT_CHECKPOINT_DIR is not set (it is '  ')" in result.stderr
+
+
+def test_sighup_is_passed_on_to_the_job_and_stops_the_restarts(tmp_path):
+    """Audit L3: before, a SIGHUP (the terminal closed) killed the supervisor and left its job running."""
+    import os
+    import signal
+    import threading
+    import time
+    ready, got = tmp_path / "ready", tmp_path / "got-hup"
+    script = (f"import pathlib, signal, sys, time\n"
+              f"signal.signal(signal.SIGHUP, lambda *a: (pathlib.Path({str(got)!r}).touch(), sys.exit(7)))\n"
+              f"pathlib.Path({str(ready)!r}).touch()\n"
+              f"time.sleep(120)\nsys.exit(3)\n")
+
+    def hang_up():
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)  # polls for the child's ready file, bounded
+        os.kill(os.getpid(), signal.SIGHUP)
+
+    before = signal.getsignal(signal.SIGHUP)
+    sender = threading.Thread(target=hang_up)
+    sender.start()
+    code = supervise.supervise([sys.executable, "-c", script], max_restarts=3, backoff_s=0, log=lambda _: None)
+    sender.join()
+    assert code == 7 and got.exists()
+    assert signal.getsignal(signal.SIGHUP) == before, "the supervisor's handler is removed afterwards"
