@@ -124,6 +124,9 @@ class ReplicaCheck:
         self.agreed = AgreedCommit()  # the commit a replay goes back to
         self.last_agreed: Optional[int] = None  # the newest commit id on which every rank agreed
         self.replay: Optional[Replay] = None
+        # The checkpoint writer (rank 0, with a checkpoint directory): while a mismatch is unexplained,
+        # retention keeps the checkpoint of the last agreed commit (later ones may hold a corrupt copy).
+        self.checkpoints: Optional[Any] = None
         self._digested: Optional[Tuple[List[str], Dict[str, FrozenSet[str]]]] = None
 
     def due(self, commit_id: int) -> bool:
@@ -171,6 +174,8 @@ class ReplicaCheck:
             self.agreed.keep(self.buffers.entries, commit_id)
             if replay is not None and replay.target == commit_id:
                 self._transient(replay, binding, liveness, term_grace_s)
+                if self.checkpoints is not None:
+                    self.checkpoints.release()
             return
         names, keys = self._digested
         hosts = tuple(gather_hosts(binding))
@@ -192,6 +197,8 @@ class ReplicaCheck:
                 f"(first difference: {first}; {describe(verdict, hosts)}) and {why}: stopping rather than "
                 f"training on a corrupt replica. The last commit on which every rank agreed is {self.last_agreed}")
         self.replay = Replay(commit_id, int(self.agreed.commit_id), verdict, hosts, first, count)
+        if self.checkpoints is not None:
+            self.checkpoints.hold(int(self.agreed.commit_id))
         self.events.emit(REPLICA_REPLAY, **fields, back_to=self.agreed.commit_id, replays=count)
         logger.warning("[rank %d] replica check at commit %d: ranks %s differ (first difference: %s); every rank "
                        "replays from commit %d", binding.rank(), commit_id, list(verdict.wrong), first,

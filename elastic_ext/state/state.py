@@ -143,6 +143,7 @@ class State(HorovodListener, DurableCommits, SoftFailures):
         if self._config.checkpoint_dir is not None:
             from elastic_ext.checkpoint import Checkpointer
             s(self, "_checkpointer", Checkpointer(self._config, self._events, self._buffers))
+            self._replica.checkpoints = self._checkpointer
 
     # ------------------------------------------------------------ attributes
 

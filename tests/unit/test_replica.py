@@ -280,3 +280,31 @@ def test_where_commits_overlap_a_checked_commit_blocks_and_replays_at_once():
     assert [e["commit_id"] for e in events(job[4][0], "replica_replay")] == [2]
     for rank in range(3):
         assert_same(job, rank, reference, 0)
+
+
+class HeldCheckpoints:
+    """Records what the replica check asks of the checkpoint writer's retention."""
+
+    def __init__(self):
+        self.calls = []
+
+    def hold(self, commit_id):
+        self.calls.append(("hold", commit_id))
+
+    def release(self):
+        self.calls.append(("release",))
+
+
+def test_retention_keeps_the_last_agreed_checkpoint_until_the_mismatch_is_explained():
+    job = make_job(3)
+    writers = [HeldCheckpoints() for _ in job[4]]
+    for state, writer in zip(job[4], writers):
+        state._replica.checkpoints = writer
+    assert train(job, 6, 2, faults={(1, 3): flip_param(job, 1, 7)}) == [None] * 3
+    assert all(w.calls == [("hold", 1), ("release",)] for w in writers), [w.calls for w in writers]
+    job = make_job(3)
+    writers = [HeldCheckpoints() for _ in job[4]]
+    for state, writer in zip(job[4], writers):
+        state._replica.checkpoints = writer
+    assert all(isinstance(r, StateDivergenceError) for r in train(job, 6, 2, twice=(0, 2)))
+    assert all(w.calls == [("hold", 1)] for w in writers), [w.calls for w in writers]  # never released
