@@ -345,6 +345,7 @@ class State(HorovodListener, DurableCommits, SoftFailures):
         self._guarded.drop()
         self._straggler.reset()
 
+
 def reserved_names() -> FrozenSet[str]:
     """Names no tracked object may take: every public member of :class:`State`
     (methods, properties, attributes) and its constructor's own keywords."""
