@@ -1,7 +1,8 @@
 """ElasticConfig: every tunable of elastic_ext, validated once.
 
 Precedence is argument > ``ELASTIC_EXT_*`` environment variable > default.
-This is the only module that reads the environment.
+Settings are parsed here only; which modules read the environment otherwise, and why, is
+listed in ``docs/architecture.md``, "Who reads the environment".
 """
 
 from __future__ import annotations
