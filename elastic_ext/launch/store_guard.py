@@ -5,7 +5,9 @@ authentication, unpickles every PUT to ``worker_addresses`` and answers a
 GET of it with the worker's notification-service key. :func:`install`
 (``elastic-horovodrun``'s driver) changes that, in this process:
 
-1. **Clients**: a connection is served only from a loopback address, an
+1. **Clients** (of an elastic job's server; a static job has no
+   discovery to list its hosts, and its store loads no pickle): a
+   connection is served only from a loopback address, an
    address of this machine, or a resolved address of a host the job's
    discovery has listed (:data:`elastic_ext.launch.job_hosts.hosts`,
    resolved when it first appears in a listing, and again when it
@@ -223,8 +225,8 @@ def install(resolver: Optional[Callable[[str], FrozenSet[str]]] = None) -> None:
         return original_start(self, guarded(handler_cls or RendezvousHandler))
 
     def verify_request(self: Any, request: Any, client_address: Any) -> bool:
-        if hosts.allowed(str(client_address[0])):
-            return True
+        if not hasattr(self.RequestHandlerClass, "_put_worker_addresses") or hosts.allowed(str(client_address[0])):
+            return True  # (a static job's store: no discovery lists its hosts, and it loads no pickle)
         entry = (str(client_address[0]), "connection", 0)
         if len(_refusals_logged) < LOGGED_REFUSALS and entry not in _refusals_logged:
             _refusals_logged.add(entry)

@@ -27,8 +27,8 @@ SIGKILL :data:`GRACE_S` later (Horovod's middleman: SIGTERM to the shell's
 children, SIGKILL to those alive after 5 s). When the worker ends first,
 the driver kills the guard before closing its end of the pipe.
 
-A command that starts the workers' entry module (:data:`WORKER_MODULE`)
-gets the job's secret on its stdin (:mod:`elastic_ext.launch.store`), then
+A command of an elastic job that starts the workers' entry module
+(:data:`WORKER_MODULE`) gets the job's secret on its stdin (:mod:`elastic_ext.launch.store`), then
 end of file; ssh carries it to a remote worker. Not its command line nor
 its environment: Horovod writes the workers' environment into their
 command lines, which ``ps`` shows every user of the machine, while a pipe
@@ -66,7 +66,8 @@ def execute(command: str, env: Optional[dict] = None, stdout: Optional[TextIO] =
     from horovod.runner.common.util.safe_shell_exec import prefix_connection
     from horovod.runner.util.threads import in_thread, on_event
 
-    secret = store.job_secret() is not None and f"-m {WORKER_MODULE} " in command
+    # What the worker's entry module reads it in: an elastic job's (Horovod writes HOROVOD_ELASTIC=1 there).
+    secret = store.job_secret() is not None and f"-m {WORKER_MODULE} " in command and "HOROVOD_ELASTIC=1" in command
     shell = subprocess.Popen(command, shell=True, env=env, stdin=subprocess.PIPE if secret else subprocess.DEVNULL,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, bufsize=0)
     if secret:

@@ -213,3 +213,16 @@ def test_a_connection_from_an_address_of_no_job_host_is_closed_unanswered(job, m
     monkeypatch.setattr(job_hosts.hosts, "on_this_machine", lambda address: False)  # 127.0.0.1 is no job's now
     with pytest.raises((ConnectionError, http.client.RemoteDisconnected)):
         request(job, "GET", f"/{store.ROUND_SCOPE}/{store.CURRENT}")
+
+
+def test_a_static_jobs_store_keeps_horovods_clients_and_still_bounds_bodies(job):
+    from horovod.runner.http.http_server import RendezvousServer
+
+    static = RendezvousServer()  # gloo_run without --min-np: no discovery lists its hosts
+    port = static.start()
+    try:
+        assert static._httpd.verify_request(None, ("192.0.2.1", 1))
+        assert request(type("Static", (), {"port": port}), "PUT", "/global/0", b"",
+                       length=store_guard.MAX_BODY_BYTES + 1)[0] == 413
+    finally:
+        static.stop()
