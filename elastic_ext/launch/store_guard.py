@@ -20,10 +20,12 @@ GET of it with the worker's notification-service key. :func:`install`
    value is a tuple of a dict, lists, tuples, str, int and bytes, which
    needs none), checked for that shape, and registered with the driver;
    anything else is answered 400. Only the addresses at the client's own
-   are registered (the driver connects to them and reads pickled answers
-   signed with the key that came along, :func:`own_addresses`). The value
-   is not kept, and a GET of that scope is answered 404: the workers' keys
-   are never readable.
+   are registered (:func:`own_addresses`), and the driver loads its
+   service's answers, signed with the key the registering client chose,
+   with Horovod's three answer classes allowed and no other global
+   (:mod:`elastic_ext.launch.worker_clients`). The value is not kept, and
+   a GET of that scope is answered 404: the workers' keys are never
+   readable.
 3. **The launcher's keys**: an HTTP PUT or DELETE of
    :data:`~elastic_ext.launch.store.ROUND_SCOPE` is refused (403; only the
    driver writes it, in process); one of
@@ -49,7 +51,7 @@ import pickle
 import urllib.parse
 from typing import Any, Callable, Dict, FrozenSet, Optional, Set, Tuple
 
-from elastic_ext.launch import store
+from elastic_ext.launch import store, worker_clients
 from elastic_ext.launch.job_hosts import hosts, normal
 from elastic_ext.launch.replaced import Originals, replace, restore
 
@@ -196,7 +198,11 @@ def guarded(handler_cls: type) -> type:
 
         def _put_value(self, scope: str, key: str, value: bytes) -> None:
             if scope == store.WORKER_ADDRESSES and hasattr(self, "_put_worker_addresses"):
-                self._put_worker_addresses(*worker_addresses(key, value, self.client_address[0]))
+                registration = worker_addresses(key, value, self.client_address[0])
+                try:
+                    self._put_worker_addresses(*registration)
+                except Exception as exc:  # noqa: BLE001 - Horovod's client: no service answered as one (logged)
+                    raise Refused(400, f"no worker service answered at {registration[2]}: {exc}"[:300]) from None
                 return  # not kept: nothing reads it back
             super()._put_value(scope, key, value)
 
@@ -219,6 +225,7 @@ def install(resolver: Optional[Callable[[str], FrozenSet[str]]] = None) -> None:
         store.new_job_secret()
     hosts.start(resolver)
     original_start = RendezvousServer.start
+    worker_clients.install()
 
     def start(self: Any, handler_cls: Any = None) -> Any:
         from horovod.runner.http.http_server import RendezvousHandler
@@ -240,6 +247,7 @@ def install(resolver: Optional[Callable[[str], FrozenSet[str]]] = None) -> None:
 def uninstall() -> None:
     """Gives Horovod's server its own behaviour back and forgets the hosts (tests)."""
     restore(_originals)
+    worker_clients.uninstall()
     hosts.stop()
     _refusals_logged.clear()
 

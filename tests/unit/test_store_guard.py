@@ -120,13 +120,55 @@ def test_a_workers_own_registration_still_registers_and_its_key_is_never_readabl
 
     manager = WorkerNotificationManager()  # what every elastic worker runs in hvd.elastic.run
     manager.init("127.0.0.1", job.port, None, "host-a", 0)
+    updates = []
+    manager.register_listener(type("Listener", (), {"on_hosts_updated": lambda self, *update: updates.append(update)})())
     try:
-        assert ("host-a", 0) in job.driver._worker_clients
+        assert ("host-a", 0) in job.driver._worker_clients  # the driver pinged it: a PingResponse was loaded
+        job.driver._worker_clients[("host-a", 0)].notify_hosts_updated(123.0, 1)  # answered by an AckResponse
+        assert updates == [(123.0, 1)]
         status, body = request(job, "GET", f"/{store.WORKER_ADDRESSES}/host-a:0")
         assert (status, body) == (404, b"")
         assert store.WORKER_ADDRESSES not in snapshot(job)
     finally:
         manager._service.shutdown()
+
+
+def hostile_service(path):
+    """A service registered as a worker's whose every answer, signed with its key, makes a directory when loaded."""
+    from horovod.runner.common.util import network, secret
+
+    class Hostile(network.BasicService):
+        def _handle(self, req, client_address):
+            return MakesDirectory(path)
+
+    key = secret.make_secret_key()
+    return Hostile("worker notification service", key, None), key
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_the_driver_loads_no_pickle_from_a_service_registered_as_a_workers(tmp_path, guard):
+    from horovod.runner.common.util import codec
+
+    made = tmp_path / "made"
+    service, key = hostile_service(str(made))
+    if guard:
+        store_guard.install(resolver)
+    started = Job({"host-a": 1}, 1, 1)
+    try:
+        value = codec.dumps_base64((service.addresses(), key), to_ascii=False)  # only builtins: passes rule 2
+        if not guard:  # the control: Horovod's driver pings the service and loads its answer, then fails
+            with pytest.raises(http.client.RemoteDisconnected):
+                request(started, "PUT", f"/{store.WORKER_ADDRESSES}/host-a:0", value)
+            assert made.is_dir()
+            return
+        assert request(started, "PUT", f"/{store.WORKER_ADDRESSES}/host-a:0", value)[0] == 400
+        assert not made.exists()
+        assert started.driver._worker_clients == {}
+    finally:
+        service.shutdown()
+        started.stop()
+        if guard:
+            store_guard.uninstall()
 
 
 def test_a_registration_is_kept_only_at_its_clients_own_address():
