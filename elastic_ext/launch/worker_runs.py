@@ -103,8 +103,8 @@ def _send_secret(shell: subprocess.Popen) -> None:
     finally:
         try:
             shell.stdin.close()
-        except OSError:
-            pass  # a broken pipe on close: the write above reported it
+        except OSError as exc:  # the shell ended before it read it: its exit is what the driver records
+            logger.debug("elastic_ext: closing a worker's stdin: %s", exc)
 
 
 def terminate(shell: subprocess.Popen) -> None:
