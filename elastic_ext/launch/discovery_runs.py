@@ -1,7 +1,7 @@
-"""The driver's runs of the discovery script: outside its host lock, as a plain child process.
+"""The driver's runs of the discovery script: outside its host lock, as a plain child process, its hosts checked.
 
 Horovod's driver runs ``--host-discovery-script`` once a second, and does
-two things there that the launcher changes:
+three things there that the launcher changes:
 
 1. **The script runs while the driver holds its host lock**, the lock that
    forming a round takes too (``wait_for_available_slots``). A failure
@@ -19,6 +19,15 @@ two things there that the launcher changes:
    plain child of the driver (:func:`run_script`): the same shell command,
    environment, exit-status rule and parsing as Horovod's.
 
+3. **Host names are checked before Horovod sees them**, whichever
+   discovery listed them (a user's own script included): Horovod puts
+   them unquoted into the shell command lines that start the workers
+   (``HOROVOD_HOSTNAME=host``, ``ssh host``), so a line ``x$(cmd):1`` would
+   run ``cmd`` on the launcher's host. :class:`Prefetched` refuses, with an
+   error naming it, every host that the project's own discovery scripts
+   would not emit (:func:`elastic_ext.discovery.hosts.host_error`: a host
+   name or an IPv4 address, no shell metacharacters, no leading ``-``).
+
 Everything else is Horovod's: the period, the error rule (the first
 discovery's failure ends the job, later ones are logged and retried), the
 notification of the workers.
@@ -31,11 +40,28 @@ import subprocess
 import threading
 from typing import Any, Dict, Optional
 
+from elastic_ext.discovery.hosts import host_error
 from elastic_ext.launch.replaced import Originals, replace, restore
 
 logger = logging.getLogger(__name__)
 
 _originals: Originals = {}  # what install() replaced
+_refused: set = set()       # hosts refused so far: each is logged once, not at every discovery run
+REFUSED_LOGGED = 1024
+
+
+def valid_hosts(found: Dict[str, int]) -> Dict[str, int]:
+    """``found`` without the hosts whose names must not reach Horovod (change 3), each refused with an error."""
+    kept = {}
+    for host, slots in found.items():
+        reason = host_error(host) if isinstance(host, str) else f"host {host!r} is not a string"
+        if reason is None:
+            kept[host] = slots
+        elif host not in _refused and len(_refused) < REFUSED_LOGGED:
+            _refused.add(host)
+            logger.error("elastic_ext: discovery listed a host the driver refuses: %s; no worker starts there "
+                         "(a host name reaches the shell command lines that start workers)", reason)
+    return kept
 
 
 def run_script(self: Any) -> str:
@@ -57,7 +83,8 @@ class Prefetched:
     :meth:`fetch` runs the wrapped discovery (no lock held); the next
     :meth:`find_available_hosts_and_slots` (``HostManager``'s, under the
     lock) returns that answer once. Without a fetched answer it runs the
-    wrapped discovery itself, as Horovod would.
+    wrapped discovery itself, as Horovod would. Either answer holds only
+    valid host names (:func:`valid_hosts`).
     """
 
     def __init__(self, discovery: Any) -> None:
@@ -66,14 +93,14 @@ class Prefetched:
         self._lock = threading.Lock()
 
     def fetch(self) -> None:
-        found = self.discovery.find_available_hosts_and_slots()
+        found = valid_hosts(self.discovery.find_available_hosts_and_slots())
         with self._lock:
             self._found = found
 
     def find_available_hosts_and_slots(self) -> Dict[str, int]:
         with self._lock:
             found, self._found = self._found, None
-        return self.discovery.find_available_hosts_and_slots() if found is None else found
+        return valid_hosts(self.discovery.find_available_hosts_and_slots()) if found is None else found
 
 
 def _prefetched(manager: Any) -> Prefetched:
@@ -114,7 +141,7 @@ def discover_hosts(self: Any) -> None:
 
 
 def install() -> None:
-    """Installs both changes of the module docstring in this (the driver's) process; idempotent."""
+    """Installs the changes of the module docstring in this (the driver's) process; idempotent."""
     if _originals:
         return
     from horovod.runner.elastic.discovery import HostDiscoveryScript
@@ -127,3 +154,4 @@ def install() -> None:
 def uninstall() -> None:
     """Puts back what :func:`install` replaced (tests)."""
     restore(_originals)
+    _refused.clear()

@@ -91,7 +91,7 @@ import threading
 import time
 from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
-from elastic_ext.launch import prestart
+from elastic_ext.launch import prestart, store
 from elastic_ext.launch.replaced import Originals, replace, restore
 from elastic_ext.launch.round_watch import (ASSIGNED, CAPACITY_LEFT_OUT, CURRENT, DISMISSED_EXIT_CODE,
                                             PEERS_FAILED_EXIT_CODE, SCOPE, dismissed_key, failed_key)
@@ -106,21 +106,13 @@ _originals: Originals = {}  # what install() replaced
 
 
 def _store(driver: Any, key: str, value: bytes) -> None:
-    """Writes into the driver's rendezvous server's key-value store (the scope workers read)."""
-    server = getattr(getattr(driver, "_rendezvous", None), "_httpd", None)
-    if server is None:
-        return
-    with server.cache_lock:
-        server.cache.setdefault(SCOPE, {})[key] = value
+    """Writes into the driver's rendezvous server's key-value store (the scope workers read; only here)."""
+    store.write_local(driver, SCOPE, key, value)
 
 
 def _early_start_asked(driver: Any) -> bool:
     """True when an early start's rank requests complete this round (they are in the store until it forms)."""
-    server = getattr(getattr(driver, "_rendezvous", None), "_httpd", None)
-    if server is None:
-        return False
-    with server.cache_lock:
-        return prestart.ASKED in server.cache.get(prestart.SCOPE, {})
+    return store.keys_local(driver, prestart.SCOPE).get(prestart.ASKED) is not None
 
 
 def _ext(driver: Any) -> "DriverState":
@@ -372,15 +364,13 @@ def _dismiss_starting(driver: Any) -> None:
     from horovod.runner.elastic.registration import FAILURE
 
     ext = _ext(driver)
-    server = getattr(getattr(driver, "_rendezvous", None), "_httpd", None)
-    if server is None:
+    if store.server_of(driver) is None:
         return
     registry = driver._worker_registry
     with registry._lock:
         recorded = set(registry._states)
         failures = len(registry._workers[FAILURE])
-    with server.cache_lock:
-        announced = set(server.cache.get(prestart.SCOPE, {}))
+    announced = set(store.keys_local(driver, prestart.SCOPE))
     now = time.monotonic()
     with ext.lock:
         if not (ext.starts or ext.other_starts):

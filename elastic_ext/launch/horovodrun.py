@@ -16,7 +16,12 @@ with :mod:`elastic_ext.launch.noticed_hosts` (a host with a preemption
 notice leaves discovery; SIGUSR1, Slurm's ``--signal``, reaches every worker),
 and with :mod:`elastic_ext.launch.discovery_runs` (the discovery script runs
 outside the driver's host lock, so no round waits for it, and as a plain
-child process rather than through a fresh Python middleman), and with
+child process rather than through a fresh Python middleman; host names
+that could reach a shell are refused), with
+:mod:`elastic_ext.launch.store_guard` (the rendezvous server serves only
+the job's hosts, loads no pickle from the network, and takes the
+launcher's keys only with the job's secret, which each worker receives on
+its stdin), and with
 :mod:`elastic_ext.launch.rendezvous_wait` (a Gloo peer's read of a key its
 peer has not written yet is answered when it is written, not "404, ask
 again in 10 ms"), and with :mod:`elastic_ext.launch.worker_runs` (each
@@ -39,7 +44,8 @@ import sys
 from typing import Any, List, MutableMapping, Optional
 
 from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_LAUNCHER, ENV_MIN_NP, ENV_RESTART_IN_PLACE
-from elastic_ext.launch import build_check, discovery_runs, driver, noticed_hosts, rendezvous_wait, ssh_keepalive, worker_runs
+from elastic_ext.launch import (build_check, discovery_runs, driver, noticed_hosts, rendezvous_wait, ssh_keepalive,
+                                store, store_guard, worker_runs)
 
 
 def restart_in_place_when_checkpointing(environ: MutableMapping[str, str]) -> bool:
@@ -75,7 +81,7 @@ def crashing_tuning(args: Any, environ: MutableMapping[str, str]) -> Optional[st
             "after an elastic reset when the fusion threshold and the cycle time are both fixed; set one of them")
 
 
-WORKER_MODULE = "elastic_ext.launch.worker"
+WORKER_MODULE = worker_runs.WORKER_MODULE
 # Interpreter options that may stand before the script: alone, or with a value (-W, -X).
 _FLAGS = {"-u", "-O", "-OO", "-B", "-E", "-s", "-S", "-I", "-b", "-bb", "-q", "-d", "-v"}
 _FLAGS_WITH_VALUE = {"-W", "-X"}
@@ -128,6 +134,8 @@ def _through_the_worker_entry() -> None:
 def main(argv: Optional[List[str]] = None) -> None:
     """The console script ``elastic-horovodrun``: ``horovodrun``'s arguments, the launcher's behaviour."""
     restart_in_place_when_checkpointing(os.environ)
+    store.new_job_secret()  # the workers get it on their stdin (worker_runs), never on a command line
+    store_guard.install()  # no pickle from the network; the launcher's keys need the secret; the job's hosts only
     driver.install()
     noticed_hosts.install()  # preemption notices: noticed hosts leave discovery; Slurm's signal reaches every worker
     discovery_runs.install()  # the discovery script outside the host lock, with no Python middleman

@@ -5,8 +5,10 @@
 1. **A host with a notice is dropped from discovery for good.** A worker
    whose host has a notice (:mod:`elastic_ext.launch.notices`) writes the
    host's name into the driver's rendezvous store (scope
-   :data:`~elastic_ext.launch.notices.NOTICE_SCOPE`); the driver records it
-   and leaves it out of every host list its discovery returns, whichever
+   :data:`~elastic_ext.launch.notices.NOTICE_SCOPE`, with the job's secret
+   or from the host's own address, :mod:`elastic_ext.launch.store_guard`);
+   the driver records it (for a host its discovery has listed) and
+   leaves it out of every host list its discovery returns, whichever
    script (``host_discovery/*.py``, a user's own, fixed hosts) produced it.
    Otherwise a host whose workers left would still be listed until the
    cloud takes it: Horovod would start new workers on it (when only some of
@@ -33,6 +35,7 @@ import threading
 import urllib.parse
 from typing import Any, Dict, Set
 
+from elastic_ext.launch import job_hosts
 from elastic_ext.launch.notices import NOTICE_SCOPE, NOTICE_SIGNAL, JobNotice, signal_notice
 from elastic_ext.launch.replaced import Originals, replace, restore
 
@@ -47,12 +50,17 @@ _job_notices: list = []                # the JobNotice of this job, once the sig
 
 
 def note(host: str) -> bool:
-    """Records that ``host`` has a notice; False (logged) for a name no discovery could have listed.
+    """Records that ``host`` has a notice; False (logged) for a host the job's discovery never listed.
 
-    The name only ever filters discovered hosts (it is never started or run), so anything else passes.
+    The name only ever filters discovered hosts (it is never started or
+    run); recording only listed ones bounds :data:`noticed` by the job's hosts.
     """
     if not host or len(host) > MAX_HOST_LEN or any(c.isspace() or c == ":" for c in host):
         logger.error("elastic_ext: ignoring a preemption notice for host %r: not a host name", host[:MAX_HOST_LEN])
+        return False
+    if not job_hosts.hosts.was_listed(host):
+        logger.error("elastic_ext: ignoring a preemption notice for host %r: the job's discovery never listed it",
+                     host)
         return False
     if host not in noticed:
         noticed.add(host)
@@ -69,6 +77,7 @@ class WithoutNoticed:
 
     def find_available_hosts_and_slots(self) -> Dict[str, int]:
         found = self.discovery.find_available_hosts_and_slots()
+        job_hosts.hosts.listed(found)  # whom the store serves, and the hosts a notice may name
         return {host: slots for host, slots in found.items() if host not in noticed}
 
 
@@ -150,6 +159,7 @@ def uninstall() -> None:
     """Gives Horovod its own behaviour back and forgets the notices (tests run both in one process)."""
     restore(_originals)
     noticed.clear()
+    job_hosts.hosts.forget()
     _drivers.clear()
     _job_notices.clear()
     if signal.getsignal(NOTICE_SIGNAL) is on_signal:

@@ -39,14 +39,15 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from elastic_ext.config import ElasticConfig, elastic_horovodrun, notice_endpoints
 from elastic_ext.errors import ConfigError
-from elastic_ext.launch.metadata import CLIENTS, MetadataError, Notice, request
+from elastic_ext.launch import store
+from elastic_ext.launch.metadata import CLIENTS, MetadataError, Notice
 from elastic_ext.launch.round_watch import store_url
 from elastic_ext.liveness import LIVENESS, Liveness
 
 logger = logging.getLogger(__name__)
 
 CAUSE = "preemption"
-NOTICE_SCOPE = "elastic_ext_notice"  # the driver's store: one key per host with a notice
+NOTICE_SCOPE = store.NOTICE_SCOPE    # the driver's store: one key per host with a notice
 NOTICE_SIGNAL = signal.SIGUSR1
 RETRY_S = 30.0                       # after an endpoint failed: ask again this much later
 DMI_DIR = "/sys/class/dmi/id"
@@ -162,8 +163,8 @@ def report_host(environ: Optional[Mapping[str, str]] = None) -> bool:
     url, host = store_url(env), env.get("HOROVOD_HOSTNAME")
     if url is None or not host:
         return False
-    try:
-        status, _, _ = request(f"{url}/{NOTICE_SCOPE}/{urllib.parse.quote(host, safe='')}", {}, "PUT")
+    try:  # with the job's secret: the driver takes a notice from its host's addresses or with the secret
+        status = store.put(f"{url}/{NOTICE_SCOPE}/{urllib.parse.quote(host, safe='')}")
     except OSError as exc:
         logger.error("cannot tell the driver at %s that host %s has a preemption notice: %s", url, host, exc)
         return False

@@ -51,31 +51,30 @@ import logging
 import os
 import threading
 import time
-import urllib.request
 from typing import Any, Callable, Mapping, Optional, Tuple
 
-from elastic_ext.launch import round_watch
+from elastic_ext.launch import round_watch, store
 from elastic_ext.launch.round_watch import store_url
 
 logger = logging.getLogger(__name__)
 
-SCOPE = "elastic_ext_ready"          # the store's scope of the announcements; the key is the rank
-MARKER = "early_start"               # a key of SCOPE: the survivors started the newcomers early
-ASKED = "early_start_asked"          # a key of SCOPE, put before the rank requests: the driver starts newcomers
-RANK_SCOPE = "rank_and_size"         # Horovod's own scope: a GET records the worker as ready
+# The keys of an early start (elastic_ext.launch.store names each, its writer and its readers).
+SCOPE = store.READY_SCOPE            # the store's scope of the announcements; the key is the rank
+MARKER = store.MARKER                # a key of SCOPE: the survivors started the newcomers early
+ASKED = store.ASKED                  # a key of SCOPE, put before the rank requests: the driver starts newcomers
+RANK_SCOPE = store.RANK_SCOPE        # Horovod's own scope: a GET records the worker as ready
 POLL_S = 0.1
-REQUEST_TIMEOUT_S = 10.0
+REQUEST_TIMEOUT_S = store.REQUEST_TIMEOUT_S
 
 
-def put(url: str, value: bytes = b"1") -> None:
-    request = urllib.request.Request(url, data=value, method="PUT")
-    with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S):
-        pass
+def put(url: str, value: bytes = store.PRESENT) -> None:
+    """Writes a key of the store, with the job's secret (:func:`elastic_ext.launch.store.put`)."""
+    store.put(url, value, REQUEST_TIMEOUT_S)
 
 
 def get(url: str, timeout_s: Optional[float] = REQUEST_TIMEOUT_S) -> Optional[bytes]:
-    """The value, or None when the key is not there (404)."""
-    return round_watch.get(url, timeout_s)
+    """The value, or None when the key is not there (404) or is malformed."""
+    return store.get(url, timeout_s)
 
 
 def parse_slot(text: bytes) -> Tuple[int, int]:
@@ -162,8 +161,8 @@ class Prestart:
             if not self.poll:
                 return
             # The round our requests formed, whose members the newcomers are (the launcher's driver says).
-            round_id = get(f"{self.url}/{round_watch.SCOPE}/{round_watch.CURRENT}")
-            failed = None if round_id is None else f"{self.url}/{round_watch.SCOPE}/{round_watch.failed_key(int(round_id))}"
+            round_id = store.parse_round(get(f"{self.url}/{round_watch.SCOPE}/{round_watch.CURRENT}"))
+            failed = None if round_id is None else f"{self.url}/{round_watch.SCOPE}/{round_watch.failed_key(round_id)}"
             missing = set(range(self.next_size))
             while missing and not self._cancelled.is_set() and not self._ready.is_set():
                 missing = {rank for rank in missing if get(f"{self.url}/{SCOPE}/{rank}") is None}

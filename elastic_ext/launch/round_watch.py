@@ -27,19 +27,16 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import urllib.error
-import urllib.request
 from typing import Callable, Mapping, Optional
 
 from elastic_ext.config import elastic_horovodrun, horovod_rendezvous
 from elastic_ext.errors import ConfigError
+from elastic_ext.launch import store
+# The round keys (elastic_ext.launch.store names every key of the store, its writer and its readers).
+from elastic_ext.launch.store import (ASSIGNED, CAPACITY_LEFT_OUT, CURRENT, dismissed_key,  # noqa: F401
+                                      failed_key)
 
-SCOPE = "elastic_ext_round"  # in the rendezvous server's store; cleared by Horovod at every new round
-CURRENT = "current"          # the number of the current round
-ASSIGNED = "assigned"        # the current round's slots, "host:local_rank" joined by commas
-# Present when the current round left capacity out (a failed slot): its members start the newcomers
-# early as soon as they have synced (elastic_ext.launch.prestart), without waiting for a commit to agree it.
-CAPACITY_LEFT_OUT = "capacity_left_out"
+SCOPE = store.ROUND_SCOPE  # in the rendezvous server's store; cleared by Horovod at every new round
 # The exit status of a worker that ended itself because its round's peers failed
 # (elastic_ext.runtime.closed_links): the driver does not count it as a failure of its host.
 # Distinct from signals (128+n), Python errors (1), the leave code (143) and a fenced worker's (75).
@@ -50,25 +47,10 @@ POLL_S = 0.25
 REQUEST_TIMEOUT_S = 2.0
 
 
-def failed_key(round_id: int) -> str:
-    """The key that exists once a member of round ``round_id`` failed."""
-    return f"failed_{round_id}"
-
-
-def dismissed_key(host: str, local_rank: int) -> str:
-    """The key that exists once the driver dismissed the worker of slot ``host[local_rank]`` that is still starting."""
-    return f"dismissed_{host}:{local_rank}"
-
-
 def get(url: str, timeout_s: Optional[float] = REQUEST_TIMEOUT_S) -> Optional[bytes]:
-    """A value of the rendezvous server's store, or None when the key is not there (404)."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            return response.read()
-    except urllib.error.HTTPError as exc:
-        if exc.code == 404:
-            return None
-        raise
+    """A value of the rendezvous server's store, or None when the key is not there (404) or is malformed
+    (:func:`elastic_ext.launch.store.get`, which every reader of the store goes through)."""
+    return store.get(url, timeout_s)
 
 
 def store_url(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
@@ -133,10 +115,10 @@ def watch(reset: bool, on_lost: Optional[Callable[[int], None]] = None) -> Calla
     the round failed; by default :func:`abort` (SIGABRT, which the keeper
     restarts). Does nothing when the driver publishes no rounds.
     """
-    current = _read(CURRENT)
-    if current is None:
+    current = store.parse_round(_read(CURRENT))
+    if current is None:  # no launcher, or a value that is not a round (logged once): nothing to watch
         return lambda: None
-    mine = int(current) + (1 if reset else 0)
+    mine = current + (1 if reset else 0)
     lost = on_lost or abort
     return watch_key(f"{_base_url()}/{failed_key(mine)}", POLL_S, lambda: lost(mine), "elastic_ext-round-watch")
 

@@ -4,6 +4,9 @@
 does, in the worker and before the user's code runs, what an elastic worker
 needs at that moment and what ``import elastic_ext`` therefore never does:
 
+0. the job's secret, on stdin from the launcher's driver
+   (:mod:`elastic_ext.launch.store`): the driver takes this worker's
+   early-start and notice writes only with it;
 1. restart in place (:mod:`elastic_ext.launch.keeper`): this process becomes
    the keeper and forks the one that runs the script, when the job restarts
    workers in place;
@@ -25,7 +28,7 @@ needs at that moment and what ``import elastic_ext`` therefore never does:
 
 Then it runs the script as ``__main__`` in this interpreter, with
 ``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS`` would set them.
-Steps 1 to 5 do nothing outside a worker of an elastic ``horovodrun``.
+Steps 0 to 5 do nothing outside a worker of an elastic ``horovodrun``.
 """
 
 from __future__ import annotations
@@ -38,10 +41,22 @@ from typing import List, Optional
 USAGE = "usage: python -m elastic_ext.launch.worker (SCRIPT | -m MODULE) [ARGS...]"
 
 
+def receive_secret() -> bool:
+    """Step 0: the job's secret, which the launcher's driver writes on this worker's stdin (elastic jobs only)."""
+    from elastic_ext.config import elastic_horovodrun, launched
+    from elastic_ext.launch import store
+
+    stdin = getattr(sys.stdin, "buffer", None)
+    if not elastic_horovodrun() or stdin is None or sys.stdin.isatty():
+        return False  # not an elastic job's worker, or a terminal: nobody writes a secret there
+    return store.receive_secret(stdin, expected=launched())
+
+
 def prepare() -> None:
-    """Steps 1 to 7 of the module docstring, in that order (the keeper forks before anything else runs)."""
+    """Steps 0 to 7 of the module docstring, in that order (the keeper forks before anything else runs)."""
     from elastic_ext.launch import gloo_timeout, keeper, newcomer, notices, sigterm, torch_pages, torch_wait
 
+    receive_secret()
     keeper.install()
     newcomer.install()
     newcomer.watch_dismissal()

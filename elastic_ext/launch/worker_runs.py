@@ -26,10 +26,18 @@ read ends and the guard sends the worker's process group SIGTERM, then
 SIGKILL :data:`GRACE_S` later (Horovod's middleman: SIGTERM to the shell's
 children, SIGKILL to those alive after 5 s). When the worker ends first,
 the driver kills the guard before closing its end of the pipe.
+
+A command of an elastic job that starts the workers' entry module
+(:data:`WORKER_MODULE`) gets the job's secret on its stdin (:mod:`elastic_ext.launch.store`), then
+end of file; ssh carries it to a remote worker. Not its command line nor
+its environment: Horovod writes the workers' environment into their
+command lines, which ``ps`` shows every user of the machine, while a pipe
+is readable only by the processes it connects.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -37,8 +45,12 @@ import sys
 import threading
 from typing import Iterable, Optional, TextIO, Tuple
 
+from elastic_ext.launch import store
 from elastic_ext.launch.replaced import Originals, replace, restore
 
+logger = logging.getLogger(__name__)
+
+WORKER_MODULE = "elastic_ext.launch.worker"  # the workers' entry module (elastic_ext.launch.horovodrun)
 GRACE_S = 5  # Horovod's GRACEFUL_TERMINATION_TIME_S
 # $1: the worker's process group. `read` returns when the driver's end of stdin closes (its death).
 GUARD = f'read _ ; kill -s TERM -- "-$1" 2>/dev/null; sleep {GRACE_S}; kill -s KILL -- "-$1" 2>/dev/null'
@@ -54,8 +66,12 @@ def execute(command: str, env: Optional[dict] = None, stdout: Optional[TextIO] =
     from horovod.runner.common.util.safe_shell_exec import prefix_connection
     from horovod.runner.util.threads import in_thread, on_event
 
-    shell = subprocess.Popen(command, shell=True, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, start_new_session=True, bufsize=0)
+    # What the worker's entry module reads it in: an elastic job's (Horovod writes HOROVOD_ELASTIC=1 there).
+    secret = store.job_secret() is not None and f"-m {WORKER_MODULE} " in command and "HOROVOD_ELASTIC=1" in command
+    shell = subprocess.Popen(command, shell=True, env=env, stdin=subprocess.PIPE if secret else subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, bufsize=0)
+    if secret:
+        _send_secret(shell)
     guard = _start_guard(shell.pid)
     forwarders = [in_thread(target=prefix_connection, args=(stream, sys.stdout if out is None else out,
                                                             name, index, prefix_output_with_timestamp))
@@ -76,6 +92,19 @@ def execute(command: str, env: Optional[dict] = None, stdout: Optional[TextIO] =
     for forwarder in forwarders:
         forwarder.join()
     return code if code >= 0 else 128 - code  # killed by a signal: a shell's status, as Horovod's middleman
+
+
+def _send_secret(shell: subprocess.Popen) -> None:
+    """The job's secret on the worker's stdin (through ssh for a remote one), then end of file."""
+    try:
+        store.send_secret(shell.stdin)
+    except OSError as exc:  # the shell ended already: its exit is what the driver records
+        logger.warning("elastic_ext: could not pass the job's secret to a worker: %s", exc)
+    finally:
+        try:
+            shell.stdin.close()
+        except OSError as exc:  # the shell ended before it read it: its exit is what the driver records
+            logger.debug("elastic_ext: closing a worker's stdin: %s", exc)
 
 
 def terminate(shell: subprocess.Popen) -> None:

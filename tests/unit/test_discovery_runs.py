@@ -1,13 +1,17 @@
 """The launcher's runs of the discovery script (elastic_ext.launch.discovery_runs), against Horovod's HostManager."""
 
+import io
 import threading
+import time
 import types
 
 import pytest
 from horovod.runner.elastic import driver as horovod_driver
 from horovod.runner.elastic.discovery import HostDiscoveryScript, HostManager
 
-from elastic_ext.launch import discovery_runs, noticed_hosts
+from elastic_ext.launch import discovery_runs, noticed_hosts, worker_runs
+from elastic_ext.launch.discovery_runs import Prefetched
+from tests.unit.test_prestart import wait_for
 
 
 @pytest.fixture
@@ -123,3 +127,57 @@ def test_the_answer_fetched_outside_the_lock_goes_through_the_notices_filter():
     assert inner.calls == 1  # the update used the fetched answer; without one it asks the discovery itself
     manager.update_available_hosts()
     assert inner.calls == 2 and manager.current_hosts.host_slots == {"a": 1, "b": 1}
+
+
+def run_a_job(discovery, commands):
+    """Horovod's driver with ``discovery``, max 2 workers, each running Horovod's own worker command (a no-op
+    script, with HOROVOD_HOSTNAME=host and the rest as Horovod writes them) through the launcher's execute."""
+    from horovod.runner.elastic.driver import ElasticDriver
+    from horovod.runner.elastic.rendezvous import create_rendezvous_handler
+    from horovod.runner.gloo_run import _slot_info_to_command_fn
+    from horovod.runner.http.http_server import RendezvousServer
+
+    server = RendezvousServer()
+    elastic = ElasticDriver(server, discovery, 1, 2, timeout=30)  # min_np 1, max_np 2
+    server.start(create_rendezvous_handler(elastic))
+    command_of = _slot_info_to_command_fn("true", {})
+    done = threading.Semaphore(0)
+
+    def create_worker(slot_info, events):
+        commands.append((slot_info.hostname, command_of(slot_info)))
+        code = worker_runs.execute(commands[-1][1], stdout=io.StringIO(), stderr=io.StringIO())
+        done.release()
+        return code, time.time()
+
+    try:
+        elastic.wait_for_available_slots(1)
+        elastic.start(1, create_worker)
+        assert done.acquire(timeout=30), "no worker ran"
+        return elastic._host_manager.current_hosts.available_hosts
+    finally:
+        elastic.stop()
+
+
+@pytest.mark.parametrize("launcher", [True, False])
+def test_a_discovered_host_that_would_run_a_command_never_reaches_horovod(tmp_path, caplog, monkeypatch, launcher):
+    marker = tmp_path / "marker"
+    monkeypatch.setenv("MARKER_FOR_TEST", str(marker))  # in the workers' shell
+    host = "x$(touch${IFS}$MARKER_FOR_TEST)"  # no whitespace: the shell-metacharacter rule stops it
+    path = script(tmp_path, f"echo localhost:1; echo '{host}:1'")
+    if not launcher:  # Horovod's own discovery: the control, showing what the check prevents
+        commands = []
+        run_a_job(HostDiscoveryScript(path, 1), commands)
+        assert wait_for(marker.exists, timeout_s=30), commands
+        return
+    discovery_runs.install()
+    commands = []
+    try:
+        with caplog.at_level("ERROR", logger="elastic_ext.launch.discovery_runs"):
+            assert Prefetched(HostDiscoveryScript(path, 1)).find_available_hosts_and_slots() == {"localhost": 1}
+            assert run_a_job(HostDiscoveryScript(path, 1), commands) == {"localhost"}
+    finally:
+        discovery_runs.uninstall()
+    assert [host for host, _ in commands] == ["localhost"]
+    assert not marker.exists()
+    refused = [r.getMessage() for r in caplog.records]
+    assert len(refused) == 1 and repr(host) in refused[0] and "shell metacharacters" in refused[0], refused

@@ -13,8 +13,8 @@ The layer rule (``docs/architecture.md`` draws it): the leaves (``config``,
 ``errors``, ``events``, ``binding``, ``liveness``) import nothing above them; ``data/`` and
 ``discovery/`` only the leaves; ``policies/`` also ``data/`` and
 ``discovery/``; ``state/`` and ``checkpoint/`` never ``runtime/`` nor
-``launch/``; ``launch/`` nothing of the worker's training side; no module
-imports the public face (``elastic_ext`` itself) or ``testing/``, except
+``launch/``; ``launch/`` nothing of the worker's training side (below it,
+only ``discovery/``, for its host rules); no module imports the public face (``elastic_ext`` itself) or ``testing/``, except
 ``testing/``; and only ``launch/`` touches Horovod's private modules.
 """
 
@@ -161,7 +161,7 @@ MAY_IMPORT = {
     "policies": {"data", "discovery"},
     "state": {"data", "discovery", "policies", "checkpoint"},
     "checkpoint": {"state"},
-    "launch": set(),
+    "launch": {"discovery"},  # the host rules, which the driver applies to whatever discovery lists
     "runtime": {"data", "discovery", "policies", "state", "checkpoint", "launch"},
     "torch": {"data", "policies", "state"},
     "tensorflow": {"data", "policies", "state"},
