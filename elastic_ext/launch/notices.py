@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Mapping, Optional
 from elastic_ext.config import ElasticConfig, elastic_horovodrun, notice_endpoints
 from elastic_ext.errors import ConfigError
 from elastic_ext.launch import store
-from elastic_ext.launch.metadata import CLIENTS, MetadataError, Notice
+from elastic_ext.launch.metadata import CLIENTS, Notice
 from elastic_ext.launch.round_watch import store_url
 from elastic_ext.liveness import LIVENESS, Liveness
 
