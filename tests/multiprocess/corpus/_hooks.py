@@ -127,9 +127,10 @@ class Hooks:
     def world_size_at(self, step):
         """The world size the elastic run had at ``step`` (reference with ``--sizes``), else this job's."""
         if self.mode == "reference" and self._sizes:
-            if step not in self._sizes:
-                raise KeyError(f"--sizes {self.args.sizes} has no step {step} (steps {sorted(self._sizes)})")
-            return self._sizes[step]
+            known = [k for k in self._sizes if k <= step]
+            if not known:
+                raise KeyError(f"--sizes {self.args.sizes} has no step at or before {step}")
+            return self._sizes[max(known)]  # past a failed run's last step: its last size
         return self.size()
 
     def started(self, state, epoch=0, cursor=0):
