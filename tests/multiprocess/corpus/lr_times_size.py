@@ -13,7 +13,8 @@ reset callback after every resize::
     state.register_reset_callbacks([on_state_reset])
 
 Every rank, survivor or newcomer, must then train at the new size's rate.
-SGD with momentum, an MLP on the digits, 15 samples per rank per step.
+SGD with momentum, an MLP on the digits, 15 samples per rank per step (the
+epoch's last step padded: every sample once per epoch at any world size).
 
 The reference (``--reference``) depends on the world size: it follows the
 per-step world sizes the elastic run went through (``--sizes``, a JSON file
@@ -51,7 +52,7 @@ optimizer = torch.optim.SGD(model.parameters(), lr=args.base_lr * (1 if args.ref
                             momentum=0.9)
 if not args.reference:
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
-sampler = ElasticSampler(len(X), batch_size=args.batch_size, seed=args.seed + 1,
+sampler = ElasticSampler(len(X), batch_size=args.batch_size, seed=args.seed + 1, policy="pad",
                          **(_hooks.one_process() if args.reference else {}))
 
 if args.reference:
@@ -93,10 +94,13 @@ def train(state):
         if args.reference:
             follow_the_world_size()
         while not sampler.epoch_done:
-            for indices, _ in sampler.batches():
-                hooks.step(state, sampler.epoch, sampler.cursor, indices)
+            for indices, pad in sampler.batches():
+                hooks.step(state, sampler.epoch, sampler.cursor, indices[~pad])
                 optimizer.zero_grad()
-                loss = F.cross_entropy(model(X[indices]), Y[indices])
+                # The epoch's last step is padded: pads weigh nothing, the divisor stays the batch size.
+                keep = torch.from_numpy(~pad).float()
+                losses = F.cross_entropy(model(X[indices]), Y[indices], reduction="none")
+                loss = (losses * keep).sum() / len(indices)
                 loss.backward()
                 optimizer.step()
                 sampler.record_step()
