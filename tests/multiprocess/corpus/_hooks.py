@@ -147,6 +147,12 @@ class Hooks:
             indices = np.asarray(indices)
             self.ledger.step(state.generation, epoch, cursor, state.step, self.rank(), self.size(), indices, 0)
 
+    def record(self, state, epoch, cursor, indices):
+        """The step's samples to the ledger only (where a fault fires elsewhere: ``model.fit``)."""
+        if self.ledger is not None:
+            self.ledger.step(state.generation, epoch, cursor, state.step, self.rank(), self.size(),
+                             np.asarray(indices), 0)
+
     def trace(self, state, **values):
         """After a step: this rank's values of it (a loss, the learning rate) to the trace."""
         record = {"step": state.step, "rank": self.rank(), "size": self.size(),
@@ -161,7 +167,11 @@ class Hooks:
 
     def committed(self, state, arrays):
         """After a commit: the weights at ``--dump-at`` (``arrays``: a function returning name -> array)."""
-        if state.step == self.args.dump_at:
+        self.dump_if(state.step, arrays)
+
+    def dump_if(self, step, arrays):
+        """The weights at ``--dump-at`` (``step``: the steps trained so far)."""
+        if step == self.args.dump_at:
             self._save(f"dump-{self.rank()}.npz", arrays())
 
     def finish(self, state, arrays):
