@@ -112,6 +112,8 @@ SCRIPTS = [
     # 24 sequences of 16 tokens a step: a gradient entry sums 384 terms.
     Script("causal_lm", samples=288, summands=24 * 16 + 4),
     Script("tf_function_schedule", timeout_s=300),
+    # 12 steps an epoch, a commit every 4 batches of an epoch; 4 epochs.
+    Script("keras_fit_callbacks", steps=48, epochs=4, timeout_s=300),
 ]
 
 

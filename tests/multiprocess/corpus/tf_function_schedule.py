@@ -9,10 +9,18 @@ warmup (evaluated on the optimizer's ``iterations``, a variable in the
 State). Each rank's share of the global batch changes size with the world
 (60 samples: 15 at 4 workers, 20 at 3), so the function is traced again
 after a resize; nothing of the project may create a variable inside that
-trace. An MLP on the digits.
+trace. As in Horovod's ``tensorflow2_mnist_elastic.py``, the step takes an
+``allreduce`` flag and is first called once with ``allreduce=False`` on this
+rank's first batch, to create the model's and the optimizer's variables
+before the State is made: the first trace has no gradient tape of Horovod's
+or elastic_ext's, so whatever they create is created in a later trace. The
+State's first sync then gives every rank rank 0's weights after that step.
+An MLP on the digits.
 
 ``--reference``: one process, no Horovod, the whole global batch per step
-(a plain ``tf.GradientTape``).
+(a plain ``tf.GradientTape``), after the same warm-up step on the samples
+that were rank 0's first share (``--warmup-ranks``: the elastic run's world
+size at its start).
 ``--plain``: Horovod's ``hvd.elastic.TensorFlowKerasState``, ``hvd.elastic.run`` and
 ``hvd.DistributedGradientTape``.
 """
@@ -21,7 +29,9 @@ import os
 
 import _hooks
 
-args = _hooks.arguments(__doc__.split("\n")[0]).parse_args()
+parser = _hooks.arguments(__doc__.split("\n")[0])
+parser.add_argument("--warmup-ranks", type=int, default=4, help="reference: the elastic run's first world size")
+args = parser.parse_args()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
@@ -53,26 +63,33 @@ loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 sampler = etf.ElasticSampler(len(labels), global_batch_size=args.global_batch, seed=args.seed + 1,
                              **(_hooks.one_process() if args.reference else {}))
 
+
+
+@tf.function
+def train_step(x, y, allreduce=True):
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x, training=True))
+    if allreduce and not args.reference:
+        tape = hvd.DistributedGradientTape(tape) if args.plain else etf.DistributedGradientTape(tape)
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+
+# The variables exist before the State: one step on this rank's first batch, without a reduction.
+first = etf.ElasticSampler(len(labels), global_batch_size=args.global_batch, seed=args.seed + 1,
+                           **({"world": lambda: (0, args.warmup_ranks)} if args.reference else {}))
+warmup_indices, _ = next(iter(first.batches()))
+train_step(tf.gather(X, warmup_indices), tf.gather(Y, warmup_indices), allreduce=False)
+
 if args.reference:
     state, run = _hooks.LocalState(epoch=0, step=0), (lambda fn: fn)
 elif args.plain:
-    optimizer.build(model.trainable_variables)
     state = hvd.elastic.TensorFlowKerasState(model, optimizer, epoch=0, step=0, cursor=0)
     run = hvd.elastic.run
 else:
     state = elastic_ext.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0)
     run = elastic_ext.run
-
-
-@tf.function
-def train_step(x, y):
-    with tf.GradientTape() as tape:
-        loss = loss_fn(y, model(x, training=True))
-    if not args.reference:
-        tape = hvd.DistributedGradientTape(tape) if args.plain else etf.DistributedGradientTape(tape)
-    grads = tape.gradient(loss, model.trainable_variables)
-    optimizer.apply_gradients(zip(grads, model.trainable_variables))
-    return loss
 
 
 def arrays():
