@@ -68,6 +68,7 @@ def main():
     names = args.scripts or sorted(n[:-3] for n in os.listdir(HERE)
                                    if n.endswith(".py") and not n.startswith("_") and n != "plain_report.py")
     root = args.out or tempfile.mkdtemp(prefix="corpus-plain-")
+    os.makedirs(root, exist_ok=True)
     for name in names:
         print(json.dumps(report(name, root)), flush=True)
 
