@@ -48,7 +48,7 @@ keras.utils.set_random_seed(args.seed)
 model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)])
 optimizer = keras.optimizers.Adam(4e-3)
 if args.plain:
-    import horovod.keras as hvd_keras  # Horovod's Keras integration (what its guide uses)
+    import horovod.tensorflow.keras as hvd_keras  # Horovod's Keras integration (what its guide uses)
     optimizer = hvd_keras.DistributedOptimizer(optimizer)
 elif not args.reference:
     optimizer = etf.DistributedOptimizer(optimizer)
@@ -120,12 +120,27 @@ if args.reference:
     model.fit(data, epochs=args.epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks()[:-1] + [
         Hooked(), Count()], verbose=0)
 elif args.plain:
-    optimizer.build(model.trainable_variables)
-    state = hvd.elastic.TensorFlowKerasState(model, optimizer, epoch=0, batch=0, step=0)
+    # Horovod's elastic Keras guide: its KerasState and its three callbacks; each rank reads its share
+    # of every global batch (the elastic sampler's partition, its position from the state's counters).
+    state = hvd_keras.elastic.KerasState(model, epoch=0, batch=0, step=0)
 
-    @hvd.elastic.run
+    def shares():
+        while True:
+            sampler.set_epoch(state.epoch)
+            sampler.cursor = state.batch * args.global_batch
+            for indices, _ in sampler.batches():
+                yield tf.gather(X, indices), tf.gather(Y, indices)
+
+    data = tf.data.Dataset.from_generator(shares, output_signature=(
+        tf.TensorSpec([None, 64], tf.float32), tf.TensorSpec([None], tf.int64)))
+
+    @hvd_keras.elastic.run
     def train(state):
-        raise NotImplementedError("plain Horovod: see docs/corpus.md (its Keras 3 state fails before this)")
+        model.fit(data, steps_per_epoch=steps_per_epoch - state.batch, initial_epoch=state.epoch,
+                  epochs=args.epochs, verbose=0, callbacks=[
+                      hvd_keras.elastic.CommitStateCallback(state, batches_per_commit=args.commit_every),
+                      hvd_keras.elastic.UpdateBatchStateCallback(state),
+                      hvd_keras.elastic.UpdateEpochStateCallback(state), *callbacks()])
 
     train(state)
 else:
