@@ -99,6 +99,7 @@ EXCLUSIVE_SCOPE = "exclusive"
 # and the unit tier (measured on 2 cores): the longest first, so that the
 # workers end together. A scope not listed runs after these.
 FIRST_SCOPES = (
+    "tests/multiprocess/test_corpus.py",
     "tests/multiprocess/test_keras_fit.py",
     "tests/multihost",
     "tests/multiprocess/test_lifecycle.py",
