@@ -198,6 +198,11 @@ class State(HorovodListener, DurableCommits, SoftFailures):
         """Seconds since the last commit (None before the first): the work a rollback loses."""
         return None if self._commit_time is None else time.time() - self._commit_time
 
+    def _add_object(self, name: str, obj: Any, per_rank: bool = False) -> None:
+        """Tracks one more object from now on, for an integration (``ElasticCallback``'s own entries);
+        every rank adds it alike, before the commits that must hold it; ``per_rank`` as ``State(per_rank=)``."""
+        self._tracked.add(name, obj, per_rank)
+
     def register_adapter(self, adapter: Adapter) -> None:
         """Adds ``adapter`` in front of this instance's lookup table."""
         self._tracked.register(adapter)

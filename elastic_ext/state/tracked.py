@@ -53,6 +53,19 @@ class Tracked:
         self._table: List[Adapter] = _adapters.adapter_table(adapters)
         self._adapter_of: Dict[str, Adapter] = {}
 
+    def add(self, name: str, obj: Any, per_rank: bool = False) -> None:
+        """Tracks one more object (an integration's own: every rank adds it alike); ``per_rank``: never
+        compared nor broadcast.
+
+        Raises:
+            StateError: ``name`` is tracked already.
+        """
+        if name in self.objects:
+            raise StateError(f"object name {name!r} is tracked already")
+        self.objects[name] = obj
+        if per_rank:
+            self.per_rank = self.per_rank | {name}
+
     def register(self, adapter: Adapter) -> None:
         """Adds ``adapter`` in front of the lookup table."""
         self._table.insert(0, adapter)

@@ -16,24 +16,19 @@ Keras 2 (tf_keras) and Keras 3::
 
 How it works. The committed state holds the epoch, the batch within the
 epoch and the sampler's cursor. :meth:`ElasticCallback.fit` calls
-``model.fit`` from there: if the committed position is inside an epoch, or
-the epoch has skipped steps, one call finishes that epoch (``epochs=epoch +
-1``, ``steps_per_epoch`` the steps left), then one call runs the remaining epochs with the steps of a full
-epoch *at the current world size* (the global batch is constant, so the
-steps per epoch follow the world size). Keras keeps ``steps_per_epoch``
-fixed within a call, and calls after a reset are new calls, so both are
-right. The data is a ``tf.data`` stream of ``load(indices, pad)`` over this
-rank's share of each global step from the committed cursor on
-(:mod:`elastic_ext.tensorflow.fit_stream`, over :mod:`elastic_ext.data.partition`'s
-plans), so the samples of rolled-back steps are handed out again, once.
+``model.fit`` from there: an epoch begun (or with skipped steps) is finished
+by a call of its own, then one call runs the remaining epochs with the steps
+of a full epoch *at the current world size* (the global batch is constant).
+The data is a ``tf.data`` stream of ``load(indices, pad)`` over this rank's
+share of each global step from the committed cursor on
+(:mod:`elastic_ext.tensorflow.fit_stream`), so the samples of rolled-back
+steps are handed out again, once.
 
-The callback, at the end of every batch, checks that the batch Keras
-trained on is the one at the committed cursor (it raises ``StateError``
-otherwise: data and state disagree), advances the cursor and the counters,
-and commits every ``commit_every`` batches; at the end of every epoch it
-moves the state to the start of the next epoch and commits. A
-``HostsUpdatedInterrupt`` from that commit and a failed collective (a
-TensorFlow op error from Horovod) leave ``model.fit`` as exceptions.
+At the end of every batch the callback checks that the batch Keras trained
+on is the one at the committed cursor (else ``StateError``), advances the
+cursor and the counters, and commits every ``commit_every`` batches, and at
+every epoch's end. A ``HostsUpdatedInterrupt`` from a commit and a failed
+collective leave ``model.fit`` as exceptions.
 
 Soft failures. With ``State(guard=NumericGuard(), step=0)`` each batch's
 loss rides on its gradient allreduce (:mod:`elastic_ext.tensorflow.guard`);
@@ -43,7 +38,12 @@ compute (until its gradients were ready) goes to ``state.step_timer``.
 
 Order with other callbacks: :meth:`ElasticCallback.fit` puts the elastic
 callback last, so that what the others do at the end of a batch or an epoch
-happens before the commit that follows it; it never changes ``logs``.
+happens before the commit that follows it, and one of its own first, which
+makes each epoch's metrics those of the whole job (summed over the ranks, as
+one process would compute them: no ``MetricAverageCallback`` is needed). What
+a new ``fit`` call would reset (the epoch's metric sums, the counters of
+``ReduceLROnPlateau`` and ``EarlyStopping``) is committed with the State and
+put back (:mod:`elastic_ext.tensorflow.fit_carry`).
 ``ModelCheckpoint``, ``TensorBoard``, ``CSVLogger`` work as usual (on rank 0
 only if they write to a shared place).
 """
@@ -51,7 +51,6 @@ only if they write to a shared place).
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from typing import Any, Callable, Dict, Iterable, Optional
 
@@ -60,6 +59,8 @@ import tensorflow as tf
 from elastic_ext.errors import ConfigError, StateError
 from elastic_ext.data.sampler import ElasticPartitioner
 from elastic_ext.tensorflow.data import steps_in_epoch
+from elastic_ext.tensorflow.fit_carry import FitCarry, carried
+from elastic_ext.tensorflow.keras_flavour import callback_base, is_keras_model
 from elastic_ext.tensorflow.fit_stream import FitStep, StepStream
 from elastic_ext.tensorflow.guard import grads_ready_time
 
@@ -104,6 +105,8 @@ class _ElasticCallbackMixin:
         self.commit_every = commit_every
         self.lr_for_size = lr_for_size
         self.on_step = on_step
+        self.carry = FitCarry.attach(state)
+        self._carried: list = []  # the callbacks of the fit call whose counters are carried
         self._stream: Optional[StepStream] = None
         self._began: Optional[float] = None
 
@@ -149,12 +152,18 @@ class _ElasticCallbackMixin:
         own = sorted(set(fit_kwargs) & set(_OWN_FIT_ARGUMENTS))
         if own:
             raise ConfigError(f"fit() sets {own} itself (the data comes from load(), the epochs from the state)")
+        callbacks = list(callbacks)
+        self._carried = carried(callbacks)
+        carry = self.carry
+        # First of all: the epoch's metrics of the whole job, before any callback reads the logs.
+        front = type("ElasticMetrics", (callback_base(model),), {
+            "on_epoch_end": lambda cb, epoch, logs=None: carry.globalize(cb.model, logs)})()
         history = None
         while True:
             arguments = self.fit_arguments(epochs)
             if arguments is None:
                 return history
-            history = model.fit(**arguments, callbacks=[*callbacks, self], **fit_kwargs)
+            history = model.fit(**arguments, callbacks=[front, *callbacks, self], **fit_kwargs)
             if getattr(model, "stop_training", False):
                 return history
 
@@ -180,12 +189,14 @@ class _ElasticCallbackMixin:
             value = float(self.lr_for_size(size))
             model.optimizer.learning_rate = value
             logger.info("learning rate set to %g for %d workers", value, size)
+        self.carry.restore_callbacks(self._carried)
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         if epoch != self.elastic_state.epoch or epoch != self.sampler.epoch:
             raise StateError(f"model.fit starts epoch {epoch} but the committed state is at epoch "
                              f"{self.elastic_state.epoch} (sampler epoch {self.sampler.epoch}): call fit with "
                              "initial_epoch=state.epoch, or use ElasticCallback.fit")
+        self.carry.start_epoch(self.model, inside=self.sampler.cursor > 0)
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
         self._began = time.time()  # the clock of tf.timestamp(), which marks when the gradients were ready
@@ -197,6 +208,7 @@ class _ElasticCallbackMixin:
             raise StateError(f"batch {batch} ended but this callback's dataset handed out no step for it: "
                              "feed model.fit from ElasticCallback.dataset()")
         step = stream.handed_out.popleft()
+        self.carry.after_first_batch(self.model)
         sampler.skip_ahead()
         if (step.epoch, step.cursor) != (sampler.epoch, sampler.cursor):
             raise StateError(f"the batch trained on starts at epoch {step.epoch} cursor {step.cursor} but the "
@@ -216,6 +228,7 @@ class _ElasticCallbackMixin:
             state.step += 1
         # Not at the epoch's last batch: the epoch-end commit follows at once.
         if state.batch % self.commit_every == 0 and not sampler.epoch_done:
+            self.carry.save(self.model, self._carried, in_epoch=True)
             state.commit()
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
@@ -223,6 +236,7 @@ class _ElasticCallbackMixin:
             raise StateError(f"epoch {epoch} ended at cursor {self.sampler.cursor} of {self.sampler.size} with "
                              "steps left: steps_per_epoch must be the steps from the committed cursor")
         self._next_epoch(epoch)
+        self.carry.save(self.model, self._carried, in_epoch=False)  # after the others' on_epoch_end
         self.elastic_state.commit()
 
     # ------------------------------------------------------------- helpers
@@ -240,17 +254,6 @@ class _ElasticCallbackMixin:
 
 
 _CALLBACK_CLASSES: Dict[type, type] = {}
-
-
-def _callback_base(model: Any) -> type:
-    for cls in type(model).__mro__:
-        module = cls.__module__ or ""
-        if module.startswith("tf_keras"):
-            import tf_keras
-            return tf_keras.callbacks.Callback
-        if module == "keras" or module.startswith("keras."):
-            return sys.modules["keras"].callbacks.Callback
-    raise ConfigError(f"model ({type(model).__name__}) must be a Keras 3 or tf_keras (Keras 2) model")
 
 
 def ElasticCallback(state: Any, load: Callable[[tf.Tensor, tf.Tensor], Any], *, commit_every: int = 10,
@@ -279,22 +282,13 @@ def ElasticCallback(state: Any, load: Callable[[tf.Tensor, tf.Tensor], Any], *, 
         StateError: the State lacks ``epoch``/``batch`` or the sampler.
     """
     if model is None:
-        found = [obj for obj in state.objects.values() if _is_keras_model(obj)]
+        found = [obj for obj in state.objects.values() if is_keras_model(obj)]
         if len(found) != 1:
             raise ConfigError(f"the State holds {len(found)} Keras models; pass model=")
         model = found[0]
-    base = _callback_base(model)
+    base = callback_base(model)
     cls = _CALLBACK_CLASSES.get(base)
     if cls is None:
         cls = type("ElasticCallback", (_ElasticCallbackMixin, base), {"__module__": __name__})
         _CALLBACK_CLASSES[base] = cls
     return cls(state, load, commit_every, sampler, lr_for_size, on_step)
-
-
-def _is_keras_model(obj: Any) -> bool:
-    for module_name in ("keras", "tf_keras"):
-        module = sys.modules.get(module_name)
-        cls = getattr(module, "Model", None) if module is not None else None
-        if cls is not None and isinstance(obj, cls):
-            return True
-    return False
