@@ -84,30 +84,48 @@ def test_forged_store_requests_from_outside_the_job_change_nothing(cluster, tmp_
         jobs.wait_for(job, f"step {SECOND_FORGERY_STEP}", jobs.reached(out, SECOND_FORGERY_STEP))
         outside.append(forge(cluster, "eeh3", address, inside["round"], markers, job_hosts))
         forged_until = max(r["step"] for r in jobs.steps(out))
-        output = jobs.finish(job)
+        try:
+            output, ended = jobs.finish(job), None
+        except AssertionError as exc:  # failed or timed out: reported with what the forgeries did
+            output, ended = open(job.log_path).read(), exc
     finally:
         job.kill()
     print(f"\nstore at {address}; from eeh1 (a job host): {inside}\nfrom eeh3 (outside the job): {outside}")
 
-    assert not list(markers.iterdir()), f"a forged pickle was loaded: {sorted(p.name for p in markers.iterdir())}"
+    # Every way the forgeries showed, together (a store that accepts them shows several).
+    problems = []
+    loaded = sorted(p.name for p in markers.iterdir())
+    if loaded:
+        problems.append(f"a forged pickle was loaded (markers made: {loaded})")
     # From a job host the store answers, and refuses each write.
-    assert inside["GET /elastic_ext_round/current"] == 200 and inside["round"] >= 1, inside
     expected = {name: 400 if "worker_addresses" in name else 403 for name in inside if name.startswith("PUT")}
-    assert {name: inside[name] for name in expected} == expected, f"eeh1's forged writes: {inside}"
+    if inside["GET /elastic_ext_round/current"] != 200 or inside["round"] < 1:
+        problems.append(f"eeh1, a job host, could not read the round from the store: {inside}")
+    if {name: inside[name] for name in expected} != expected:
+        problems.append(f"eeh1's forged writes were not all refused: {inside}")
     # From outside the job not one request is answered.
     for statuses in outside:
         answered = {name: status for name, status in statuses.items()
                     if name != "round" and status not in UNANSWERED}
-        assert not answered, f"the store answered eeh3, a host outside the job: {answered} (all: {statuses})"
-        assert any(name.startswith("PUT /elastic_ext_notice/eeh") for name in statuses), statuses
-    assert f"the driver's store closes a connection from {cluster.host('eeh3').address}" in output, (
-        "the driver logged no closed connection from eeh3")
-    assert "has a preemption notice" not in output and "dismissed this worker" not in output, output[-6000:]
-    assert max(r["step"] for r in jobs.steps(out)) > forged_until, "the job trained no step after the forgeries"
+        if answered:
+            problems.append(f"the store answered eeh3, a host outside the job: {answered}")
+    if f"the driver's store closes a connection from {cluster.host('eeh3').address}" not in output:
+        problems.append("the driver logged no closed connection from eeh3")
+    noticed = re.findall(r"host (\S+) has a preemption notice", output)
+    if noticed or "dismissed this worker" in output:
+        problems.append(f"hosts dropped on a forged notice: {noticed}; a worker dismissed: "
+                        f"{'dismissed this worker' in output}")
     disturbed = [e for e in jobs.events(out) if e["event"] in FORBIDDEN]
-    assert not disturbed, f"the forged requests disturbed the job: {disturbed[:10]}"
+    if disturbed:
+        problems.append(f"events of a disturbed job: {[(e['event'], e.get('rank')) for e in disturbed][:20]}")
     sizes = sorted({(r["gen"], r["size"]) for r in jobs.steps(out)})
-    assert len(sizes) == 1 and sizes[0][1] == 2, (
-        f"(generation, world size) of the steps: {sizes}; the job must train on eeh1 and eeh2 from start to end")
+    if len(sizes) != 1 or sizes[0][1] != 2:
+        problems.append(f"(generation, world size) of the steps: {sizes}; the job must train on eeh1 and eeh2 "
+                        f"from start to end")
+    if max(r["step"] for r in jobs.steps(out)) <= forged_until:
+        problems.append("the job trained no step after the forgeries")
+    if ended is not None:
+        problems.append(str(ended)[:3000])
+    assert not problems, "the forgeries changed the job:\n- " + "\n- ".join(problems)
     _, finals = jobs.assert_exactly_once_and_equal(out, EPOCHS, "whole job")
     assert sorted(finals) == [0, 1], f"final states of ranks {sorted(finals)}"
