@@ -121,7 +121,7 @@ SCRIPTS = [
     Script("plateau", samples=360, epochs=4),
     # 15 samples per rank: 12 steps an epoch at 4 workers, 16 at 3, 24 at 2. The leave comes late,
     # so that the newcomer joins before it: 4 workers, 3, 4 again (a grow), then 3 (a shrink).
-    Script("lr_times_size", steps=48, size_dependent=True, term_step=28),
+    Script("lr_times_size", steps=48, size_dependent=True, term_step=20),
     Script("clip_grad_norm"),
     Script("accumulate_passes"),
     Script("accumulate_by_hand"),
