@@ -16,6 +16,8 @@ from elastic_ext.errors import ConfigError
 ENV_PREFIX = "ELASTIC_EXT_"
 HEARTBEAT_PERIOD_S = 0.5            # how often a worker tells its guardian (and its stall check) that it runs
 MIN_HANG_TIMEOUT_S = 4 * HEARTBEAT_PERIOD_S
+MIN_GLOO_TIMEOUT_S = 1.0            # Gloo's timeouts are whole seconds: less was silently raised to 1 s
+SSH_HOST_KEYS = {"accept-new": "accept-new", "strict": "yes"}  # setting -> ssh's StrictHostKeyChecking
 ENV_EVENTS_PATH = "ELASTIC_EXT_EVENTS_PATH"
 ENV_CHECKPOINT_DIR = "ELASTIC_EXT_CHECKPOINT_DIR"
 ENV_HOROVOD_GLOO_TIMEOUT = "HOROVOD_GLOO_TIMEOUT_SECONDS"
@@ -163,6 +165,8 @@ class ElasticConfig:
             ever reaches it; it then costs this long instead of
             ``rendezvous_timeout_s``. Until the job's first reset, Gloo uses
             ``rendezvous_timeout_s``. 0 leaves Horovod's value.
+        ssh_host_keys: how the launcher's ssh to worker hosts checks their host keys: ``accept-new`` (a new host's
+            key is learnt, a changed key refuses the connection) or ``strict`` (only keys already in known_hosts).
 
     Raises:
         ConfigError: a value is out of range or an environment variable does
@@ -184,6 +188,7 @@ class ElasticConfig:
     term_grace_s: float = 30.0
     rendezvous_timeout_s: float = 120.0
     collective_timeout_s: float = 30.0
+    ssh_host_keys: str = dataclasses.field(default="accept-new", metadata={"parse": lambda name, text: text})
 
     def __post_init__(self) -> None:
         if not isinstance(self.rollback_limit, int) or self.rollback_limit < 0:
@@ -198,6 +203,8 @@ class ElasticConfig:
             raise ConfigError(f"replica_check_every ({every!r}) must be an integer >= 0 (0: off)")
         if self.exclude_file is not None and (not isinstance(self.exclude_file, str) or not self.exclude_file.strip()):
             raise ConfigError(f"exclude_file ({self.exclude_file!r}) must be a non-empty path or None")
+        if self.ssh_host_keys not in SSH_HOST_KEYS:
+            raise ConfigError(f"ssh_host_keys ({self.ssh_host_keys!r}) must be one of {sorted(SSH_HOST_KEYS)}")
         self._validate_detection()
 
     def _validate_detection(self) -> None:
@@ -206,6 +213,9 @@ class ElasticConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
                 raise ConfigError(f"{name} ({value!r}) must be a finite number >= 0")
+            if name in ("rendezvous_timeout_s", "collective_timeout_s") and 0 < value < MIN_GLOO_TIMEOUT_S:
+                raise ConfigError(f"{name} ({value!r}) must be 0 (Horovod's value) or at least {MIN_GLOO_TIMEOUT_S}"
+                                  " (Gloo counts whole seconds)")
         if self.hang_timeout_s and self.hang_timeout_s < MIN_HANG_TIMEOUT_S:
             raise ConfigError(f"hang_timeout_s ({self.hang_timeout_s!r}) must be 0 (off) or at least "
                               f"{MIN_HANG_TIMEOUT_S} (4 heartbeats), or a busy machine looks hung")

@@ -34,6 +34,10 @@ from elastic_ext.events import (CHECKPOINT, CHECKPOINT_CADENCE, CHECKPOINT_FAILE
 
 logger = logging.getLogger(__name__)
 
+# At exit, a write still running after this long is hung (an object store that stopped answering), not slow:
+# the finished worker leaves without it rather than stay forever. Generous, as the last checkpoint matters most.
+EXIT_WAIT_S = 600.0
+
 
 class Checkpointer:
     """Background checkpoint writes for :class:`~elastic_ext.State` (rank 0).
@@ -253,8 +257,11 @@ class Checkpointer:
 
 
 def _wait_at_exit(ref: "weakref.ref[Checkpointer]") -> None:
-    # Daemon threads die at interpreter exit; let the last write finish first.
+    # Daemon threads die at interpreter exit; let the last write finish first, within EXIT_WAIT_S.
     checkpointer = ref()
     if checkpointer is not None and checkpointer._thread is not None:
-        logger.info("waiting for the checkpoint of commit %d before exiting", checkpointer._result_id)
-        checkpointer.wait()
+        commit_id = checkpointer._result_id
+        logger.info("waiting for the checkpoint of commit %d before exiting (at most %gs)", commit_id, EXIT_WAIT_S)
+        if not checkpointer.wait(EXIT_WAIT_S):
+            logger.error("the checkpoint of commit %d did not finish within %gs of exit: abandoned (a resume "
+                         "takes the newest complete checkpoint; a cut write has no manifest)", commit_id, EXIT_WAIT_S)

@@ -28,6 +28,13 @@ three things there that the launcher changes:
    would not emit (:func:`elastic_ext.discovery.hosts.host_error`: a host
    name or an IPv4 address, no shell metacharacters, no leading ``-``).
 
+4. **The script is bounded**: Horovod waits for it without a limit, and
+   leaves it running when the driver ends. Under the launcher a script
+   still running after :data:`SCRIPT_TIMEOUT_S` is killed with its process
+   group and the run fails (Horovod's error rule below), and the workers'
+   guard (:func:`elastic_ext.launch.worker_runs.start_guard`) kills the
+   group when the driver exits or dies first.
+
 Everything else is Horovod's: the period, the error rule (the first
 discovery's failure ends the job, later ones are logged and retried), the
 notification of the workers.
@@ -36,18 +43,24 @@ notification of the workers.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import subprocess
 import threading
 from typing import Any, Dict, Optional
 
 from elastic_ext.discovery.hosts import host_error
 from elastic_ext.launch.replaced import Originals, replace, restore
+from elastic_ext.launch.worker_runs import start_guard, stop_guard
 
 logger = logging.getLogger(__name__)
 
 _originals: Originals = {}  # what install() replaced
 _refused: set = set()       # hosts refused so far: each is logged once, not at every discovery run
 REFUSED_LOGGED = 1024
+# The project's own scripts end within their --timeout-s (5 s by default) and half a second; Horovod asks every
+# second, so a script still running after a minute is hung, not slow, and a later run may answer.
+SCRIPT_TIMEOUT_S = 60.0
 
 
 def valid_hosts(found: Dict[str, int]) -> Dict[str, int]:
@@ -68,13 +81,27 @@ def run_script(self: Any) -> str:
     """``HostDiscoveryScript._execute_discovery_script`` under the launcher: the script's output.
 
     Raises:
-        RuntimeError: the script exited non-zero (Horovod's message).
+        RuntimeError: the script exited non-zero (Horovod's message), or ran past :data:`SCRIPT_TIMEOUT_S`.
     """
-    done = subprocess.run(self._discovery_script, shell=True, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
-    if done.returncode != 0:
-        code = done.returncode if done.returncode >= 0 else 128 - done.returncode  # a shell's status
+    shell = subprocess.Popen(self._discovery_script, shell=True, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                             start_new_session=True)  # its own group: a timeout kills what the script started too
+    guard = start_guard(shell.pid)  # ends the group if the driver exits or dies while the script runs
+    try:
+        out, _ = shell.communicate(timeout=SCRIPT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(shell.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # the whole group ended in between: nothing left to kill
+        shell.communicate()
+        raise RuntimeError(f"Discovery script {self._discovery_script} did not finish within {SCRIPT_TIMEOUT_S:g}s: "
+                           "killed") from None
+    finally:
+        stop_guard(guard)
+    if shell.returncode != 0:
+        code = shell.returncode if shell.returncode >= 0 else 128 - shell.returncode  # a shell's status
         raise RuntimeError(f"Failed to execute discovery script: {self._discovery_script}. Exit code: {code}")
-    return done.stdout.decode("utf-8", errors="replace")
+    return out.decode("utf-8", errors="replace")
 
 
 class Prefetched:

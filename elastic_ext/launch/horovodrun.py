@@ -44,6 +44,7 @@ import sys
 from typing import Any, List, MutableMapping, Optional
 
 from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_LAUNCHER, ENV_MIN_NP, ENV_RESTART_IN_PLACE
+from elastic_ext.errors import ConfigError
 from elastic_ext.launch import (build_check, discovery_runs, driver, noticed_hosts, rendezvous_wait, ssh_keepalive,
                                 store, store_guard, worker_runs)
 
@@ -141,7 +142,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     discovery_runs.install()  # the discovery script outside the host lock, with no Python middleman
     rendezvous_wait.install()  # a Gloo peer's read of a key not yet written is answered when it is written
     worker_runs.install()  # each worker's command a child of the driver: its end is recorded at once
-    ssh_keepalive.install()
+    try:
+        ssh_keepalive.install()  # keepalives, and ssh_host_keys instead of Horovod's StrictHostKeyChecking=no
+    except ConfigError as exc:
+        sys.exit(f"elastic-horovodrun: {exc}")
     build_check.install()  # Horovod's Gloo/MPI checks import TensorFlow: about 3 s before any worker starts
     _through_the_worker_entry()
     from horovod.runner.launch import run_commandline

@@ -42,6 +42,7 @@ from elastic_ext.errors import ConfigError
 from elastic_ext.launch import store
 from elastic_ext.launch.metadata import CLIENTS, Notice
 from elastic_ext.launch.round_watch import store_url
+from elastic_ext.launch.sigterm import Relay
 from elastic_ext.liveness import LIVENESS, Liveness
 
 logger = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ def act(notice: Notice, config: ElasticConfig, liveness: Optional[Liveness] = No
     live.ask_to_leave(config.term_grace_s, cause=CAUSE, notice={**notice.fields(), "seen": time.time()})
     logger.warning("preemption notice from %s (%s: %s): leaving at the next commit", notice.source, notice.kind,
                    notice.detail)
-    if report:  # in a thread: act() may run in a signal handler, and the driver may be slow to answer
+    if report:  # in a thread: the driver may be slow to answer
         threading.Thread(target=report_host, args=(environ,), name="elastic_ext-notice-report", daemon=True).start()
     return True
 
@@ -216,7 +217,9 @@ def _install_signal(config: ElasticConfig, liveness: Liveness, environ: Mapping[
             signal.getsignal(NOTICE_SIGNAL) is not signal.SIG_DFL:
         return
     notice = signal_notice(environ)
-    signal.signal(NOTICE_SIGNAL, lambda signum, frame: act(notice, config, liveness, environ))
+    relay = Relay(lambda: act(notice, config, liveness, environ), "elastic_ext-notice-signal")
+    signal.signal(NOTICE_SIGNAL, lambda signum, frame: relay.ring())  # act() logs, sets an Event, starts a
+    # thread: in a handler that could deadlock the main thread (launch/sigterm.py), so the relay's thread acts
 
 
 def _accept_job_notices(config: ElasticConfig, liveness: Liveness) -> None:

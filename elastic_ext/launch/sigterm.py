@@ -4,6 +4,13 @@ A worker told to go (preemption, ``scancel``, the driver ending the job)
 keeps training to its next commit, where every rank learns of it through
 the commit's collective; the job then resizes without a rollback and the
 leaver exits with :data:`LEAVE_EXIT_CODE`.
+
+The handlers of this module and of :mod:`elastic_ext.launch.notices` do no
+more than a C signal handler could (a :class:`Relay`): Python runs a handler
+between two bytecodes of the main thread, which may hold ``threading``'s
+locks just then (inside ``Thread.start``, an ``Event``'s condition), so a
+handler that logged, set an ``Event`` or started a thread could deadlock
+the process. A thread started at install time does that work instead.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import logging
 import os
 import signal
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 from elastic_ext.config import ElasticConfig, elastic_horovodrun
 from elastic_ext.errors import ConfigError
@@ -21,6 +28,46 @@ from elastic_ext.liveness import LIVENESS, Liveness
 logger = logging.getLogger(__name__)
 
 LEAVE_EXIT_CODE = 143  # 128 + SIGTERM: non-zero, so Horovod's driver shrinks instead of ending the job
+
+
+class Relay:
+    """A signal handler's only work, :meth:`ring` (one ``write(2)`` to a pipe, no lock), and the thread,
+    started here (at install, never in a handler), that runs ``action`` for the rings it reads."""
+
+    def __init__(self, action: Callable[[], None], name: str) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)  # a full pipe must not block the main thread inside its handler
+        self._action = action
+        self.dropped = 0  # rings not written: the pipe was full (requests already pending) or closed
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def ring(self) -> None:
+        """In a signal handler: asks the thread to run the action (rings pending together run it once)."""
+        try:
+            os.write(self._write, b"!")
+        except OSError:  # full: the pending rings run the action anyway; closed: restored, nobody to ask
+            self.dropped += 1  # no logging here: that is what the handler must not do
+
+    def close(self) -> None:
+        """Ends the thread once it has read what is pending (after the handler was replaced)."""
+        if self._write >= 0:
+            os.close(self._write)
+            self._write = -1
+
+    def _run(self) -> None:
+        while True:
+            try:
+                rings = os.read(self._read, 4096)
+            except OSError as exc:
+                logger.error("elastic_ext: a signal relay cannot read its pipe (%s): its signal does nothing now", exc)
+                return
+            if not rings:
+                os.close(self._read)
+                return
+            try:
+                self._action()
+            except Exception:  # noqa: BLE001 - the next signal must still be acted on
+                logger.exception("elastic_ext: acting on a signal failed")
 
 
 def install_sigterm(config: ElasticConfig, liveness: Optional[Liveness] = None):
@@ -42,12 +89,11 @@ def install_sigterm(config: ElasticConfig, liveness: Optional[Liveness] = None):
     if threading.current_thread() is not threading.main_thread():
         return None
     live = liveness or LIVENESS
+    asked: list = []  # by the handler; list.append takes no lock that the interrupted main thread might hold
 
-    def handler(signum, frame):
+    def leave() -> None:  # in the relay's thread
         if live.leaving():
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
+            return  # already asked (a preemption notice): its deadline stands
         live.ask_to_leave(config.term_grace_s)
         logger.warning("SIGTERM: leaving at the next commit (at most %.0fs from now)", config.term_grace_s)
 
@@ -59,7 +105,18 @@ def install_sigterm(config: ElasticConfig, liveness: Optional[Liveness] = None):
         timer.daemon = True
         timer.start()
 
+    relay = Relay(leave, "elastic_ext-sigterm")
+
+    def handler(signum, frame):
+        if asked or live.leaving():  # Event.is_set reads a flag: no lock
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        asked.append(True)
+        relay.ring()
+
     handler.elastic_ext_sigterm = True
+    handler.elastic_ext_relay = relay
     return signal.signal(signal.SIGTERM, handler)
 
 
@@ -70,7 +127,12 @@ def restore_sigterm(previous) -> None:
     """
     if previous is None:
         return
+    current = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, signal.SIG_DFL if getattr(previous, "elastic_ext_sigterm", False) else previous)
+    for replaced in (current, previous):  # after the handlers are gone: no later ring finds a pipe closed
+        relay = getattr(replaced, "elastic_ext_relay", None)
+        if relay is not None:
+            relay.close()
 
 
 def install_early_sigterm(environ=None, liveness: Optional[Liveness] = None):

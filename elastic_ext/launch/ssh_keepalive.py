@@ -17,9 +17,19 @@ A healthy host answers at once (sshd answers, not the worker), so a busy
 worker is never mistaken for a dead one; a slow link only has to carry one
 small packet each way within the bound. These options on the command line
 win over the user's ``~/.ssh/config``.
+
+Host keys: Horovod's prefix says ``StrictHostKeyChecking=no``, so a machine in
+the middle would receive each worker's command line (the rendezvous address
+included). :func:`install` replaces it with the ``ssh_host_keys`` setting
+(``accept-new`` by default: a first contact still works, a changed key is refused).
 """
 
 from __future__ import annotations
+
+import re
+from typing import Optional
+
+from elastic_ext.config import SSH_HOST_KEYS, ElasticConfig
 
 ALIVE_INTERVAL_S = 5
 ALIVE_COUNT_MAX = 3
@@ -27,9 +37,22 @@ DETECTION_S = ALIVE_INTERVAL_S * (ALIVE_COUNT_MAX + 1)  # the last answer came j
 OPTIONS = f"-o ServerAliveInterval={ALIVE_INTERVAL_S} -o ServerAliveCountMax={ALIVE_COUNT_MAX}"
 
 
-def install() -> None:
-    """Adds :data:`OPTIONS` to the ssh command of Horovod's driver (this process); idempotent."""
+HOST_KEY_OPTION = re.compile(r"-o\s*StrictHostKeyChecking[= ]\S+", re.IGNORECASE)
+
+
+def install(host_keys: Optional[str] = None) -> None:
+    """Adds :data:`OPTIONS` to the ssh command of Horovod's driver (this process) and sets its host key check
+    to ``host_keys`` (None: the ``ssh_host_keys`` setting); idempotent.
+
+    Raises:
+        ConfigError: the setting (or any ``ELASTIC_EXT_*`` variable) is bad.
+    """
     from horovod.runner.util import remote
 
-    if OPTIONS not in remote.SSH_COMMAND_PREFIX:
-        remote.SSH_COMMAND_PREFIX = f"{remote.SSH_COMMAND_PREFIX} {OPTIONS}"
+    config = ElasticConfig.from_env() if host_keys is None else ElasticConfig(ssh_host_keys=host_keys)
+    check = f"-o StrictHostKeyChecking={SSH_HOST_KEYS[config.ssh_host_keys]}"
+    prefix = HOST_KEY_OPTION.sub("", remote.SSH_COMMAND_PREFIX)
+    prefix = " ".join(part for part in prefix.split(" ") if part)  # the removed option leaves a double space
+    if OPTIONS not in prefix:
+        prefix = f"{prefix} {OPTIONS}"
+    remote.SSH_COMMAND_PREFIX = f"{prefix} {check}"

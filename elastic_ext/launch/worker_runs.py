@@ -72,7 +72,7 @@ def execute(command: str, env: Optional[dict] = None, stdout: Optional[TextIO] =
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, bufsize=0)
     if secret:
         _send_secret(shell)
-    guard = _start_guard(shell.pid)
+    guard = start_guard(shell.pid)
     forwarders = [in_thread(target=prefix_connection, args=(stream, sys.stdout if out is None else out,
                                                             name, index, prefix_output_with_timestamp))
                   for stream, out, name in ((shell.stdout, stdout, "stdout"), (shell.stderr, stderr, "stderr"))]
@@ -88,7 +88,7 @@ def execute(command: str, env: Optional[dict] = None, stdout: Optional[TextIO] =
                 terminate(shell)
     finally:
         stop.set()
-        _stop_guard(guard)
+        stop_guard(guard)
     for forwarder in forwarders:
         forwarder.join()
     return code if code >= 0 else 128 - code  # killed by a signal: a shell's status, as Horovod's middleman
@@ -151,9 +151,9 @@ def terminate(shell: subprocess.Popen) -> None:
         shell.kill()
 
 
-def _start_guard(group: int) -> Optional[Tuple[subprocess.Popen, int]]:
-    """The ``sh`` that ends the worker's process group when the driver dies (module docstring), and
-    the driver's end of its pipe; None where no shell could start (the worker then runs unguarded)."""
+def start_guard(group: int) -> Optional[Tuple[subprocess.Popen, int]]:
+    """The ``sh`` that ends process group ``group`` when the driver dies (module docstring; the discovery script's
+    too), and the driver's end of its pipe; None where no shell could start (the group then runs unguarded)."""
     read_end, write_end = os.pipe()
     try:
         guard = subprocess.Popen(["/bin/sh", "-c", GUARD, "elastic_ext-worker-guard", str(group)],
@@ -167,7 +167,7 @@ def _start_guard(group: int) -> Optional[Tuple[subprocess.Popen, int]]:
     return guard, write_end
 
 
-def _stop_guard(guarded: Optional[Tuple[subprocess.Popen, int]]) -> None:
+def stop_guard(guarded: Optional[Tuple[subprocess.Popen, int]]) -> None:
     """Kills the guard, then closes the pipe: a guard that saw the pipe close would signal the group."""
     if guarded is None:
         return
@@ -193,4 +193,4 @@ def uninstall() -> None:
     restore(_originals)
 
 
-__all__ = ["GRACE_S", "GUARD", "execute", "install", "terminate", "uninstall"]
+__all__ = ["GRACE_S", "GUARD", "execute", "install", "start_guard", "stop_guard", "terminate", "uninstall"]

@@ -84,8 +84,9 @@ def main(argv=None) -> int:
     parser.add_argument("--pid", type=int, required=True)
     parser.add_argument("--timeout-s", type=float, required=True)
     args = parser.parse_args(argv)
-    # Ignore the terminal's and the driver's SIGINT/SIGTERM aimed at the group:
-    # the guardian leaves when its pipe closes, i.e. when the worker is gone.
+    # Ignore SIGINT (a terminal's Ctrl-C reaches the worker's whole group): the guardian leaves when its
+    # pipe closes, i.e. when the worker is gone. SIGTERM is not ignored: it ends the guardian (the default
+    # action), and the worker, in the same group, got it too (launch/sigterm.py: leave, bounded by term_grace_s).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     kill = _parent_killer(args.pid)
     if kill is None:

@@ -18,6 +18,10 @@ def test_argument_beats_environment_beats_default():
     ({"ELASTIC_EXT_COMMIT_BUFFERS": "3"}, r"commit_buffers \(3\) must be 1 or 2"),
     ({"ELASTIC_EXT_STALL_TIMEOUT_S": "soon"}, r"ELASTIC_EXT_STALL_TIMEOUT_S \('soon'\) must be a number"),
     ({"ELASTIC_EXT_HANG_TIMEOUT_S": "1"}, r"hang_timeout_s \(1.0\) must be 0 \(off\) or at least 2.0"),
+    # L6 (audit): 1e-9 was accepted and Gloo silently waited 1 s
+    ({"ELASTIC_EXT_COLLECTIVE_TIMEOUT_S": "1e-9"}, r"collective_timeout_s \(1e-09\) must be 0 .* or at least 1.0"),
+    ({"ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S": "0.5"}, r"rendezvous_timeout_s \(0.5\) must be 0 .* or at least 1.0"),
+    ({"ELASTIC_EXT_SSH_HOST_KEYS": "no"}, r"ssh_host_keys \('no'\) must be one of \['accept-new', 'strict'\]"),
 ])
 def test_bad_values_are_named(env, message):
     with pytest.raises(ConfigError, match=message):

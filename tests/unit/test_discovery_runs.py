@@ -1,6 +1,9 @@
 """The launcher's runs of the discovery script (elastic_ext.launch.discovery_runs), against Horovod's HostManager."""
 
 import io
+import os
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -181,3 +184,38 @@ def test_a_discovered_host_that_would_run_a_command_never_reaches_horovod(tmp_pa
     assert not marker.exists()
     refused = [r.getMessage() for r in caplog.records]
     assert len(refused) == 1 and repr(host) in refused[0] and "shell metacharacters" in refused[0], refused
+
+
+def _gone(pid):
+    """No such process, or a zombie (killed; reaped by whoever adopted it, maybe never in a container)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_script_past_its_timeout_is_killed_with_what_it_started(tmp_path, installed, monkeypatch):
+    """L6 (audit): Horovod waited for a hung user script forever."""
+    monkeypatch.setattr(discovery_runs, "SCRIPT_TIMEOUT_S", 0.5)
+    pidfile = tmp_path / "pid"
+    path = script(tmp_path, f"sleep 300 & echo $! > {pidfile}; wait")
+    with pytest.raises(RuntimeError, match=f"Discovery script {path} did not finish within 0.5s: killed"):
+        HostDiscoveryScript(path, 1).find_available_hosts_and_slots()
+    assert wait_for(lambda: _gone(int(pidfile.read_text())), 10)
+
+
+def test_a_running_script_ends_when_the_driver_exits(tmp_path):
+    """L6 (audit): a script running when the driver ended was left behind."""
+    pidfile = tmp_path / "pid"
+    path = script(tmp_path, f"sleep 300 & echo $! > {pidfile}; wait")
+    driver = subprocess.Popen([sys.executable, "-c", (
+        "import os, threading, time\n"
+        "from horovod.runner.elastic.discovery import HostDiscoveryScript\n"
+        "from elastic_ext.launch import discovery_runs\n"
+        "discovery_runs.install()\n"
+        f"threading.Thread(target=HostDiscoveryScript({path!r}, 1).find_available_hosts_and_slots, daemon=True).start()\n"
+        f"while not os.path.exists({str(pidfile)!r}) or not open({str(pidfile)!r}).read().strip(): time.sleep(0.01)\n"
+        "os._exit(0)\n")])
+    assert driver.wait(timeout=60) == 0
+    assert wait_for(lambda: _gone(int(pidfile.read_text())), 20)
