@@ -11,6 +11,7 @@ import dataclasses
 import os
 from typing import Any, Mapping, Optional, Union
 
+from elastic_ext.config_text import PARSERS as _PARSERS, parse_bool, parse_every, parse_int
 from elastic_ext.errors import ConfigError
 
 ENV_PREFIX = "ELASTIC_EXT_"
@@ -39,40 +40,6 @@ NOTICE_CLOUDS = ("aws", "gcp", "azure")
 NOT_SETTINGS = frozenset({ENV_RESTART_IN_PLACE, ENV_RESTARTED_IN_PLACE, ENV_LAUNCHER, ENV_MIN_NP, ENV_RESTART,
                           "ELASTIC_EXT_CACHE", ENV_NOTICE_ENDPOINT})
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
-def _parse_bool(name: str, text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in _TRUE:
-        return True
-    if lowered in _FALSE:
-        return False
-    raise ConfigError(f"{name} ({text!r}) must be one of {sorted(_TRUE | _FALSE)}")
-
-
-def _parse_int(name: str, text: str, expected: str = "an integer") -> int:
-    try:
-        return int(text.strip())
-    except ValueError:
-        raise ConfigError(f"{name} ({text!r}) must be {expected}") from None
-
-
-def _parse_float(name: str, text: str) -> float:
-    try:
-        return float(text.strip())
-    except ValueError:
-        raise ConfigError(f"{name} ({text!r}) must be a number") from None
-
-
-def _parse_every(name: str, text: str) -> Union[int, str]:
-    """An integer, or "auto" (``checkpoint_every``)."""
-    return "auto" if text.strip().lower() == "auto" else _parse_int(name, text, "an integer or 'auto'")
-
-
-# How a variable's text becomes a field's value, by the type of the field's default (None: a path).
-_PARSERS = {bool: _parse_bool, int: _parse_int, float: _parse_float, type(None): lambda name, text: text}
 
 
 def env_name(field: str) -> str:
@@ -177,7 +144,7 @@ class ElasticConfig:
     events_path: Optional[str] = None
     commit_buffers: int = 1
     checkpoint_dir: Optional[str] = None
-    checkpoint_every: Union[int, str] = dataclasses.field(default="auto", metadata={"parse": _parse_every})
+    checkpoint_every: Union[int, str] = dataclasses.field(default="auto", metadata={"parse": parse_every})
     checkpoint_keep_last: int = 3
     checkpoint_fresh_start: bool = False
     checkpoint_failure_limit: int = 5
@@ -275,21 +242,21 @@ def restart_in_place(environ: Optional[Mapping[str, str]] = None) -> bool:
     """``ELASTIC_EXT_RESTART_IN_PLACE``, which the launcher sets (default off); raises ConfigError naming a bad value."""
     env = os.environ if environ is None else environ
     text = env.get(ENV_RESTART_IN_PLACE, "")
-    return bool(text.strip()) and _parse_bool(ENV_RESTART_IN_PLACE, text)
+    return bool(text.strip()) and parse_bool(ENV_RESTART_IN_PLACE, text)
 
 
 def horovod_rendezvous(environ: Optional[Mapping[str, str]] = None) -> Optional[tuple]:
     """(address, port) of horovodrun's rendezvous server, or None outside horovodrun."""
     env = os.environ if environ is None else environ
     addr, port = env.get(ENV_HOROVOD_RENDEZVOUS_ADDR), env.get(ENV_HOROVOD_RENDEZVOUS_PORT)
-    return (addr, _parse_int(ENV_HOROVOD_RENDEZVOUS_PORT, port)) if addr and port else None
+    return (addr, parse_int(ENV_HOROVOD_RENDEZVOUS_PORT, port)) if addr and port else None
 
 
 def launch_min_np(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
     """``horovodrun --min-np`` of the job, as the launcher passes it to its workers; None if unknown."""
     env = os.environ if environ is None else environ
     text = env.get(ENV_MIN_NP, "").strip()
-    return _parse_int(ENV_MIN_NP, text) if text else None
+    return parse_int(ENV_MIN_NP, text) if text else None
 
 
 def notice_endpoints(environ: Optional[Mapping[str, str]] = None) -> Optional[list]:
