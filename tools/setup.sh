@@ -92,17 +92,24 @@ else
 fi
 
 step "Python interpreter ($STACK stack: Python $PY_VERSION)"
-# Prefer an interpreter already on PATH (pyenv etc.) and fall back to Debian's.
-BASE_PY="$(command -v "python$PY_VERSION" || command -v python3)" || fail "no python3 found" "apt-get install python3"
-"$BASE_PY" -c 'import sys; assert "%d.%d" % sys.version_info[:2] == sys.argv[1], sys.version' "$PY_VERSION" 2>/dev/null \
-    || fail "$BASE_PY is not Python $PY_VERSION (the $STACK stack's wheels are for $PY_VERSION)" "install Python $PY_VERSION"
+# Prefer an interpreter on PATH, then one pyenv installed but did not activate
+# (its shim then fails), then Debian's python3; take the first that is $PY_VERSION.
+is_py_version() { "$1" -c 'import sys; sys.exit("%d.%d" % sys.version_info[:2] != sys.argv[1])' "$PY_VERSION" 2>/dev/null; }
+BASE_PY=""
+for cand in "$(command -v "python$PY_VERSION")" \
+        $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$PY_VERSION".*/bin/"python$PY_VERSION" 2>/dev/null | sort -V -r) \
+        "$(command -v python3)"; do
+    if [ -n "$cand" ] && is_py_version "$cand"; then BASE_PY="$cand"; break; fi
+done
+[ -n "$BASE_PY" ] || fail "no Python $PY_VERSION found (the $STACK stack's wheels are for $PY_VERSION)" \
+    "install Python $PY_VERSION (Debian package or pyenv install $PY_VERSION)"
 echo "$BASE_PY" >&2
 
 step "virtual environment at $VENV"
 if [ ! -x "$PY" ]; then
     "$BASE_PY" -m venv "$VENV" || fail "python -m venv failed" "apt-get install python3-venv"
 fi
-"$PY" -c 'import sys; assert "%d.%d" % sys.version_info[:2] == sys.argv[1]' "$PY_VERSION" 2>/dev/null \
+is_py_version "$PY" \
     || fail "$VENV is not a Python $PY_VERSION environment (made for another stack?)" \
         "delete $VENV, or pass --venv DIR to put the $STACK stack elsewhere"
 "$PY" -m pip --version >/dev/null || fail "pip is missing in $VENV" "delete $VENV and run again"
