@@ -38,10 +38,16 @@ case "$STACK" in
     previous)
         PY_VERSION=3.11
         REQUIREMENTS="$ROOT/tools/requirements.txt"
+        UNWANTED=()
         PATCHES=() ;;
     current)
         PY_VERSION=3.12
         REQUIREMENTS="$ROOT/tools/requirements-current.txt"
+        # triton comes with PyPI's CUDA torch and is only used on GPUs. It bundles
+        # its own LLVM, as TF does: once TF is loaded, the first torch optimizer
+        # (torch._dynamo imports triton) aborts the process with "LLVM ERROR:
+        # inconsistency in registered CommandLine options". torch runs without it.
+        UNWANTED=(triton)
         PATCHES=("$ROOT"/tools/horovod_patches/*.patch) ;;
     *)
         printf 'setup: unknown stack "%s" (expected previous or current)\n' "$STACK" >&2; exit 2 ;;
@@ -124,6 +130,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         | grep -v "^WARNING: Location .* is ignored" >&2
     [ "${PIPESTATUS[0]}" = 0 ] \
         || fail "pip install -r $req_name failed" "read pip's message above; the pins in $req_name are the tested ones"
+    if [ ${#UNWANTED[@]} -gt 0 ]; then
+        "$PY" -m pip uninstall -y -q --disable-pip-version-check "${UNWANTED[@]}" >&2 \
+            || fail "pip uninstall ${UNWANTED[*]} failed" "read pip's message above"
+    fi
     echo "$want" >"$stamp"
 else
     echo "all present (stamp matches $req_name)" >&2
