@@ -169,9 +169,12 @@ else
         source_arg="horovod==$HOROVOD_VERSION"
         build_env=(CC=gcc)
         if [ ${#PATCHES[@]} -gt 0 ]; then
-            # The sdist, unpacked and patched (tools/horovod_patches/, one file per problem).
-            src="$wheel_dir.partial/src"
-            mkdir -p "$src"
+            # The sdist, unpacked and patched (tools/horovod_patches/, one file per problem),
+            # in a directory of its own: unpacked inside the wheel's output directory
+            # (a path with "+cu132" in it) the built .so files landed outside horovod/
+            # in the wheel.
+            src="$CACHE/horovod-$HOROVOD_VERSION-src"
+            rm -rf "$src" && mkdir -p "$src" "$wheel_dir.partial"
             "$PY" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
                 -d "$wheel_dir.partial" "horovod==$HOROVOD_VERSION" >"$CACHE/horovod-build.log" 2>&1 \
                 || fail "downloading the Horovod $HOROVOD_VERSION sdist failed" "see $CACHE/horovod-build.log"
@@ -196,6 +199,7 @@ else
             "$PY" -m pip wheel --no-build-isolation --no-deps --no-cache-dir \
                 -w "$wheel_dir.partial" "$source_arg" >>"$CACHE/horovod-build.log" 2>&1 \
             || { rm -rf "$wheel_dir.partial"; fail "Horovod build failed" "see the end of $CACHE/horovod-build.log"; }
+        [ ${#PATCHES[@]} -gt 0 ] && rm -rf "$src"
         mv "$wheel_dir.partial"/horovod-*.whl "$wheel_dir"/ && rm -rf "$wheel_dir.partial"
         wheel=$(ls "$wheel_dir"/horovod-*.whl | head -n 1)
     else
