@@ -14,10 +14,14 @@ setup(
     packages=find_packages(include=["elastic_ext", "elastic_ext.*"]),
     # Horovod is not listed: 0.28.1 must be built from source against the
     # installed frameworks (tools/setup.sh does it, see README).
-    install_requires=["numpy>=1.24,<2", "xxhash>=3.0,<5"],
+    # The ranges cover both tested stacks (docs/environment.md): "previous"
+    # (numpy 1.26, torch 2.13, TF 2.17) and "current" (numpy 2.5, torch 2.15, TF 2.21).
+    install_requires=["numpy>=1.24,<3", "xxhash>=3.0,<5"],
     extras_require={
-        "torch": ["torch>=2.1,<2.14"],
-        "tensorflow": ["tensorflow-cpu>=2.15,<2.18", "tf_keras>=2.15,<2.18"],
+        "torch": ["torch>=2.1,<2.16"],
+        # tf_keras requires the `tensorflow` package itself (tensorflow-cpu
+        # alone does not satisfy it), so that is the one named here.
+        "tensorflow": ["tensorflow>=2.15,<2.22", "tf_keras>=2.15,<2.22"],
         "aws": ["boto3>=1.28"],
         "slurm": ["python-hostlist>=1.23,<3"],
         "test": ["pytest>=7.4", "pytest-timeout>=2.1", "pytest-xdist>=3.5", "hypothesis>=6.80", "psutil>=5.9",

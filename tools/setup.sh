@@ -4,6 +4,18 @@
 # Horovod 0.28.1 build with PyTorch, TensorFlow, Gloo and MPI, and
 # elastic_ext itself in editable mode.
 #
+#   bash tools/setup.sh [--stack previous|current] [--venv DIR]
+#
+# --stack picks the tested set of versions (docs/environment.md):
+#   previous (default)  Python 3.11, torch 2.13.0, TF 2.17.1, numpy 1.26,
+#                       tools/requirements.txt, Horovod built as released
+#                       with the tools/cxx17 compiler wrapper;
+#   current             Python 3.12, torch 2.15.0, TF 2.21.0, Keras 3.15,
+#                       numpy 2.5, tools/requirements-current.txt, Horovod
+#                       built from its sdist with tools/horovod_patches/*.patch.
+# --venv is where the virtual environment goes (default .venv); a venv made
+# with another Python than the stack's is refused, not overwritten.
+#
 # Idempotent: a second run checks each step and skips what is already done.
 # The Horovod wheel is built once per (Horovod, torch, TF, Python) combination
 # and cached in $ELASTIC_EXT_CACHE (default ~/.cache/elastic_ext), so a fresh
@@ -11,7 +23,37 @@
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+STACK=previous
 VENV="$ROOT/.venv"
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --stack) STACK="${2:-}"; shift 2 || shift ;;
+        --stack=*) STACK="${1#--stack=}"; shift ;;
+        --venv) VENV="${2:-}"; shift 2 || shift ;;
+        --venv=*) VENV="${1#--venv=}"; shift ;;
+        *) printf 'setup: unknown argument "%s" (expected --stack previous|current, --venv DIR)\n' "$1" >&2; exit 2 ;;
+    esac
+done
+case "$STACK" in
+    previous)
+        PY_VERSION=3.11
+        REQUIREMENTS="$ROOT/tools/requirements.txt"
+        UNWANTED=()
+        PATCHES=() ;;
+    current)
+        PY_VERSION=3.12
+        REQUIREMENTS="$ROOT/tools/requirements-current.txt"
+        # triton comes with PyPI's CUDA torch and is only used on GPUs. It bundles
+        # its own LLVM, as TF does: once TF is loaded, the first torch optimizer
+        # (torch._dynamo imports triton) aborts the process with "LLVM ERROR:
+        # inconsistency in registered CommandLine options". torch runs without it.
+        UNWANTED=(triton)
+        PATCHES=("$ROOT"/tools/horovod_patches/*.patch) ;;
+    *)
+        printf 'setup: unknown stack "%s" (expected previous or current)\n' "$STACK" >&2; exit 2 ;;
+esac
+[ -n "$VENV" ] || { echo "setup: --venv needs a directory" >&2; exit 2; }
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
 PY="$VENV/bin/python"
 HOROVOD_VERSION=0.28.1
 CACHE="${ELASTIC_EXT_CACHE:-$HOME/.cache/elastic_ext}"
@@ -55,31 +97,46 @@ else
     echo "all present" >&2
 fi
 
-step "Python interpreter"
-# Prefer an interpreter already on PATH (pyenv etc.) and fall back to Debian's.
-BASE_PY="$(command -v python3.11 || command -v python3)" || fail "no python3 found" "apt-get install python3"
-"$BASE_PY" -c 'import sys; assert sys.version_info[:2] == (3, 11), sys.version' 2>/dev/null \
-    || fail "$BASE_PY is not Python 3.11 (torch 2.13.0 / TF 2.17.1 wheels here are for 3.11)" "install Python 3.11"
+step "Python interpreter ($STACK stack: Python $PY_VERSION)"
+# Prefer an interpreter on PATH, then one pyenv installed but did not activate
+# (its shim then fails), then Debian's python3; take the first that is $PY_VERSION.
+is_py_version() { "$1" -c 'import sys; sys.exit("%d.%d" % sys.version_info[:2] != sys.argv[1])' "$PY_VERSION" 2>/dev/null; }
+BASE_PY=""
+for cand in "$(command -v "python$PY_VERSION")" \
+        $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$PY_VERSION".*/bin/"python$PY_VERSION" 2>/dev/null | sort -V -r) \
+        "$(command -v python3)"; do
+    if [ -n "$cand" ] && is_py_version "$cand"; then BASE_PY="$cand"; break; fi
+done
+[ -n "$BASE_PY" ] || fail "no Python $PY_VERSION found (the $STACK stack's wheels are for $PY_VERSION)" \
+    "install Python $PY_VERSION (Debian package or pyenv install $PY_VERSION)"
 echo "$BASE_PY" >&2
 
-step "virtual environment at .venv"
+step "virtual environment at $VENV"
 if [ ! -x "$PY" ]; then
     "$BASE_PY" -m venv "$VENV" || fail "python -m venv failed" "apt-get install python3-venv"
 fi
+is_py_version "$PY" \
+    || fail "$VENV is not a Python $PY_VERSION environment (made for another stack?)" \
+        "delete $VENV, or pass --venv DIR to put the $STACK stack elsewhere"
 "$PY" -m pip --version >/dev/null || fail "pip is missing in $VENV" "delete $VENV and run again"
 
-step "Python packages (tools/requirements.txt)"
-# A stamp of the requirements file makes the repeated run skip pip entirely.
+req_name="tools/$(basename "$REQUIREMENTS")"
+step "Python packages ($req_name)"
+# A stamp of the requirements files makes the repeated run skip pip entirely.
 stamp="$VENV/.requirements.sha256"
-want=$(sha256sum "$ROOT/tools/requirements.txt" | cut -d' ' -f1)
+want=$(cat "$REQUIREMENTS" "$ROOT/tools/requirements-common.txt" | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    "$PY" -m pip install -q --disable-pip-version-check -r "$ROOT/tools/requirements.txt" 2>&1 \
+    "$PY" -m pip install -q --disable-pip-version-check -r "$REQUIREMENTS" 2>&1 \
         | grep -v "^WARNING: Location .* is ignored" >&2
     [ "${PIPESTATUS[0]}" = 0 ] \
-        || fail "pip install -r tools/requirements.txt failed" "read pip's message above; the pins in tools/requirements.txt are the tested ones"
+        || fail "pip install -r $req_name failed" "read pip's message above; the pins in $req_name are the tested ones"
+    if [ ${#UNWANTED[@]} -gt 0 ]; then
+        "$PY" -m pip uninstall -y -q --disable-pip-version-check "${UNWANTED[@]}" >&2 \
+            || fail "pip uninstall ${UNWANTED[*]} failed" "read pip's message above"
+    fi
     echo "$want" >"$stamp"
 else
-    echo "all present (stamp matches tools/requirements.txt)" >&2
+    echo "all present (stamp matches $req_name)" >&2
 fi
 
 horovod_ok() {
@@ -99,18 +156,50 @@ if horovod_ok; then
 else
     key=$("$PY" -c 'import sys, torch, tensorflow as tf; print(f"py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}-tf{tf.__version__}")' 2>/dev/null) \
         || fail "cannot import torch and tensorflow to key the Horovod build" "run this script again; the previous step should have installed them"
+    if [ ${#PATCHES[@]} -gt 0 ]; then
+        # A change to any patch makes a new wheel.
+        key="$key-patches$(cat "${PATCHES[@]}" | sha256sum | cut -c1-12)"
+    fi
     wheel_dir="$CACHE/horovod-$HOROVOD_VERSION-$key"
     wheel=$(ls "$wheel_dir"/horovod-*.whl 2>/dev/null | head -n 1)
     if [ -z "$wheel" ]; then
         echo "building from sdist (about 9 minutes on 2 cores); log: $CACHE/horovod-build.log" >&2
         mkdir -p "$wheel_dir" "$CACHE"
-        # tools/cxx17 swaps -std=c++14 for -std=c++17; see that file for why.
-        env CXX="$ROOT/tools/cxx17" CC=gcc \
+        rm -rf "$wheel_dir.partial"
+        source_arg="horovod==$HOROVOD_VERSION"
+        build_env=(CC=gcc)
+        if [ ${#PATCHES[@]} -gt 0 ]; then
+            # The sdist, unpacked and patched (tools/horovod_patches/, one file per problem),
+            # in a directory of its own: unpacked inside the wheel's output directory
+            # (a path with "+cu132" in it) the built .so files landed outside horovod/
+            # in the wheel.
+            src="$CACHE/horovod-$HOROVOD_VERSION-src"
+            rm -rf "$src" && mkdir -p "$src" "$wheel_dir.partial"
+            "$PY" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
+                -d "$wheel_dir.partial" "horovod==$HOROVOD_VERSION" >"$CACHE/horovod-build.log" 2>&1 \
+                || fail "downloading the Horovod $HOROVOD_VERSION sdist failed" "see $CACHE/horovod-build.log"
+            tar -xzf "$wheel_dir.partial/horovod-$HOROVOD_VERSION.tar.gz" -C "$src" --strip-components=1 \
+                || fail "unpacking the Horovod sdist failed" "delete $wheel_dir.partial and run again"
+            for p in "${PATCHES[@]}"; do
+                echo "applying $(basename "$p")" >&2
+                patch -d "$src" -p1 --batch --forward --quiet <"$p" >>"$CACHE/horovod-build.log" 2>&1 \
+                    || fail "patch $p does not apply to the Horovod $HOROVOD_VERSION sdist" "see $CACHE/horovod-build.log"
+            done
+            source_arg="$src"
+            # The patches make the build C++17 where torch needs it; torch counts as a
+            # CPU build even when it is PyPI's CUDA wheel (03-torch-cuda-wheel-cpu-plugin.patch).
+            build_env+=(HOROVOD_GPU=NONE)
+        else
+            # tools/cxx17 swaps -std=c++14 for -std=c++17; see that file for why.
+            build_env+=(CXX="$ROOT/tools/cxx17")
+        fi
+        env "${build_env[@]}" \
             HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 \
             HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$(nproc)" \
             "$PY" -m pip wheel --no-build-isolation --no-deps --no-cache-dir \
-                -w "$wheel_dir.partial" "horovod==$HOROVOD_VERSION" >"$CACHE/horovod-build.log" 2>&1 \
+                -w "$wheel_dir.partial" "$source_arg" >>"$CACHE/horovod-build.log" 2>&1 \
             || { rm -rf "$wheel_dir.partial"; fail "Horovod build failed" "see the end of $CACHE/horovod-build.log"; }
+        [ ${#PATCHES[@]} -gt 0 ] && rm -rf "$src"
         mv "$wheel_dir.partial"/horovod-*.whl "$wheel_dir"/ && rm -rf "$wheel_dir.partial"
         wheel=$(ls "$wheel_dir"/horovod-*.whl | head -n 1)
     else
@@ -136,4 +225,4 @@ else
     echo "already installed" >&2
 fi
 
-printf '\nsetup done in %ss: activate with  source %s/bin/activate\n' "$(( $(date +%s) - START_S ))" "$VENV" >&2
+printf '\nsetup done (%s stack) in %ss: activate with  source %s/bin/activate\n' "$STACK" "$(( $(date +%s) - START_S ))" "$VENV" >&2
