@@ -53,7 +53,10 @@ logger = logging.getLogger(__name__)
 WORKER_MODULE = "elastic_ext.launch.worker"  # the workers' entry module (elastic_ext.launch.horovodrun)
 GRACE_S = 5  # Horovod's GRACEFUL_TERMINATION_TIME_S
 # $1: the worker's process group. `read` returns when the driver's end of stdin closes (its death).
-GUARD = f'read _ ; kill -s TERM -- "-$1" 2>/dev/null; sleep {GRACE_S}; kill -s KILL -- "-$1" 2>/dev/null'
+# The group comes first on the pipe (no group: the driver died before it started one, nothing to end),
+# then the pipe's end (the driver's death) signals it.
+GUARD = (f'read group || exit 0; read _ ; kill -s TERM -- "-$group" 2>/dev/null; sleep {GRACE_S}; '
+         'kill -s KILL -- "-$group" 2>/dev/null')
 
 _originals: Originals = {}
 
@@ -68,11 +71,18 @@ def execute(command: str, env: Optional[dict] = None, stdout: Optional[TextIO] =
 
     # What the worker's entry module reads it in: an elastic job's (Horovod writes HOROVOD_ELASTIC=1 there).
     secret = store.job_secret() is not None and f"-m {WORKER_MODULE} " in command and "HOROVOD_ELASTIC=1" in command
-    shell = subprocess.Popen(command, shell=True, env=env, stdin=subprocess.PIPE if secret else subprocess.DEVNULL,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, bufsize=0)
+    # The guard runs before the command starts, and learns its group right after: a driver killed as the
+    # command starts must not leave it unguarded.
+    guard = start_guard()
+    try:
+        shell = subprocess.Popen(command, shell=True, env=env, stdin=subprocess.PIPE if secret else subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, bufsize=0)
+    except BaseException:
+        stop_guard(guard)
+        raise
+    arm_guard(guard, shell.pid)
     if secret:
         _send_secret(shell)
-    guard = start_guard(shell.pid)
     forwarders = [in_thread(target=prefix_connection, args=(stream, sys.stdout if out is None else out,
                                                             name, index, prefix_output_with_timestamp))
                   for stream, out, name in ((shell.stdout, stdout, "stdout"), (shell.stderr, stderr, "stderr"))]
@@ -151,12 +161,13 @@ def terminate(shell: subprocess.Popen) -> None:
         shell.kill()
 
 
-def start_guard(group: int) -> Optional[Tuple[subprocess.Popen, int]]:
-    """The ``sh`` that ends process group ``group`` when the driver dies (module docstring; the discovery script's
-    too), and the driver's end of its pipe; None where no shell could start (the group then runs unguarded)."""
+def start_guard(group: Optional[int] = None) -> Optional[Tuple[subprocess.Popen, int]]:
+    """The ``sh`` that ends a process group when the driver dies (module docstring; the discovery script's
+    too), and the driver's end of its pipe; None where no shell could start (the group then runs unguarded).
+    The group is ``group``, or the one :func:`arm_guard` gives it later."""
     read_end, write_end = os.pipe()
     try:
-        guard = subprocess.Popen(["/bin/sh", "-c", GUARD, "elastic_ext-worker-guard", str(group)],
+        guard = subprocess.Popen(["/bin/sh", "-c", GUARD, "elastic_ext-worker-guard"],
                                  stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                  start_new_session=True)
     except OSError:
@@ -164,7 +175,19 @@ def start_guard(group: int) -> Optional[Tuple[subprocess.Popen, int]]:
         return None
     finally:
         os.close(read_end)
+    if group is not None:
+        arm_guard((guard, write_end), group)
     return guard, write_end
+
+
+def arm_guard(guarded: Optional[Tuple[subprocess.Popen, int]], group: int) -> None:
+    """Tells a guard started by :func:`start_guard` which process group it ends."""
+    if guarded is None:
+        return
+    try:
+        os.write(guarded[1], f"{group}\n".encode())
+    except OSError as exc:  # the guard is gone: the group runs unguarded, as where no shell could start
+        logger.warning("elastic_ext: the guard of process group %d is gone: %s", group, exc)
 
 
 def stop_guard(guarded: Optional[Tuple[subprocess.Popen, int]]) -> None:
@@ -193,4 +216,5 @@ def uninstall() -> None:
     restore(_originals)
 
 
-__all__ = ["GRACE_S", "GUARD", "execute", "install", "start_guard", "stop_guard", "terminate", "uninstall"]
+__all__ = ["GRACE_S", "GUARD", "arm_guard", "execute", "install", "start_guard", "stop_guard", "terminate",
+           "uninstall"]
