@@ -7,12 +7,13 @@
 #   bash tools/setup.sh [--stack previous|current] [--venv DIR]
 #
 # --stack picks the tested set of versions (docs/environment.md):
-#   previous (default)  Python 3.11, torch 2.13.0, TF 2.17.1, numpy 1.26,
-#                       tools/requirements.txt, Horovod built as released
-#                       with the tools/cxx17 compiler wrapper;
-#   current             Python 3.12, torch 2.15.0, TF 2.21.0, Keras 3.15,
+#   current (default)   Python 3.12, torch 2.15.0, TF 2.21.0, Keras 3.15,
 #                       numpy 2.5, tools/requirements-current.txt, Horovod
-#                       built from its sdist with tools/horovod_patches/*.patch.
+#                       built from its sdist with tools/horovod_patches/*.patch;
+#   previous            Python 3.11, torch 2.13.0, TF 2.17.1, numpy 1.26,
+#                       tools/requirements-previous.txt, Horovod built as released
+#                       with the tools/cxx17 compiler wrapper (for users who
+#                       cannot move yet; the benchmarks' torchft peer needs it).
 # --venv is where the virtual environment goes (default .venv); a venv made
 # with another Python than the stack's is refused, not overwritten.
 #
@@ -23,7 +24,7 @@
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-STACK=previous
+STACK=current
 VENV="$ROOT/.venv"
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -37,7 +38,7 @@ done
 case "$STACK" in
     previous)
         PY_VERSION=3.11
-        REQUIREMENTS="$ROOT/tools/requirements.txt"
+        REQUIREMENTS="$ROOT/tools/requirements-previous.txt"
         UNWANTED=()
         PATCHES=() ;;
     current)

@@ -10,8 +10,11 @@
 # runs with the constraint torch==2.13.0 and the script checks which torch
 # the new venv imports.
 #
-# Run after tools/setup.sh:   bash tools/setup_bench.sh [MAIN_VENV_PYTHON]
-# (default .venv/bin/python of this checkout). Idempotent: seconds when done.
+# The torchft peer runs on the previous stack's torch 2.13.0 (CPU), so it
+# builds on that stack's venv, not the default one:
+#   bash tools/setup.sh --stack previous --venv .venv-previous
+#   bash tools/setup_bench.sh .venv-previous/bin/python
+# (MAIN_VENV_PYTHON defaults to .venv/bin/python of this checkout). Idempotent: seconds when done.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -31,7 +34,8 @@ fail() {
 main_site=$("$MAIN_PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
     || fail "$MAIN_PY does not run" "run bash tools/setup.sh again"
 "$MAIN_PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null \
-    || fail "the main venv has no torch $TORCH_VERSION" "run bash tools/setup.sh first"
+    || fail "$MAIN_PY has no torch $TORCH_VERSION (the previous stack's)" \
+        "bash tools/setup.sh --stack previous --venv .venv-previous, then bash tools/setup_bench.sh .venv-previous/bin/python"
 base_py=$("$MAIN_PY" -c 'import sys; print(sys._base_executable)')
 
 if [ ! -x "$PY" ]; then

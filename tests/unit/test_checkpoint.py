@@ -198,7 +198,7 @@ def test_inconsistent_array_table_is_refused(tmp_path):
 
 
 def test_fsspec_url_round_trip_and_corruption():
-    import fsspec  # a test dependency (tools/requirements.txt): never skipped
+    import fsspec  # a test dependency (tools/requirements-common.txt): never skipped
     fs = fsspec.filesystem("memory")
     root = "memory://elastic-ext-test"
     if fs.exists("/elastic-ext-test"):
