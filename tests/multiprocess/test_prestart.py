@@ -20,13 +20,15 @@ EPOCHS = 6
 BASE = ["localhost:1", "127.0.0.1:1"]
 
 
-def run_job(tmp_path, faults, worker="train_torch.py", extra=(), base=tuple(BASE), added_slots=2):
+def run_job(tmp_path, faults, worker="train_torch.py", extra=(), base=tuple(BASE), added_slots=2, paced_below=4):
     """Grows from the ``base`` hosts' workers to 4 (a third pseudo-host with ``added_slots``) at step 8,
-    with ``faults``; returns the job's directory, ledger, events and output."""
+    with ``faults``; returns the job's directory, ledger, events and output. Steps take 0.2 s while
+    the world is below ``paced_below`` (the size the newcomers make), then run at full speed."""
     hosts = str(tmp_path / "job" / "hosts")  # where launch.run_job writes the base hosts
     grown = ",".join(list(base) + [f"{launch.third_host()}:{added_slots}"])  # no third host: RuntimeError
-    # 0.2 s per step: a newcomer's start (Python, torch, Horovod) spans several commits.
-    out, output = launch.run_job(tmp_path, worker, "--step-sleep-s", "0.2", "--resize-at", f"8:{hosts}:{grown}",
+    # 0.2 s per step until the newcomers are in: their start (Python, torch, Horovod) spans several commits.
+    out, output = launch.run_job(tmp_path, worker, "--step-sleep-s", "0.2", "--sleep-below", str(paced_below),
+                                 "--resize-at", f"8:{hosts}:{grown}",
                                  "--faults", faults, *extra, hosts=base, np_=4 - added_slots, epochs=EPOCHS,
                                  commit_every=COMMIT_EVERY, timeout_s=300, launcher=True)
     return out, ledger.read(str(out)), analysis.read_events(str(out / "events.jsonl")), output
@@ -66,7 +68,7 @@ def test_a_survivor_killed_while_the_newcomers_start(tmp_path):
     """Rank 1 dies at step 14, after the early start began (step 8) and before the newcomers
     are up: the job rolls back to step 12 at once, the reset meets the newcomers that Horovod's
     driver already counts in, and rank 0 goes on with them (its host's peer is blacklisted)."""
-    out, records, events, output = run_job(tmp_path, "1:14:kill")
+    out, records, events, output = run_job(tmp_path, "1:14:kill", paced_below=3)
     assert [e["commit_id"] for e in of_rank(events, "prestart")] == [3]  # overlapped: one commit after step 8
     assert not of_rank(events, "newcomers_joined")  # the failure's reset ended the early start
     rollbacks = of_rank(events, "rollback")

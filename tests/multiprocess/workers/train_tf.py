@@ -22,6 +22,8 @@ p.add_argument("--commit-every", type=int, default=4)
 p.add_argument("--faults", default="")
 p.add_argument("--resize-at", default="")
 p.add_argument("--step-sleep-s", type=float, default=0.0)
+p.add_argument("--sleep-below", type=int, default=0,
+               help="SIZE: --step-sleep-s only while the world has fewer than SIZE workers (0: always)")
 args = p.parse_args()
 if args.keras == "2":
     os.environ["TF_USE_LEGACY_KERAS"] = "1"
@@ -90,7 +92,7 @@ def train(state):
             book.step(state.generation, sampler.epoch, sampler.cursor, state.step, hvd.rank(), hvd.size(),
                       indices.numpy()[~pad.numpy()], int(pad.numpy().sum()))
             train_step(indices, pad)
-            if args.step_sleep_s:
+            if args.step_sleep_s and (not args.sleep_below or hvd.size() < args.sleep_below):
                 time.sleep(args.step_sleep_s)
             sampler.record_step()
             state.step += 1

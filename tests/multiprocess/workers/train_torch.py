@@ -32,6 +32,8 @@ p.add_argument("--global-batch", type=int, default=64)
 p.add_argument("--commit-every", type=int, default=4)
 p.add_argument("--faults", default="")
 p.add_argument("--step-sleep-s", type=float, default=0.0)
+p.add_argument("--sleep-below", type=int, default=0,
+               help="SIZE: --step-sleep-s only while the world has fewer than SIZE workers (0: always)")
 p.add_argument("--slow", default="", help="RANK:FROM:TO:FACTOR slows one rank's steps")
 p.add_argument("--resize-at", default="", help="STEP:HOSTFILE:HOST,HOST[;...] (see elastic_ext.testing.HostFileSchedule)")
 args = p.parse_args()
@@ -104,7 +106,7 @@ def train(state):
             book.step(state.generation, sampler.epoch, sampler.cursor, state.step, hvd.rank(), hvd.size(),
                       indices[~pad], int(pad.sum()))
             train_step(state, indices, pad)
-            if args.step_sleep_s:
+            if args.step_sleep_s and (not args.sleep_below or hvd.size() < args.sleep_below):
                 time.sleep(args.step_sleep_s * slow_factor(state))
             sampler.record_step()
             state.step += 1
