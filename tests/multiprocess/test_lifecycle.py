@@ -535,12 +535,12 @@ KILLED_NEWCOMER_EPOCHS = 4
 
 
 def newcomer_killed_before_it_starts_horovod(tmp_path, elastic_ext_driver=False, **env_extra):
-    """Two workers train (KILLED_NEWCOMER_EPOCHS epochs, 0.2 s a step); at step 8 a host of
-    two newcomers joins, and one of them is SIGKILLed in its start."""
+    """Two workers train (KILLED_NEWCOMER_EPOCHS epochs, 0.2 s a step until a newcomer joined); at step 8
+    a host of two newcomers joins, and one of them is SIGKILLed in its start."""
     out = tmp_path / "job"
     out.mkdir()
     env = environment(out, ELASTIC_EXT_CHECKPOINT_DIR=str(out / "ckpt"), ELASTIC_EXT_CHECKPOINT_EVERY=1, **env_extra)
-    cmd = grow_at_step_8(out, "--epochs", str(KILLED_NEWCOMER_EPOCHS), "--step-sleep-s", "0.2")
+    cmd = grow_at_step_8(out, "--epochs", str(KILLED_NEWCOMER_EPOCHS), "--step-sleep-s", "0.2", "--sleep-below", "3")
     job = launch.Job(launch.under_elastic_ext_driver(cmd) if elastic_ext_driver else cmd, env,
                      str(out / "horovodrun.log"))
     launch.kill_worker(first_newcomer(out, job))

@@ -54,6 +54,8 @@ p.add_argument("--epochs", type=int, default=1)
 p.add_argument("--global-batch", type=int, default=64)
 p.add_argument("--commit-every", type=int, default=4)
 p.add_argument("--step-sleep-s", type=float, default=0.0)
+p.add_argument("--sleep-below", type=int, default=0,
+               help="SIZE: --step-sleep-s only while the world has fewer than SIZE workers (0: always)")
 p.add_argument("--faults", default="")
 p.add_argument("--phase", default="")
 p.add_argument("--bare-phase", action="store_true")
@@ -183,7 +185,7 @@ def train(state):
                       indices[~pad], int(pad.sum()))
             long_phase(state)
             train_step(state, indices, pad)
-            if args.step_sleep_s:
+            if args.step_sleep_s and (not args.sleep_below or hvd.size() < args.sleep_below):
                 time.sleep(args.step_sleep_s)
             sampler.record_step()
             state.step += 1
