@@ -15,7 +15,8 @@ The layer rule (``docs/architecture.md`` draws it): the leaves (``config`` with 
 ``discovery/``; ``state/`` and ``checkpoint/`` never ``runtime/`` nor
 ``launch/``; ``launch/`` nothing of the worker's training side (below it,
 only ``discovery/``, for its host rules); no module imports the public face (``elastic_ext`` itself) or ``testing/``, except
-``testing/``; and only ``launch/`` touches Horovod's private modules.
+``testing/``; and only ``launch/`` touches Horovod's private modules. No module is over
+300 lines.
 """
 
 import ast
@@ -212,6 +213,32 @@ def test_the_layer_rule_catches_an_edge_up():
         "elastic_ext.state.sync (state) imports elastic_ext.runtime.run (runtime)"]
     assert layer_violations({"elastic_ext.data.sampler": {"elastic_ext.binding"}}) == []
 
+
+MAX_MODULE_LINES = 300  # the house rule (docs/architecture.md): a module longer than this is split by responsibility
+
+
+def modules_over(limit: int, files: Dict[str, str]) -> List[str]:
+    """``"module: N lines"`` for each of ``files`` (module -> path) longer than ``limit`` lines."""
+    found = []
+    for module, path in sorted(files.items()):
+        with open(path, encoding="utf-8") as handle:
+            count = sum(1 for _ in handle)
+        if count > limit:
+            found.append(f"{module}: {count} lines")
+    return found
+
+
+def test_every_module_of_the_package_is_at_most_300_lines():
+    too_long = modules_over(MAX_MODULE_LINES, module_files())
+    assert not too_long, f"modules over {MAX_MODULE_LINES} lines (split them by responsibility): {too_long}"
+
+
+def test_the_line_limit_catches_a_long_module(tmp_path):
+    short, long = tmp_path / "short.py", tmp_path / "long.py"
+    short.write_text("x = 1\n" * MAX_MODULE_LINES)
+    long.write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert modules_over(MAX_MODULE_LINES, {"a.short": str(short), "a.long": str(long)}) == [
+        f"a.long: {MAX_MODULE_LINES + 1} lines"]
 
 # Horovod's documented API; anything else of Horovod (its runner, basics, process sets) is private.
 HOROVOD_PUBLIC = ("horovod.torch", "horovod.tensorflow", "horovod.common.exceptions", "horovod.common.elastic")
