@@ -39,7 +39,7 @@ turns into a longer or larger one:
    survivors failed is not (two process failures in a row, not a machine:
    seen under a failure every 15 s, where the job lost a host for good),
    nor one of whose workers ended itself because its round's peers failed
-   (:data:`~elastic_ext.launch.round_watch.PEERS_FAILED_EXIT_CODE`, from
+   (:data:`~elastic_ext.exit_codes.PEERS_FAILED`, from
    :mod:`elastic_ext.runtime.closed_links`): seen on real hosts, where one
    worker was SIGKILLed and its host mate, stuck on a send to it, ended
    itself 10 s later; the host counted as lost left the job below
@@ -65,7 +65,7 @@ turns into a longer or larger one:
    far. It writes the worker's
    :func:`~elastic_ext.launch.round_watch.dismissed_key`; the worker, which
    reads it until it announces itself (:mod:`elastic_ext.launch.newcomer`),
-   exits with :data:`~elastic_ext.launch.round_watch.DISMISSED_EXIT_CODE`,
+   exits with :data:`~elastic_ext.exit_codes.DISMISSED`,
    its host is not blacklisted for it, and the round forms from the members
    that asked; its slot comes back with the failed one, while they train.
    Never when the members that go on would be fewer than ``--min-np``.

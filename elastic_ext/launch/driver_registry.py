@@ -15,7 +15,8 @@ import threading
 from typing import Any, Callable, Tuple
 
 from elastic_ext.launch.driver_state import early_start_asked, state_of, store_write, survivors_by_host
-from elastic_ext.launch.round_watch import ASSIGNED, CAPACITY_LEFT_OUT, CURRENT, PEERS_FAILED_EXIT_CODE
+from elastic_ext.exit_codes import PEERS_FAILED
+from elastic_ext.launch.round_watch import ASSIGNED, CAPACITY_LEFT_OUT, CURRENT
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def registry_methods(original_reset: Method, original_recorded: Method) -> Tuple
                 return
             if host in ext.peers_failed:
                 logger.warning("elastic_ext: not blacklisting %s: one of its workers ended itself (exit status %d) "
-                               "because its peers failed, not the host", host, PEERS_FAILED_EXIT_CODE)
+                               "because its peers failed, not the host", host, PEERS_FAILED)
                 return
             held = len(self._driver.host_assignments.get(host, ()))
             if held < manager.current_hosts.get_slots(host):

@@ -16,7 +16,8 @@ from typing import Any, Callable, Dict
 
 from elastic_ext.launch.driver_dismissal import dismiss_starting
 from elastic_ext.launch.driver_state import DriverState, Slot, early_start_asked, moves, state_of, store_write
-from elastic_ext.launch.round_watch import DISMISSED_EXIT_CODE, PEERS_FAILED_EXIT_CODE, failed_key
+from elastic_ext.exit_codes import DISMISSED, PEERS_FAILED
+from elastic_ext.launch.round_watch import failed_key
 
 logger = logging.getLogger(__name__)
 
@@ -105,9 +106,9 @@ def driver_methods(original: Dict[str, Method]) -> Dict[str, Method]:
             state_of(self).newcomers.discard((host, local_rank))
         if exit_code != 0 and not self.finished() and self.has_rank_assignment(host, local_rank):
             store_write(self, failed_key(self._worker_registry.last_rendezvous()), f"{host}[{local_rank}]".encode())
-            if exit_code == PEERS_FAILED_EXIT_CODE:
+            if exit_code == PEERS_FAILED:
                 state_of(self).peers_failed.add(host)
-            if exit_code != DISMISSED_EXIT_CODE:
+            if exit_code != DISMISSED:
                 dismiss_starting(self)
         original["_handle_worker_exit"](self, slot_info, exit_code, timestamp)  # waits for the round
 

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from elastic_ext import exit_codes
 from elastic_ext.launch import driver, driver_state, horovodrun, prestart, round_watch
 from tests.unit.test_prestart import Discovery, discovered, in_threads, wait_for, waiting_in_the_barrier
 
@@ -541,7 +542,7 @@ def test_a_failure_does_not_wait_for_a_newcomer_that_has_just_started(changed):
         key = round_watch.dismissed_key("host-b", 1)
         assert wait_for(lambda: job.store(key) == b"1"), "the starting newcomer was not dismissed"
         _, died, code = newcomer
-        code[0] = round_watch.DISMISSED_EXIT_CODE  # what the newcomer does when it reads its key
+        code[0] = exit_codes.DISMISSED  # what the newcomer does when it reads its key
         died.set()
         for thread in threads:
             thread.join(30)
