@@ -61,6 +61,10 @@ The run loop (``run.py``):
 - ``stall`` (:data:`STALL`): this worker declared itself stuck; ``idle_s``.
 - ``suspended`` (:data:`SUSPENDED`): the process did not run for ``gap_s``
   seconds (the job was suspended); the stall clock restarted.
+- ``guardian_lost`` (:data:`GUARDIAN_LOST`, :mod:`elastic_ext.runtime.watchdog`): this
+  worker's guardian process is gone (killed, crashed): hang detection is off
+  for this worker from now on; ``exit_code`` (the guardian's, None if it had
+  not exited yet), ``error`` (why its heartbeat pipe failed).
 - ``leave`` (:data:`LEAVE`): a SIGTERMed worker, or every rank under MPI,
   leaves at a commit; ``commit_id``, ``cause``, ``durable_commit_id`` (the
   newest checkpoint rank 0 made durable first); after a preemption notice
@@ -157,6 +161,7 @@ RECOVERED = "recovered"
 FINISH = "finish"
 STALL = "stall"
 SUSPENDED = "suspended"
+GUARDIAN_LOST = "guardian_lost"
 LEAVE = "leave"
 CHECKPOINT = "checkpoint"
 CHECKPOINT_SKIPPED = "checkpoint_skipped"
@@ -176,9 +181,9 @@ LINKS_CLOSED = "links_closed"
 
 #: Every event name elastic_ext emits (the module docstring says what each means).
 ALL_EVENTS = (SYNC, ROLLBACK, ROLLBACK_LIMIT, RESIZE, PRESTART, NEWCOMERS_JOINED, RESET, RECOVERED,
-              FINISH, STALL, SUSPENDED, LEAVE, CHECKPOINT, CHECKPOINT_SKIPPED, CHECKPOINT_FAILED, CHECKPOINT_FAILING,
-              CHECKPOINT_RESUMED, CHECKPOINT_CADENCE, NUMERIC_ROLLBACK, STRAGGLER, REPLICA_MISMATCH, REPLICA_REPLAY,
-              JOB_RESTART, RESTARTED_IN_PLACE, MEMBER_FAILED, FENCED, LINKS_CLOSED)
+              FINISH, STALL, SUSPENDED, GUARDIAN_LOST, LEAVE, CHECKPOINT, CHECKPOINT_SKIPPED, CHECKPOINT_FAILED,
+              CHECKPOINT_FAILING, CHECKPOINT_RESUMED, CHECKPOINT_CADENCE, NUMERIC_ROLLBACK, STRAGGLER, REPLICA_MISMATCH,
+              REPLICA_REPLAY, JOB_RESTART, RESTARTED_IN_PLACE, MEMBER_FAILED, FENCED, LINKS_CLOSED)
 
 
 class EventLog:

@@ -45,8 +45,8 @@ from typing import Any, List, MutableMapping, Optional
 
 from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_LAUNCHER, ENV_MIN_NP, ENV_RESTART_IN_PLACE
 from elastic_ext.errors import ConfigError
-from elastic_ext.launch import (build_check, discovery_runs, driver, noticed_hosts, rendezvous_wait, ssh_keepalive,
-                                store, store_guard, worker_runs)
+from elastic_ext.launch import (build_check, discovery_runs, driver, horovod_seam, noticed_hosts, rendezvous_wait,
+                                ssh_keepalive, store, store_guard, worker_runs)
 
 
 def restart_in_place_when_checkpointing(environ: MutableMapping[str, str]) -> bool:
@@ -133,7 +133,15 @@ def _through_the_worker_entry() -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    """The console script ``elastic-horovodrun``: ``horovodrun``'s arguments, the launcher's behaviour."""
+    """The console script ``elastic-horovodrun``: ``horovodrun``'s arguments, the launcher's behaviour.
+
+    Stops (exit status 1, one message naming each difference) before anything of Horovod is changed when
+    the installed Horovod is not the one the launcher changes (:mod:`elastic_ext.launch.horovod_seam`).
+    """
+    try:
+        horovod_seam.check_launcher()
+    except ConfigError as exc:
+        sys.exit(f"elastic-horovodrun: {exc}")
     restart_in_place_when_checkpointing(os.environ)
     store.new_job_secret()  # the workers get it on their stdin (worker_runs), never on a command line
     store_guard.install()  # no pickle from the network; the launcher's keys need the secret; the job's hosts only

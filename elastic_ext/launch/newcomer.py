@@ -12,7 +12,7 @@ Until it announces itself, a newcomer of an early start reads its slot's
 dismissal in the store (:func:`watch_dismissal`): when a member of its
 round fails while it starts, the driver may form the next round without
 it (:mod:`elastic_ext.launch.driver`, change 4), and the newcomer then
-exits at once with :data:`~elastic_ext.launch.round_watch.DISMISSED_EXIT_CODE`.
+exits at once with :data:`~elastic_ext.exit_codes.DISMISSED`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import types
 from typing import Any, Callable, Dict, Mapping, MutableMapping, Optional
 
 from elastic_ext.config import ENV_HOROVOD_RENDEZVOUS_ADDR, ENV_HOROVOD_RENDEZVOUS_PORT
+from elastic_ext.exit_codes import DISMISSED
 from elastic_ext.launch import keeper, round_watch
 from elastic_ext.launch import prestart
 from elastic_ext.launch.prestart import MARKER, SCOPE
@@ -111,7 +112,7 @@ def watch_dismissal(environ: Optional[Mapping[str, str]] = None) -> bool:
         print(f"elastic_ext: the driver dismissed this worker of {host}[{local_rank}] while it started: "
               f"a member of its round failed, and the others go on without waiting for this start; "
               f"the slot gets a new worker while they train", file=sys.stderr, flush=True)
-        os._exit(round_watch.DISMISSED_EXIT_CODE)
+        os._exit(DISMISSED)
 
     _stop_dismissal_watch = round_watch.watch_key(key, DISMISSAL_POLL_S, dismissed, "elastic_ext-dismissal")
     return True

@@ -37,12 +37,6 @@ from elastic_ext.launch.store import (ASSIGNED, CAPACITY_LEFT_OUT, CURRENT, dism
                                       failed_key)
 
 SCOPE = store.ROUND_SCOPE  # in the rendezvous server's store; cleared by Horovod at every new round
-# The exit status of a worker that ended itself because its round's peers failed
-# (elastic_ext.runtime.closed_links): the driver does not count it as a failure of its host.
-# Distinct from signals (128+n), Python errors (1), the leave code (143) and a fenced worker's (75).
-PEERS_FAILED_EXIT_CODE = 76
-# The exit status of a starting worker the driver dismissed (dismissed_key): its slot comes back later.
-DISMISSED_EXIT_CODE = 77
 POLL_S = 0.25
 REQUEST_TIMEOUT_S = 2.0
 

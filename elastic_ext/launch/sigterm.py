@@ -3,7 +3,7 @@
 A worker told to go (preemption, ``scancel``, the driver ending the job)
 keeps training to its next commit, where every rank learns of it through
 the commit's collective; the job then resizes without a rollback and the
-leaver exits with :data:`LEAVE_EXIT_CODE`.
+leaver exits with :data:`~elastic_ext.exit_codes.LEAVE`.
 
 The handlers of this module and of :mod:`elastic_ext.launch.notices` do no
 more than a C signal handler could (a :class:`Relay`): Python runs a handler
@@ -23,11 +23,11 @@ from typing import Callable, Optional
 
 from elastic_ext.config import ElasticConfig, elastic_horovodrun
 from elastic_ext.errors import ConfigError
+from elastic_ext.exit_codes import LEAVE
 from elastic_ext.liveness import LIVENESS, Liveness
 
 logger = logging.getLogger(__name__)
 
-LEAVE_EXIT_CODE = 143  # 128 + SIGTERM: non-zero, so Horovod's driver shrinks instead of ending the job
 
 
 class Relay:
@@ -81,7 +81,7 @@ def install_sigterm(config: ElasticConfig, liveness: Optional[Liveness] = None):
     N", seen in the soak). A leave at the next commit is a resize without a
     rollback. While the main thread is inside Horovod's native
     re-initialisation the handler runs when it returns. ``term_grace_s``
-    bounds the stay: after it the process exits (LEAVE_EXIT_CODE) without
+    bounds the stay: after it the process exits (:data:`~elastic_ext.exit_codes.LEAVE`) without
     a commit. Only possible from the main thread; elsewhere this is a
     no-op. Returns the previous handler (to restore with
     :func:`restore_sigterm`), or None.
@@ -99,7 +99,7 @@ def install_sigterm(config: ElasticConfig, liveness: Optional[Liveness] = None):
 
         def give_up():
             logger.error("no commit within term_grace_s (%.0fs) after SIGTERM: exiting now", config.term_grace_s)
-            os._exit(LEAVE_EXIT_CODE)
+            os._exit(LEAVE)
 
         timer = threading.Timer(config.term_grace_s, give_up)
         timer.daemon = True

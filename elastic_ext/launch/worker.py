@@ -2,7 +2,10 @@
 
 ``elastic-horovodrun`` starts each worker's Python through this module. It
 does, in the worker and before the user's code runs, what an elastic worker
-needs at that moment and what ``import elastic_ext`` therefore never does:
+needs at that moment and what ``import elastic_ext`` therefore never does,
+after one check that the installed Horovod is the one these steps change
+(:mod:`elastic_ext.launch.horovod_seam`; the worker stops with one message
+naming each difference otherwise):
 
 0. the job's secret, on stdin from the launcher's driver
    (:mod:`elastic_ext.launch.store`): the driver takes this worker's
@@ -52,6 +55,19 @@ def receive_secret() -> bool:
     return store.receive_secret(stdin, expected=launched())
 
 
+def check_horovod() -> None:
+    """Before step 0: stops this worker (exit status 1, one message naming each difference) when the installed
+    Horovod is not the one the steps change (:func:`elastic_ext.launch.horovod_seam.check_worker`)."""
+    from elastic_ext.config import elastic_horovodrun
+    from elastic_ext.errors import ConfigError
+    from elastic_ext.launch import horovod_seam
+
+    try:
+        horovod_seam.check_worker(elastic=elastic_horovodrun())
+    except ConfigError as exc:
+        sys.exit(f"elastic_ext worker: {exc}")
+
+
 def prepare() -> None:
     """Steps 0 to 7 of the module docstring, in that order (the keeper forks before anything else runs)."""
     from elastic_ext.launch import gloo_timeout, keeper, newcomer, notices, sigterm, torch_pages, torch_wait
@@ -71,12 +87,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     """Prepares this worker, then runs its script or module as ``__main__``.
 
     Raises:
-        SystemExit: no script or module was named (exit code 2, with :data:`USAGE`).
+        SystemExit: no script or module was named (exit code 2, with :data:`USAGE`), or the installed
+            Horovod is not the one the entry changes (exit code 1, with each difference).
     """
     args = sys.argv[1:] if argv is None else list(argv)
     if not args or (args[0] == "-m" and len(args) < 2):
         print(USAGE, file=sys.stderr)
         raise SystemExit(2)
+    check_horovod()
     prepare()
     if args[0] == "-m":
         sys.argv = [args[1], *args[2:]]

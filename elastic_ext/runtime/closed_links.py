@@ -18,7 +18,7 @@ exception) and none of the round's collective connections
 is still established, for :data:`STUCK_S` in a row, the collective cannot
 complete. Under ``elastic-horovodrun`` the worker then writes a
 ``links_closed`` event and ends itself at once (:func:`end_worker`, exit status
-:data:`~elastic_ext.launch.round_watch.PEERS_FAILED_EXIT_CODE`): the
+:data:`~elastic_ext.exit_codes.PEERS_FAILED`): the
 launcher's driver sees one failed worker and forms the next round from the
 others, which hold the same commit. That status tells the driver that the
 worker's peers failed, not its host: a host whose other workers were lost in
@@ -42,7 +42,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from elastic_ext.launch.round_watch import PEERS_FAILED_EXIT_CODE
+from elastic_ext.exit_codes import PEERS_FAILED
 from elastic_ext.runtime.watchdog import main_thread_handles_exception, main_thread_waits
 
 logger = logging.getLogger(__name__)
@@ -52,9 +52,9 @@ STUCK_S = 10.0
 
 
 def end_worker() -> None:
-    """Ends this process now with :data:`PEERS_FAILED_EXIT_CODE`, from any thread (no cleanup runs:
+    """Ends this process now with :data:`~elastic_ext.exit_codes.PEERS_FAILED`, from any thread (no cleanup runs:
     the main thread is stuck in the collective library). Never returns."""
-    os._exit(PEERS_FAILED_EXIT_CODE)
+    os._exit(PEERS_FAILED)
 
 
 class ClosedLinksWatch:
@@ -119,6 +119,6 @@ class ClosedLinksWatch:
         logger.critical("this worker has waited %.1fs in a collective whose every connection (%d) is closed: its "
                         "peers failed and the collective cannot complete (Gloo would wait for its timeout); "
                         "ending this worker (exit status %d: its peers failed, not its host) so the job re-forms "
-                        "without it now", waited, len(self._links.known), PEERS_FAILED_EXIT_CODE)
+                        "without it now", waited, len(self._links.known), PEERS_FAILED)
         self._on_stuck(waited, True)
         self._kill()

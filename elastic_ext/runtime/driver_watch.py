@@ -25,7 +25,7 @@ long time, because no TCP reset ever arrives:
    writing checkpoints beside the one that replaced it (with its host
    mates; with every worker when the driver's host is the one cut off). So
    the worker fences itself: a ``fenced`` event, then exit
-   :data:`FENCED_EXIT_CODE` (its keeper, if it has one, ends the same way).
+   :data:`~elastic_ext.exit_codes.FENCED` (its keeper, if it has one, ends the same way).
    It cannot rejoin silently with stale state either way: any next
    ``hvd.init()`` goes through the driver, which by then gave its slot to a
    newer worker or to nobody.
@@ -47,6 +47,7 @@ import time
 import urllib.error
 from typing import Any, Callable, Optional, Set
 
+import elastic_ext.exit_codes as exit_codes
 from elastic_ext.events import FENCED, MEMBER_FAILED
 from elastic_ext.launch import round_watch
 from elastic_ext.launch.round_watch import ASSIGNED, CURRENT, SCOPE, failed_key
@@ -57,7 +58,6 @@ POLL_S = 1.0
 FENCE_S = 10.0           # below the driver's ssh keepalive bound: fenced before the job can go on without it
 FENCE_MIN_ATTEMPTS = 3   # and at least this many failed GETs in a row (not one slow answer)
 REQUEST_TIMEOUT_S = 2.0
-FENCED_EXIT_CODE = 75    # EX_TEMPFAIL: not a crash of the worker, not the leave code (143)
 REPORT_S = 1.0           # the fence waits at most this long for its event and message, then exits anyway
 
 
@@ -184,14 +184,14 @@ class DriverWatch:
             reporter.start()
             reporter.join(REPORT_S)
         finally:
-            self._exit(FENCED_EXIT_CODE)
+            self._exit(exit_codes.FENCED)
 
     def _report_fence(self, fields: dict) -> None:
         try:
             self._events.emit(FENCED, **fields)
             print(f"elastic_ext: this worker has not reached its driver for {fields['unreachable_s']:.1f}s "
                   f"({fields['error']}): it is cut off from its job, which goes on without it; exiting "
-                  f"({FENCED_EXIT_CODE}) rather than train alone", file=sys.stderr, flush=True)
+                  f"({exit_codes.FENCED}) rather than train alone", file=sys.stderr, flush=True)
             logging.shutdown()
         except Exception as exc:  # noqa: BLE001 - the exit follows whatever happens here
             logger.error("fenced, but could not report it (%s: %s); exiting anyway", type(exc).__name__, exc)

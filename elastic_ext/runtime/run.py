@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
 
 from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_RESTART_IN_PLACE, launched
 from elastic_ext.errors import ConfigError, NumericFaultError, ReplicaMismatchError
-from elastic_ext.events import FINISH, RESTARTED_IN_PLACE, STALL, SUSPENDED
+from elastic_ext.events import FINISH, GUARDIAN_LOST, RESTARTED_IN_PLACE, STALL, SUSPENDED
 from elastic_ext.launch import keeper, newcomer, prestart, round_watch
 from elastic_ext.launch.gloo_timeout import reset_timeout
 from elastic_ext.runtime.recovery import Recoverer, controller
@@ -107,7 +107,8 @@ def _elastic_session(state: "State", kind: str) -> Iterator[None]:
     notification_manager.init()
     notification_manager.register_listener(state)
     dog = Watchdog(config, on_stall=lambda idle: events.emit(STALL, idle_s=idle),
-                   on_suspend=lambda gap: events.emit(SUSPENDED, gap_s=gap), liveness=LIVENESS)
+                   on_suspend=lambda gap: events.emit(SUSPENDED, gap_s=gap), liveness=LIVENESS,
+                   on_guardian_lost=lambda code, error: events.emit(GUARDIAN_LOST, exit_code=code, error=error))
     dog.start()
     previous_sigterm = install_sigterm(config, LIVENESS)
     try:

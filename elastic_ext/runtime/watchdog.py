@@ -146,10 +146,12 @@ class Watchdog:
 
     def __init__(self, config: ElasticConfig, on_stall: Optional[Callable[[float], None]] = None,
                  on_suspend: Optional[Callable[[float], None]] = None,
-                 liveness: Optional[Liveness] = None) -> None:
+                 liveness: Optional[Liveness] = None,
+                 on_guardian_lost: Optional[Callable[[Optional[int], str], None]] = None) -> None:
         self._config = config
         self._liveness = liveness or LIVENESS
         self._on_suspend = on_suspend
+        self._on_guardian_lost = on_guardian_lost
         self._stop = threading.Event()
         self._guardian: Optional[subprocess.Popen] = None
         self._thread: Optional[threading.Thread] = None
@@ -182,6 +184,16 @@ class Watchdog:
                 self._guardian.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self._guardian.kill()
+
+    def _guardian_lost(self, exc: BaseException) -> None:
+        """The guardian cannot be reached: hang detection is off; ``on_guardian_lost`` learns it (an event)."""
+        guardian, self._guardian = self._guardian, None
+        if self._on_guardian_lost is None:
+            return
+        try:
+            self._on_guardian_lost(guardian.poll(), f"{type(exc).__name__}: {exc}")
+        except Exception:  # noqa: BLE001 - a side channel: the heartbeat and the stall check go on
+            logger.exception("could not report the lost guardian")
 
     def stall_check(self, now: float, in_collective: bool, moved: bool = False) -> Optional[str]:
         """One tick of the stall check: why this worker is stuck, or None.
@@ -222,9 +234,9 @@ class Watchdog:
                 try:
                     self._guardian.stdin.write(b".")
                     self._guardian.stdin.flush()
-                except (BrokenPipeError, ValueError, OSError):
+                except (BrokenPipeError, ValueError, OSError) as exc:
                     logger.error("guardian process is gone; hang detection is off for this worker")
-                    self._guardian = None
+                    self._guardian_lost(exc)
             in_collective = live.in_training and _main_thread_waits_or_fails()
             now = time.monotonic()
             verdict = self.stall_check(now, in_collective, self._main.moved(now))

@@ -51,7 +51,8 @@ from elastic_ext.policies.replica import RepeatOffenders, ReplicaVerdict, descri
 from elastic_ext.state.agreed import AgreedCommit
 from elastic_ext.state.buffers import CommitBuffers
 from elastic_ext.state.snapshot import Entry
-from elastic_ext.state.sync import INT63, digest_items, first_difference
+from elastic_ext.state.digests import INT63, digest_items
+from elastic_ext.state.sync import first_difference
 from elastic_ext.state.tracked import Tracked
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ HOST_BYTES = 256  # a host name's width in the allgather of names (DNS names are
 def replica_digest(entries: Dict[str, Entry], names: List[str], keys: Dict[str, FrozenSet[str]]) -> int:
     """One 63-bit XXH3 over what must agree in ``entries[names]``: every entry's name and metadata, and
     every array but its buffers (``keys``) with its key, dtype and shape. One streaming hash: the
-    per-entry digests and labels of :func:`~elastic_ext.state.sync.digest_items` are only computed
+    per-entry digests and labels of :func:`~elastic_ext.state.digests.digest_items` are only computed
     when ranks differ, to name the entry."""
     digest = xxhash.xxh3_64()
     for name in names:

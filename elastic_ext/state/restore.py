@@ -25,7 +25,7 @@ import time
 from typing import Callable, Dict, FrozenSet, List, Optional
 
 from elastic_ext.state.snapshot import Entry
-from elastic_ext.state.sync import Digests
+from elastic_ext.state.digests import Digests
 
 LARGE_BYTES = 1 << 20  # entries with fewer bytes of arrays are restored at once, on the calling thread
 

@@ -35,8 +35,9 @@ from elastic_ext.state import sync as _sync
 from elastic_ext.state.adapters import Adapter
 from elastic_ext.binding import Binding, get_binding, guess_framework
 from elastic_ext.state.buffers import CommitBuffers
+from elastic_ext.state.digests import Digests
 from elastic_ext.config import ElasticConfig
-from elastic_ext.errors import NotCommittedError, StateError
+from elastic_ext.errors import StateError
 from elastic_ext.events import EventLog
 from elastic_ext.policies.eviction import StragglerWatch
 from elastic_ext.state.durable import DurableCommits
@@ -46,9 +47,8 @@ from elastic_ext.state.listener import HorovodListener
 from elastic_ext.policies import numeric_rollback as _numeric
 from elastic_ext.policies.guard import NumericGuard
 from elastic_ext.state.records import CommitRecord, RollbackRecord
-from elastic_ext.state.snapshot import copy_meta
 from elastic_ext.state.replica import ReplicaCheck
-from elastic_ext.state.restore import BackgroundRestore, split
+from elastic_ext.state.restoring import Restoring
 from elastic_ext.data.sampler import ElasticPartitioner
 from elastic_ext.policies.straggler import StragglerPolicy
 from elastic_ext.state.tracked import Tracked
@@ -57,7 +57,7 @@ from elastic_ext.liveness import LIVENESS
 logger = logging.getLogger(__name__)
 
 
-class State(HorovodListener, DurableCommits, SoftFailures):
+class State(HorovodListener, DurableCommits, SoftFailures, Restoring):
     """Committed state of a training job, for PyTorch or TensorFlow.
 
     Every keyword argument becomes an attribute (``state.model``,
@@ -137,7 +137,7 @@ class State(HorovodListener, DurableCommits, SoftFailures):
         s(self, "_events", EventLog(self._config.events_path, binding.rank, binding.size))
         s(self, "_replica", ReplicaCheck(self._config.replica_check_every, self._tracked, self._buffers,
                                          self._events, self._config.exclude_file))
-        s(self, "_digests", _sync.Digests())
+        s(self, "_digests", Digests())
         s(self, "_restoring", None)  # a BackgroundRestore under way
         s(self, "_checkpointer", None)
         if self._config.checkpoint_dir is not None:
@@ -259,56 +259,6 @@ class State(HorovodListener, DurableCommits, SoftFailures):
         except Exception:  # noqa: BLE001 - only used in log prefixes
             return -1
 
-    def restore(self) -> None:
-        """Brings every object back to the last commit, bitwise.
-
-        Raises:
-            NotCommittedError: nothing was committed yet.
-            StateError: the last commit is torn (an interrupted copy).
-        """
-        self._start_restore(background=False)
-
-    def _start_restore(self, background: bool) -> None:
-        """:meth:`restore`; with ``background``, the large entries are restored, and the commit digested
-        for the next sync, on a thread that the next use of the objects or the commit joins
-        (:mod:`elastic_ext.state.restore`: after a failed collective, beside Horovod's re-forming)."""
-        self._settle_restore()
-        if self._buffers.entries is None:
-            raise NotCommittedError("restore() called before any commit(); call commit() first")
-        if self._buffers.torn:
-            raise StateError(f"commit {self.commit_id} is torn (a commit was interrupted while copying); "
-                             "it cannot be restored. Use commit_buffers=2 to keep the previous commit intact")
-        entries = self._buffers.entries
-        now, later = split(entries, self._may_restore_later) if background else (entries, {})
-        for name, entry in now.items():
-            self._tracked.apply(name, entry)
-        if later:
-            synced = {name: entries[name] for name in self._tracked.synced(entries)}
-            keys = {name: self._tracked.buffer_keys(name) for name in synced}
-            object.__setattr__(self, "_restoring", BackgroundRestore(self._tracked.apply, later, synced, keys,
-                                                                     self._digests))
-        self._guarded.drop()  # the step in flight is undone
-        self._straggler.reset()  # replayed steps are not measured against the others
-
-    def _may_restore_later(self, name: str) -> bool:
-        """True if object ``name`` may be restored on the background restore's thread (not a sampler,
-        not TensorFlow's: see :mod:`elastic_ext.state.restore`)."""
-        return not isinstance(self._tracked.objects[name], ElasticPartitioner) \
-            and getattr(self._tracked.adapter(name), "framework", None) != "tensorflow"
-
-    def _settle_restore(self) -> Optional[float]:
-        """Waits for a background restore under way, if any; raises what it raised.
-
-        Returns:
-            how long that restore's thread ran (None when none was under way).
-        """
-        restoring = self._restoring
-        if restoring is None:
-            return None
-        object.__setattr__(self, "_restoring", None)
-        restoring.join()
-        return restoring.duration_s
-
     def sync(self) -> None:
         """Makes every rank hold the same commit and the same live synced objects.
 
@@ -335,20 +285,6 @@ class State(HorovodListener, DurableCommits, SoftFailures):
                             self._rollbacks, self._events, self._checkpointer, self._digests)
         _sync.sync(party)
         self._replica.synced(self.commit_id)
-
-    def _replay_from_agreed(self) -> None:
-        """Brings every object and the commit buffers back to the last commit on which every rank agreed
-        (the replica check's, :mod:`elastic_ext.state.agreed`), after a replica mismatch: ``run`` then
-        trains again to the commit that differed, with every rank together and no reset."""
-        self._settle_restore()
-        agreed = self._replica.agreed
-        for name, entry in agreed.entries.items():
-            # (load copies the kept arrays into the commit buffers: the kept ones stay as they are)
-            self._tracked.apply(name, self._buffers.load(name, entry.arrays, copy_meta(entry.meta)))
-        self._record.commit_id = int(agreed.commit_id)
-        self._record.generation += 1  # the training function starts again, on every rank together
-        self._guarded.drop()
-        self._straggler.reset()
 
 
 def reserved_names() -> FrozenSet[str]:

@@ -11,7 +11,7 @@ import torch
 
 from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import StateDivergenceError
-from elastic_ext.state import sync as sync_module
+from elastic_ext.state import digests as digests_module
 from elastic_ext.state.restore import LARGE_BYTES
 from elastic_ext.testing import SoloBinding, state_on
 from elastic_ext.torch import ElasticSampler
@@ -31,13 +31,13 @@ def make_states(world):
 def count_digests(monkeypatch):
     """(name, thread name) of every digest computed from here on."""
     calls = []
-    original = sync_module.entry_items
+    original = digests_module.entry_items
 
     def counted(name, entry, buffers):
         calls.append((name, threading.current_thread().name))
         return original(name, entry, buffers)
 
-    monkeypatch.setattr(sync_module, "entry_items", counted)
+    monkeypatch.setattr(digests_module, "entry_items", counted)
     return calls
 
 

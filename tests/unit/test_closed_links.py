@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from elastic_ext.launch.round_watch import PEERS_FAILED_EXIT_CODE
+from elastic_ext.exit_codes import PEERS_FAILED
 from elastic_ext.runtime import closed_links
 from elastic_ext.runtime.closed_links import POLL_S, STUCK_S, ClosedLinksWatch
 from elastic_ext.runtime.connections import CollectiveConnections, established
@@ -151,4 +151,4 @@ def test_the_watch_ends_its_worker_from_a_thread_with_the_peers_failed_status():
             "threading.Thread(target=end_worker).start()\n"
             "threading.Event().wait()\n")
     ended = subprocess.run([sys.executable, "-c", code], timeout=60)
-    assert ended.returncode == PEERS_FAILED_EXIT_CODE == 76, ended.returncode
+    assert ended.returncode == PEERS_FAILED == 76, ended.returncode

@@ -12,7 +12,8 @@ import pytest
 from elastic_ext.events import FENCED, MEMBER_FAILED, EventLog
 from elastic_ext.launch import prestart, round_watch
 from elastic_ext.runtime import driver_watch
-from elastic_ext.runtime.driver_watch import FENCE_MIN_ATTEMPTS, FENCE_S, FENCED_EXIT_CODE, DriverWatch
+from elastic_ext import exit_codes
+from elastic_ext.runtime.driver_watch import FENCE_MIN_ATTEMPTS, FENCE_S, DriverWatch
 
 
 class Clock:
@@ -108,7 +109,7 @@ def test_a_driver_out_of_reach_fences_the_worker_after_fence_s_and_a_few_attempt
         w.clock.now += FENCE_S / FENCE_MIN_ATTEMPTS - 0.01
     w.clock.now += 0.1
     w.watch.check()
-    assert w.exits == [FENCED_EXIT_CODE]
+    assert w.exits == [exit_codes.FENCED]
     fenced = w.named(FENCED)
     assert len(fenced) == 1 and fenced[0]["unreachable_s"] >= FENCE_S and fenced[0]["attempts"] > FENCE_MIN_ATTEMPTS
 

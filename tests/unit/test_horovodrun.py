@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from elastic_ext.launch import driver, horovodrun, prestart, round_watch
+from elastic_ext import exit_codes
+from elastic_ext.launch import driver, driver_state, horovodrun, prestart, round_watch
 from tests.unit.test_prestart import Discovery, discovered, in_threads, wait_for, waiting_in_the_barrier
 
 
@@ -245,7 +246,7 @@ def test_the_coordinator_is_told_that_capacity_is_back_until_a_round_takes_it(ch
         from horovod.runner.elastic.worker import HostUpdateResult
         assert set(manager.updates) == {HostUpdateResult.added}
         survivors_ask_again(job)
-        regrow = driver._ext(job.driver).regrow_thread
+        regrow = driver_state.state_of(job.driver).regrow_thread
         regrow.join(10)
         assert not regrow.is_alive(), "rank 0 is still told after a round took the capacity back"
     finally:
@@ -517,7 +518,7 @@ def a_newcomer_starts_in_host_b_1(job, typical_start_s):
     assert sorted(asks) == [(0, 3), (1, 3), (2, 3)], asks
     survivors_ask_again(job, lost=("host-b", 1))
     assert job.started.count(("host-b", 1)) == 2, job.started
-    ext = driver._ext(job.driver)
+    ext = driver_state.state_of(job.driver)
     with ext.lock:  # instead of the threads' starts, which took milliseconds
         ext.starts.clear()
         ext.other_starts.clear()
@@ -541,13 +542,13 @@ def test_a_failure_does_not_wait_for_a_newcomer_that_has_just_started(changed):
         key = round_watch.dismissed_key("host-b", 1)
         assert wait_for(lambda: job.store(key) == b"1"), "the starting newcomer was not dismissed"
         _, died, code = newcomer
-        code[0] = round_watch.DISMISSED_EXIT_CODE  # what the newcomer does when it reads its key
+        code[0] = exit_codes.DISMISSED  # what the newcomer does when it reads its key
         died.set()
         for thread in threads:
             thread.join(30)
         assert sorted(asks) == [(0, 2), (1, 2)], asks
         assert not job.driver._host_manager.is_blacklisted("host-b"), "a dismissal is not a lost host"
-        assert driver._ext(job.driver).regrow, "the dismissed slot and the failed one come back later"
+        assert driver_state.state_of(job.driver).regrow, "the dismissed slot and the failed one come back later"
     finally:
         job.stop()
 

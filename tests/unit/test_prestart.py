@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from elastic_ext import exit_codes
 from elastic_ext.launch import newcomer, prestart, round_watch
 from elastic_ext.state.host_updates import HOSTS_ADDED, HOSTS_REMOVED, HostUpdates, agreement_vector, read_agreement
 from elastic_ext.launch.prestart import Prestart, parse_slot
@@ -266,7 +267,7 @@ def test_a_starting_newcomer_exits_when_the_driver_dismisses_it(job):
         err = child.stderr.read()
     finally:
         child.kill()
-    assert child.returncode == round_watch.DISMISSED_EXIT_CODE, err
+    assert child.returncode == exit_codes.DISMISSED, err
     assert "dismissed this worker of host-b[0] while it started" in err
 
 

@@ -23,7 +23,8 @@ import pytest
 import elastic_ext
 from elastic_ext.config import ElasticConfig
 from elastic_ext.events import CHECKPOINT_FAILED, EventLog, read_events
-from elastic_ext.runtime.driver_watch import FENCE_MIN_ATTEMPTS, FENCE_S, FENCED_EXIT_CODE, DriverWatch
+from elastic_ext import exit_codes
+from elastic_ext.runtime.driver_watch import FENCE_MIN_ATTEMPTS, FENCE_S, DriverWatch
 from elastic_ext.testing import SoloBinding, state_on
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -106,7 +107,7 @@ def test_the_fence_exits_when_its_event_write_raises():
     exits, clock = [], _Clock()
     watch = DriverWatch(_closed_port_url(), lambda reason: 0, _RaisingEvents(), exit_fn=exits.append, clock=clock)
     _drive_to_the_fence(watch, clock)
-    assert exits and set(exits) == {FENCED_EXIT_CODE}
+    assert exits and set(exits) == {exit_codes.FENCED}
 
 
 # The fence in a process of its own: os._exit must really end it, whatever the events file does.
@@ -133,7 +134,7 @@ def _fenced_worker(events_path):
 
 def test_a_fenced_worker_exits_with_its_events_on_a_full_disk():
     done = _fenced_worker(DEV_FULL)
-    assert done.returncode == FENCED_EXIT_CODE, done.stdout + done.stderr
+    assert done.returncode == exit_codes.FENCED, done.stdout + done.stderr
     assert "STILL TRAINING" not in done.stdout
 
 
@@ -141,5 +142,5 @@ def test_a_fenced_worker_exits_when_its_event_write_blocks(tmp_path):
     fifo = tmp_path / "events.fifo"
     os.mkfifo(fifo)  # nobody reads it: opening it for writing blocks for ever
     done = _fenced_worker(str(fifo))
-    assert done.returncode == FENCED_EXIT_CODE, done.stdout + done.stderr
+    assert done.returncode == exit_codes.FENCED, done.stdout + done.stderr
     assert "STILL TRAINING" not in done.stdout

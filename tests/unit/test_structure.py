@@ -10,12 +10,13 @@ those implicit edges are left out, since every submodule would otherwise
 close a circle with its package.
 
 The layer rule (``docs/architecture.md`` draws it): the leaves (``config`` with ``config_text``,
-``errors``, ``events``, ``binding``, ``liveness``) import nothing above them; ``data/`` and
+``errors``, ``events``, ``binding``, ``liveness``, ``exit_codes``) import nothing above them; ``data/`` and
 ``discovery/`` only the leaves; ``policies/`` also ``data/`` and
 ``discovery/``; ``state/`` and ``checkpoint/`` never ``runtime/`` nor
 ``launch/``; ``launch/`` nothing of the worker's training side (below it,
 only ``discovery/``, for its host rules); no module imports the public face (``elastic_ext`` itself) or ``testing/``, except
-``testing/``; and only ``launch/`` touches Horovod's private modules.
+``testing/``; and only ``launch/`` touches Horovod's private modules. No module is over
+300 lines.
 """
 
 import ast
@@ -152,7 +153,8 @@ def test_no_import_circle():
     assert not cycles, "import circles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
 
 
-LEAVES = {"elastic_ext.config", "elastic_ext.config_text", "elastic_ext.errors", "elastic_ext.events", "elastic_ext.binding", "elastic_ext.liveness"}
+LEAVES = {"elastic_ext.config", "elastic_ext.config_text", "elastic_ext.errors", "elastic_ext.events", "elastic_ext.binding",
+          "elastic_ext.liveness", "elastic_ext.exit_codes"}
 # room -> the rooms it may import (besides itself and the leaves); None: any room but the forbidden ones.
 MAY_IMPORT = {
     "leaves": set(),
@@ -211,6 +213,58 @@ def test_the_layer_rule_catches_an_edge_up():
     assert layer_violations({"elastic_ext.state.sync": {"elastic_ext.runtime.run"}}) == [
         "elastic_ext.state.sync (state) imports elastic_ext.runtime.run (runtime)"]
     assert layer_violations({"elastic_ext.data.sampler": {"elastic_ext.binding"}}) == []
+
+
+MAX_MODULE_LINES = 300  # the house rule (docs/architecture.md): a module longer than this is split by responsibility
+
+
+def modules_over(limit: int, files: Dict[str, str]) -> List[str]:
+    """``"module: N lines"`` for each of ``files`` (module -> path) longer than ``limit`` lines."""
+    found = []
+    for module, path in sorted(files.items()):
+        with open(path, encoding="utf-8") as handle:
+            count = sum(1 for _ in handle)
+        if count > limit:
+            found.append(f"{module}: {count} lines")
+    return found
+
+
+def test_every_module_of_the_package_is_at_most_300_lines():
+    too_long = modules_over(MAX_MODULE_LINES, module_files())
+    assert not too_long, f"modules over {MAX_MODULE_LINES} lines (split them by responsibility): {too_long}"
+
+
+def test_the_line_limit_catches_a_long_module(tmp_path):
+    short, long = tmp_path / "short.py", tmp_path / "long.py"
+    short.write_text("x = 1\n" * MAX_MODULE_LINES)
+    long.write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert modules_over(MAX_MODULE_LINES, {"a.short": str(short), "a.long": str(long)}) == [
+        f"a.long: {MAX_MODULE_LINES + 1} lines"]
+
+
+def test_the_exit_codes_are_a_leaf_that_imports_nothing_of_the_project():
+    assert import_graph()["elastic_ext.exit_codes"] == set()
+
+
+def test_no_module_but_exit_codes_defines_a_worker_exit_code():
+    """A module-level ``*EXIT*`` name bound to one of the codes (or an ``os._exit`` of one's literal) outside it."""
+    from elastic_ext import exit_codes
+
+    codes = set(exit_codes.MEANINGS)
+    found = []
+    for module, path in module_files().items():
+        if module == "elastic_ext.exit_codes":
+            continue
+        with open(path, encoding="utf-8") as handle:
+            tree = ast.parse(handle.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and node.value.value in codes:
+                names = [t.id for t in node.targets if isinstance(t, ast.Name) and "EXIT" in t.id.upper()]
+                found.extend(f"{module}: {name} = {node.value.value}" for name in names)
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) in ("_exit", "exit") and node.args \
+                    and isinstance(node.args[0], ast.Constant) and node.args[0].value in codes:
+                found.append(f"{module}: exit({node.args[0].value})")
+    assert not found, f"worker exit codes defined outside elastic_ext/exit_codes.py: {found}"
 
 
 # Horovod's documented API; anything else of Horovod (its runner, basics, process sets) is private.

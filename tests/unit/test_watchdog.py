@@ -320,3 +320,51 @@ def test_the_scripts_own_sigterm_handler_is_kept_at_import():
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert sigterm.install_early_sigterm({"HOROVOD_ELASTIC": "1", "ELASTIC_EXT_TERM_GRACE_S": "x"}) is None
+
+
+def test_a_lost_guardian_is_an_event_and_the_heartbeat_goes_on(tmp_path):
+    """The guardian killed under a running watchdog: a ``guardian_lost`` event in the event log, as run() wires it."""
+    import signal
+
+    from elastic_ext import events
+    from elastic_ext.config import ElasticConfig
+
+    path = str(tmp_path / "events-{rank}.jsonl")
+    log = events.EventLog(path, rank_fn=lambda: 0, size_fn=lambda: 1)
+    reported = threading.Event()
+
+    def lost(code, error):  # what elastic_ext.runtime.run passes, plus a signal for this test
+        log.emit(events.GUARDIAN_LOST, exit_code=code, error=error)
+        reported.set()
+
+    dog = watchdog.Watchdog(ElasticConfig(stall_timeout_s=0, hang_timeout_s=30), liveness=liveness.Liveness(),
+                            on_guardian_lost=lost)
+    dog.period_s = 0.05
+    dog.start()
+    try:
+        guardian = dog._guardian
+        assert guardian is not None and guardian.poll() is None, "a hang timeout starts a guardian"
+        guardian.kill()
+        guardian.wait(timeout=10)
+        assert reported.wait(timeout=10), "the heartbeat thread reports the lost guardian"
+        assert dog._thread.is_alive(), "the heartbeat (and the stall check) go on without it"
+    finally:
+        dog.stop()
+    written = [e for e in events.read_events(path.replace("{rank}", "0")) if e["event"] == events.GUARDIAN_LOST]
+    assert len(written) == 1, written
+    assert written[0]["exit_code"] == -signal.SIGKILL
+    assert "BrokenPipeError" in written[0]["error"] or "OSError" in written[0]["error"], written[0]["error"]
+
+
+def test_run_reports_a_lost_guardian_as_an_event():
+    """The wiring: run() gives its Watchdog a callback that emits ``guardian_lost`` (read from its source)."""
+    import ast
+    import inspect
+
+    from elastic_ext.runtime import run as run_module
+
+    calls = [node for node in ast.walk(ast.parse(inspect.getsource(run_module)))
+             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Watchdog"]
+    assert len(calls) == 1
+    lost = [k.value for k in calls[0].keywords if k.arg == "on_guardian_lost"]
+    assert lost and "GUARDIAN_LOST" in ast.unparse(lost[0]), ast.unparse(calls[0])
