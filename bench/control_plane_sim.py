@@ -1,0 +1,436 @@
+"""Simulated workers of :mod:`bench.control_plane`: the requests real workers send the driver's store, as tasks.
+
+One asyncio task per worker activity, each request a fresh TCP connection
+with one HTTP request (as ``urllib`` and Horovod's C++ ``HTTPRequest`` send
+them; the store answers HTTP/1.0 and closes), at the real intervals:
+
+- the driver watch (:mod:`elastic_ext.runtime.driver_watch`): every
+  ``POLL_S`` after the last poll, ``current`` and ``failed_<round>``
+  (2 s timeout), its fence rule applied as written (``FENCE_MIN_ATTEMPTS``
+  failed polls in a row over at least ``FENCE_S``); a worker that would
+  fence is counted and polls on, so the load stays the same;
+- ``hvd.init()`` as the launcher wraps it (:mod:`elastic_ext.launch.newcomer`):
+  the early-start marker at a first init, the keeper's round watch
+  (:mod:`elastic_ext.launch.round_watch`: ``current``, then ``failed_<r>``
+  every 0.25 s while init runs), a reset's ``rank_and_size`` (answered when
+  the driver's round forms), then Horovod 0.28.1's six Gloo rendezvous
+  (``gloo_context.cc``: global, local, cross, then the same for the global
+  process set), each Gloo's ``connectFullMesh`` through ``HTTPStore``
+  (:meth:`Worker.gloo_context`), then the store's ``DELETE`` of its key;
+- the sync after it: ``current``, ``assigned``, ``capacity_left_out``,
+  and an early start when the round left capacity out or hosts were added
+  (:mod:`elastic_ext.launch.prestart`; rank 0 polls the newcomers), the
+  newcomers' side (the marker, the dismissal watch every 0.1 s, the
+  announcement), Horovod's ``worker_addresses`` registration at a worker's
+  first ``run`` (one real Horovod notification service in this process
+  answers for every worker, so the driver's host-change notice to the
+  coordinator arrives as in a job).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import time
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+from elastic_ext.launch import prestart, round_watch, store
+from elastic_ext.runtime import driver_watch
+
+ADDRESS_BYTES = 136   # gloo::transport::tcp::Address::bytes(): sockaddr_storage + sequence number
+GLOO_WAIT_POLL_S = 0.01  # HTTPStore::wait sleeps 10 ms between reads of a missing key
+GLOO_RETRIES, GLOO_RETRY_S = 3, 0.5  # HTTPStore::PerformHTTP: a failed request is tried 3 times, 500 ms apart
+PROCESS_SET_HASH = "5d1e6b1f0a3c2e47"  # std::hash of "0,1,...," in hex: 16 digits (its value does not matter)
+
+
+class Unreachable(Exception):
+    """A request that failed as ``urllib`` fails (no connection, timeout, no answer): an OSError there."""
+
+
+class Stats:
+    """Latencies, counts and failures of the simulated requests, by phase and kind."""
+
+    def __init__(self) -> None:
+        self.phase = "start"
+        self.latency: Dict[str, List[float]] = collections.defaultdict(list)
+        self.requests: Dict[Tuple[str, str], int] = collections.Counter()
+        self.failures: Dict[Tuple[str, str, str], int] = collections.Counter()
+        self.fenced: Dict[str, Set[int]] = collections.defaultdict(set)
+        self.watch_failed: Dict[str, int] = collections.Counter()
+        # (phase, context) -> (seconds to its full mesh, seconds to its barrier's end) of each rank
+        self.contexts: Dict[Tuple[str, str], List[Tuple[float, float]]] = collections.defaultdict(list)
+
+
+class Store:
+    """The driver's store over raw HTTP, one connection per request."""
+
+    def __init__(self, port: int, secret: str, stats: Stats) -> None:
+        self.port, self.secret, self.stats = port, secret, stats
+
+    async def request(self, method: str, scope: str, key: str, body: Optional[bytes] = None,
+                      timeout_s: Optional[float] = store.REQUEST_TIMEOUT_S, secret: bool = False,
+                      kind: str = "other") -> Tuple[int, bytes]:
+        lines = [f"{method} /{scope}/{key} HTTP/1.1", f"Host: 127.0.0.1:{self.port}", "Connection: close"]
+        if body is not None:
+            lines.append(f"Content-Length: {len(body)}")
+        if secret:
+            lines.append(f"{store.SECRET_HEADER}: {self.secret}")
+        data = ("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b"")
+        phase, start = self.stats.phase, time.monotonic()
+        try:
+            async with asyncio.timeout(timeout_s):
+                reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+                try:
+                    writer.write(data)
+                    raw = await reader.read()
+                finally:
+                    writer.close()
+        except (OSError, TimeoutError) as exc:
+            self.stats.failures[(phase, kind, type(exc).__name__)] += 1
+            raise Unreachable(str(exc) or type(exc).__name__) from None
+        if not raw.startswith(b"HTTP/") or len(raw) < 12:
+            self.stats.failures[(phase, kind, "no answer")] += 1
+            raise Unreachable("closed without an answer")
+        self.stats.latency[phase].append(time.monotonic() - start)
+        self.stats.requests[(phase, kind)] += 1
+        return int(raw[9:12]), raw.split(b"\r\n\r\n", 1)[-1]
+
+    async def value(self, scope: str, key: str, timeout_s: Optional[float] = store.REQUEST_TIMEOUT_S,
+                    kind: str = "other") -> Optional[bytes]:
+        """As :func:`elastic_ext.launch.store.get`: the value, None on 404, Unreachable or HTTPError."""
+        status, body = await self.request("GET", scope, key, timeout_s=timeout_s, kind=kind)
+        if status == 404:
+            return None
+        if status != 200:
+            raise HTTPError(status)
+        return store.checked(scope, key, body)
+
+
+    async def quiet(self, scope: str, key: str, timeout_s: Optional[float] = store.REQUEST_TIMEOUT_S,
+                    kind: str = "other") -> Optional[bytes]:
+        """A read whose failure the real code takes as "absent" (``round_watch._read``, the marker's read)."""
+        try:
+            return await self.value(scope, key, timeout_s, kind)
+        except (Unreachable, HTTPError):
+            return None
+
+
+class HTTPError(Exception):
+    """The store answered, with another status than 200 or 404."""
+
+
+class Worker:
+    """One simulated worker process: its slot, its round and the activities of the module docstring."""
+
+    def __init__(self, job: "Job", wid: int, host: str, local_rank: int, ranks: List[int]) -> None:
+        self.job, self.wid, self.host, self.slot_lr = job, wid, host, local_rank
+        self.rank, self.size, self.local_rank, self.local_size, self.cross_rank, self.cross_size = ranks
+        self.round: Optional[int] = None
+        self.members: Set[str] = set()
+        self.failing_since: Optional[float] = None
+        self.failures = 0
+        self.dead = False
+        self.registered = False
+        self.answers: List[Tuple[int, int]] = []   # (rank, size) of each rank_and_size answer
+        self.tasks: Set[asyncio.Task] = set()
+        self.step = "starting"  # where it is (reported for a phase that timed out)
+        self.generation = 0     # the job's reset its Gloo contexts belong to
+        self.in_reset = False
+
+    def spawn(self, coro: Any) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(self._ended)
+        return task
+
+    def _ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            self.job.stats.failures[(self.job.stats.phase, "task", f"{type(exc).__name__}: {exc}"[:120])] += 1
+
+    # ------------------------------------------------ the driver watch
+    async def driver_watch(self) -> None:
+        while not self.dead:
+            await asyncio.sleep(driver_watch.POLL_S)
+            await self.watch_check()
+
+    async def watch_check(self) -> None:
+        s, mine, members = self.job.store, self.round, set(self.members)
+        try:
+            current = await s.value(round_watch.SCOPE, round_watch.CURRENT, driver_watch.REQUEST_TIMEOUT_S, "watch")
+            rounds = [mine] + ([int(current)] if mine is not None and current is not None and int(current) > mine
+                               else [])
+            failed = [(r, await s.value(round_watch.SCOPE, round_watch.failed_key(r),
+                                        driver_watch.REQUEST_TIMEOUT_S, "watch")) for r in rounds if r is not None]
+        except HTTPError:
+            self.failing_since, self.failures = None, 0
+            return
+        except Unreachable:
+            self.unreachable()
+            return
+        self.failing_since, self.failures = None, 0
+        for round_id, who in failed:
+            if who is not None and (round_id == mine or driver_watch._slot(who) in members):
+                self.round = None  # the watch cuts the links: the collective fails, as the SIGKILL made it
+                return
+
+    def unreachable(self) -> None:
+        now, phase = time.monotonic(), self.job.stats.phase
+        self.job.stats.watch_failed[phase] += 1
+        if self.failing_since is None:
+            self.failing_since = now
+        self.failures += 1
+        if self.failures >= driver_watch.FENCE_MIN_ATTEMPTS and now - self.failing_since >= driver_watch.FENCE_S:
+            self.job.stats.fenced[phase].add(self.wid)  # would exit 75; polls on so that the load is unchanged
+            self.failing_since, self.failures = None, 0
+
+    # ------------------------------------------------ hvd.init() and what follows it
+    async def first_start(self) -> None:
+        s = self.job.store
+        await asyncio.sleep(self.job.process_start_s)  # Python starts, imports Horovod and the framework
+        marker = await s.quiet(prestart.SCOPE, prestart.MARKER, kind="init")
+        if marker is not None:
+            await self.newcomer()
+        else:
+            await self.hvd_init(reset=False)
+        await self.trained()
+
+    async def newcomer(self) -> None:
+        """An early start's newcomer: solo, its dismissal watched while it builds its model, then it joins."""
+        s = self.job.store
+        await s.quiet(prestart.SCOPE, prestart.MARKER, kind="newcomer")  # watch_dismissal reads it again
+        dismissal = self.spawn(self.poll(round_watch.SCOPE, round_watch.dismissed_key(self.host, self.slot_lr),
+                                         0.1, "newcomer"))
+        await asyncio.sleep(self.job.build_s)
+        dismissal.cancel()
+        try:
+            await s.request("PUT", prestart.SCOPE, str(self.rank), store.PRESENT, secret=True, kind="newcomer")
+        except Unreachable:
+            pass  # newcomer.join logs it; the survivors reset at their timeout
+        await self.hvd_init(reset=True)
+
+    async def poll(self, scope: str, key: str, every_s: float, kind: str) -> None:
+        """round_watch.watch_key: reads ``key`` every ``every_s`` until it exists (a failed read is retried)."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                if await self.job.store.value(scope, key, kind=kind) is not None:
+                    self.job.stats.requests[(self.job.stats.phase, f"{kind}_fired")] += 1
+                    return
+            except (Unreachable, HTTPError):
+                continue
+
+    async def hvd_init(self, reset: bool) -> None:
+        s = self.job.store
+        current = store.parse_round(await s.quiet(round_watch.SCOPE, round_watch.CURRENT, kind="init"))
+        watch = None if current is None else self.spawn(self.poll(
+            round_watch.SCOPE, round_watch.failed_key(current + (1 if reset else 0)), round_watch.POLL_S, "init"))
+        try:
+            if reset:
+                self.step = "rank_and_size"
+                answer = await self.gloo("GET", prestart.RANK_SCOPE, f"{self.host}:{self.slot_lr}",
+                                         kind="rank_and_size")
+                fields = [int(field) for field in answer.decode().split(",")]
+                self.answers.append((fields[0], fields[1]))
+                if fields[0] < 0:
+                    self.dead = True  # removed from the job
+                    return
+                self.rank, self.size, self.local_rank, self.local_size, self.cross_rank, self.cross_size = fields[:6]
+                self.slot_lr = self.local_rank  # Horovod's C++ sets HOROVOD_LOCAL_RANK: the next request's key
+                self.job.ranked(self)
+            self.generation = self.job.generation  # the round's Gloo peers: those answered in the same reset
+            if self.job.gloo:
+                for suffix in ("", f"_process_set_hash_{PROCESS_SET_HASH}"):
+                    await self.gloo_context("global" + suffix, self.rank, self.size)
+                    await self.gloo_context(f"local_{self.host}{suffix}", self.local_rank, self.local_size)
+                    await self.gloo_context(f"cross_{self.local_rank}{suffix}", self.cross_rank, self.cross_size)
+        finally:
+            if watch is not None:
+                watch.cancel()
+        self.step = "released"
+        self.job.released(self)
+
+    async def gloo_context(self, scope: str, rank: int, size: int) -> None:
+        """Gloo's ``Context::connectFullMesh`` over Horovod's ``HTTPStore``, then its barrier and ``Finalize``."""
+        started = time.monotonic()
+        self.step = f"gloo {scope} rank {rank}/{size} gen {self.generation}"
+        await self.gloo("PUT", scope, f"rank_{rank}", self.host.encode())
+        for peer in range(rank):  # each lower rank's host name (a plain get: no wait)
+            await self.gloo("GET", scope, f"rank_{peer}")
+        await self.gloo("PUT", scope, str(rank), b"\0" * (ADDRESS_BYTES * (size - 1)))
+        for peer in range(size):
+            if peer == rank:
+                continue
+            while await self.gloo("GET", scope, str(peer)) != 200:  # HTTPStore::wait
+                await asyncio.sleep(GLOO_WAIT_POLL_S)
+            await self.gloo("GET", scope, str(peer))  # then store.get: the same value read again
+        meshed = time.monotonic()
+        await self.job.barrier(scope, self.generation, size)  # gloo::barrier over the pairs, not the store
+        await self.gloo("DELETE", scope, str(rank))
+        context = scope.split("_")[0] + ("_ps" if "process_set" in scope else "")
+        self.job.stats.contexts[(self.job.stats.phase, context)].append((meshed - started, time.monotonic() - started))
+
+    async def gloo(self, method: str, scope: str, key: str, body: Optional[bytes] = None,
+                   kind: str = "gloo") -> Any:
+        """A request of Horovod's C++ ``HTTPStore`` (no timeout; tried 3 times): the status (the body for
+        ``rank_and_size``)."""
+        for _ in range(GLOO_RETRIES):
+            try:
+                status, answer = await self.job.store.request(method, scope, key, body, timeout_s=None, kind=kind)
+                if status in (200, 404):
+                    return answer if kind == "rank_and_size" else status
+            except Unreachable:
+                pass
+            await asyncio.sleep(GLOO_RETRY_S)
+        raise RuntimeError(f"HTTP request failed: {method} /{scope}/{key}")
+
+    async def trained(self) -> None:
+        """After init: Horovod's registration (once), the driver watch's join, the sync's capacity read."""
+        s = self.job.store
+        if not self.registered:
+            self.registered = True
+            try:  # Horovod's put_data_into_kvstore: a failure fails the worker (counted in the failures)
+                await s.request("PUT", store.WORKER_ADDRESSES, f"{self.host}:{self.slot_lr}",
+                                self.job.registration, kind="register")
+            except Unreachable:
+                pass
+            self.spawn(self.driver_watch())
+        current = await s.quiet(round_watch.SCOPE, round_watch.CURRENT, driver_watch.REQUEST_TIMEOUT_S, "sync")
+        assigned = await s.quiet(round_watch.SCOPE, round_watch.ASSIGNED, driver_watch.REQUEST_TIMEOUT_S, "sync")
+        self.round = None if current is None else int(current)
+        self.members = set(assigned.decode().split(",")) if assigned else set()
+        if await s.quiet(round_watch.SCOPE, round_watch.CAPACITY_LEFT_OUT, kind="sync") is not None:
+            self.job.prestart(self, "capacity_left_out")  # each rank at its own sync
+        self.job.trained(self)
+
+    async def early_start(self) -> None:
+        """:class:`elastic_ext.launch.prestart.Prestart` of this rank; rank 0 polls and tells the job.
+
+        A failed request ends it ("error"), which resets the job at the next commit, as there."""
+        try:
+            await self._early_start()
+        except (Unreachable, HTTPError, ValueError) as exc:
+            self.job.stats.failures[(self.job.stats.phase, "prestart", f"ended: {type(exc).__name__}")] += 1
+            self.job.all_there("prestart_error")
+
+    async def _early_start(self) -> None:
+        s, poll = self.job.store, self.rank == 0
+        await s.request("PUT", prestart.SCOPE, prestart.ASKED, store.PRESENT, secret=True, kind="prestart")
+        _, answer = await s.request("GET", prestart.RANK_SCOPE, f"{self.host}:{self.slot_lr}", timeout_s=None,
+                                    kind="prestart")
+        next_rank, next_size = prestart.parse_slot(answer)
+        if next_rank < 0:
+            return
+        await s.request("PUT", prestart.SCOPE, prestart.MARKER, store.PRESENT, secret=True, kind="prestart")
+        await s.request("PUT", prestart.SCOPE, str(next_rank), store.PRESENT, secret=True, kind="prestart")
+        if not poll:
+            return
+        round_id = store.parse_round(await s.value(round_watch.SCOPE, round_watch.CURRENT, kind="prestart"))
+        missing = set(range(next_size))
+        while missing:
+            missing = {rank for rank in sorted(missing)
+                       if await s.value(prestart.SCOPE, str(rank), kind="prestart") is None}
+            if missing and round_id is not None and await s.value(
+                    round_watch.SCOPE, round_watch.failed_key(round_id), kind="prestart") is not None:
+                return
+            if missing:
+                await asyncio.sleep(prestart.POLL_S)
+        self.job.all_there()
+
+
+class Job:
+    """The simulated workers of one driver: started when the driver says, reset when the job would."""
+
+    def __init__(self, port: int, secret: str, send: Callable[[str], None], gloo: bool, build_s: float,
+                 registration: bytes, process_start_s: float) -> None:
+        self.process_start_s = process_start_s
+        self.stats = Stats()
+        self.store = Store(port, secret, self.stats)
+        self.send, self.gloo, self.build_s, self.registration = send, gloo, build_s, registration
+        self.workers: Dict[int, Worker] = {}
+        self.barriers: Dict[Tuple[str, int], asyncio.Barrier] = {}
+        self.generation = 0                 # bumped at each reset: Gloo's barriers of one init
+        self.early: Set[int] = set()        # the workers whose Prestart of the current early start began
+        self.reset_started = 0.0            # time.time() of the last reset (older host notices are dropped)
+        self.times: Dict[str, Dict[int, float]] = collections.defaultdict(dict)  # event -> wid -> monotonic
+        self.changed = asyncio.Event()
+
+    def alive(self) -> List[Worker]:
+        return [w for w in self.workers.values() if not w.dead]
+
+    def start_worker(self, wid: int, host: str, local_rank: int, ranks: List[int]) -> None:
+        worker = Worker(self, wid, host, local_rank, ranks)
+        self.workers[wid] = worker
+        worker.spawn(worker.first_start())
+
+    def _mark(self, event: str, worker: Worker) -> None:
+        self.times[event][worker.wid] = time.monotonic()
+        self.changed.set()
+
+    def ranked(self, worker: Worker) -> None:
+        self._mark("ranked", worker)
+
+    def released(self, worker: Worker) -> None:
+        self._mark("released", worker)
+
+    def trained(self, worker: Worker) -> None:
+        self._mark("trained", worker)
+
+    async def barrier(self, scope: str, generation: int, size: int) -> None:
+        key = (scope, generation)
+        if key not in self.barriers:
+            self.barriers[key] = asyncio.Barrier(size)
+        await self.barriers[key].wait()
+
+    def kill(self, victim: Worker, exit_code: int = 137) -> None:
+        """SIGKILL: its requests stop, the driver sees its exit status, its peers' collective fails at once."""
+        victim.dead = True
+        for task in list(victim.tasks):
+            task.cancel()
+        self.send(f"exit {victim.wid} {exit_code}")
+        self.reset_all("member_failed")
+
+    def reset_all(self, why: str) -> None:
+        self.stats.requests[(self.stats.phase, f"reset_{why}")] += 1
+        self.generation += 1
+        self.reset_started = time.time()
+        self.times.clear()
+        for worker in self.alive():
+            if worker.registered and not worker.in_reset:
+                worker.round = None  # DriverWatch.left()
+                worker.in_reset = True
+                worker.spawn(self._reset(worker))
+
+    async def _reset(self, worker: Worker) -> None:
+        try:
+            await worker.hvd_init(reset=True)
+        finally:
+            worker.in_reset = False
+        if not worker.dead:
+            await worker.trained()
+
+    def prestart(self, worker: Worker, why: str) -> None:
+        if worker.wid not in self.early:
+            self.early.add(worker.wid)
+            self.stats.requests[(self.stats.phase, f"early_start_{why}")] += 1
+            worker.spawn(worker.early_start())
+
+    def all_there(self, why: str = "all_there") -> None:
+        """Rank 0's commit carries "every newcomer is there" (or an early start ended): every rank resets."""
+        self.early.clear()
+        self.reset_all(why)
+
+    def hosts_updated(self, timestamp: float, result: int) -> None:
+        """The coordinator's notification service was told of a host change (in its thread)."""
+        if timestamp > self.reset_started and result & 2 and not self.early:  # added; a reset drops older ones
+            for worker in self.alive():  # the commit's allreduce: every trained rank starts its Prestart
+                if worker.registered and worker.round is not None:
+                    self.prestart(worker, "hosts_added")
+
+
+def registration_value(port: int, key: bytes) -> bytes:
+    """Horovod's ``worker_addresses`` value for a notification service at ``127.0.0.1:port``."""
+    import cloudpickle
+    return base64.b64encode(cloudpickle.dumps(({"lo": [("127.0.0.1", port)]}, key)))
