@@ -172,6 +172,9 @@ class Run:
         n, args = self.n, self.args
         loop = asyncio.get_running_loop()
         self.hosts_file = os.path.join(self.tmp, "hosts.json")
+        # The driver's log (Horovod's and the launcher's warnings, the store's broken pipes of requests whose
+        # client gave up): counted, not printed.
+        self.driver_log = open(os.path.join(self.tmp, "driver.log"), "wb")
         self.write_hosts()
         secret = secrets.token_hex(32)
         from horovod.runner.common.util import secret as horovod_secret
@@ -187,7 +190,8 @@ class Run:
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "bench.control_plane_driver", "--hosts-file", self.hosts_file, "--np", str(n),
             "--min-np", str(max(1, n // 2)), "--max-np", str(n + self.slots), "--secret", secret,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=os.path.dirname(HERE), limit=1 << 20)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.driver_log, cwd=os.path.dirname(HERE),
+            limit=1 << 20)
         assert self.proc.stdout is not None
         port = int((await asyncio.wait_for(self.proc.stdout.readline(), 60)).split()[1])
         self.job = Job(port, secret, self.send, gloo=n <= args.gloo_start_max, build_s=args.build_s,
@@ -206,6 +210,12 @@ class Run:
                 self.proc.kill()
             reader.cancel()
             service.shutdown()
+            self.driver_log.close()
+            with open(self.driver_log.name, errors="replace") as handle:
+                log = handle.read()
+            self.result["driver_log"] = {"broken_pipes": log.count("BrokenPipeError"),
+                                         "connection_resets": log.count("ConnectionResetError"),
+                                         "tail": log[-1500:] if self.proc.returncode not in (0, None) else ""}
             for worker in self.job.workers.values():
                 for task in list(worker.tasks):
                     task.cancel()
@@ -247,12 +257,21 @@ class Run:
         self.result["survivors_released"] = len([w for w in survivors if w.wid in released])
         self.result["survivors"] = len(survivors)
         self.result["survivor_answers"] = sorted({w.answers[-1][1] for w in survivors if w.answers})
-        self.result["victim_absent"] = all(w.wid != victim.wid for w in job.alive()) and not victim.answers
+        # The failed member is absent: the round has one slot per survivor, and each survivor holds one of them.
+        answers = [w.answers[-1] for w in survivors if w.answers]
+        self.result["survivor_ranks_distinct"] = sorted(rank for rank, _ in answers) == list(range(len(survivors)))
         self.result["false_fences"] = steady["fenced"] + reset["fenced"]
         if not formed:
             self.extrapolate(reset, len(survivors))
             return
         await self.until("trained_after_reset", lambda: self.survivors_done("trained", len(survivors)), 30)
+        # Each survivor's first sync after the kill: the slots of the round it trains in.
+        seen = {len(w.rounds_seen) for w in survivors}
+        self.result["round_slots"] = sorted({w.rounds_seen[-1][1] for w in survivors if w.rounds_seen})
+        if len(seen) != 1:
+            self.result["round_slots"] = None  # some survivor synced in more rounds than another: not one round
+        if args.until == "reset":
+            return
         await self.phase("regrow")
         regrown = await self.until("regrow", lambda: len(job.alive()) >= n and self.survivors_done("released", n),
                                    args.reset_timeout_s)
@@ -310,7 +329,7 @@ def run_one(n: int, args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", default="64,256,1024")
     parser.add_argument("--version", default="before", help="results.<version> (before: today's main)")
@@ -325,8 +344,14 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="a worker's process start to its first request (Python, Horovod, the framework)")
     parser.add_argument("--slots", type=int, default=SLOTS, help="slots per simulated host")
     parser.add_argument("--output", default=RESULTS)
+    parser.add_argument("--until", choices=("reset", "host_added"), default="host_added",
+                        help="the last phase to run (the suite's test stops after the reset)")
     parser.add_argument("--validate", action="store_true")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = parse_args(argv)
     if args.validate:
         from bench import control_plane_validate
         control_plane_validate.main(args)

@@ -133,6 +133,7 @@ class Worker:
         self.dead = False
         self.registered = False
         self.answers: List[Tuple[int, int]] = []   # (rank, size) of each rank_and_size answer
+        self.rounds_seen: List[Tuple[Optional[int], int]] = []  # (round, its slot count) at each sync
         self.tasks: Set[asyncio.Task] = set()
         self.step = "starting"  # where it is (reported for a phase that timed out)
         self.generation = 0     # the job's reset its Gloo contexts belong to
@@ -301,6 +302,7 @@ class Worker:
         assigned = await s.quiet(round_watch.SCOPE, round_watch.ASSIGNED, driver_watch.REQUEST_TIMEOUT_S, "sync")
         self.round = None if current is None else int(current)
         self.members = set(assigned.decode().split(",")) if assigned else set()
+        self.rounds_seen.append((self.round, len(self.members)))
         if await s.quiet(round_watch.SCOPE, round_watch.CAPACITY_LEFT_OUT, kind="sync") is not None:
             self.job.prestart(self, "capacity_left_out")  # each rank at its own sync
         self.job.trained(self)

@@ -35,7 +35,9 @@ from bench import harness
 from elastic_ext.testing import launch
 
 MARGIN = 0.10  # relative difference allowed between a real and a simulated request count
-STEADY_WINDOW_S = 5.0
+STEADY_WINDOW_S = 10.0  # the polls are synchronised after a reset: a window of 10 polls, so one poll is 10 %
+# The reset's requests whose count the protocol fixes (the others, the polls, depend on the phase's duration).
+DETERMINISTIC = ("gloo ", "GET rank_and_size/")
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "control_plane_worker.py")
 
 
@@ -86,6 +88,7 @@ def simulated(n: int, args: argparse.Namespace) -> Dict[str, Any]:
     sim_args = argparse.Namespace(**vars(args))
     sim_args.slots = n // 2
     sim_args.gloo_start_max = n
+    sim_args.steady_s = STEADY_WINDOW_S
     result = control_plane.run_one(n, sim_args)
     phases = result.get("phases", {})
     steady = collections.Counter()
@@ -100,16 +103,18 @@ def simulated(n: int, args: argparse.Namespace) -> Dict[str, Any]:
             "reset_requests": dict(sorted(reset.items()))}
 
 
-def compare(real: Dict[str, int], sim: Dict[str, int]) -> Dict[str, Any]:
+def compare(real: Dict[str, float], sim: Dict[str, float], held: bool) -> Dict[str, Any]:
+    """Each group's real and simulated figure; ``within_margin`` for those the protocol fixes (None: a poll
+    whose count in the phase follows its duration, reported only)."""
     rows = {}
     for key in sorted(set(real) | set(sim)):
         r, s = real.get(key, 0), sim.get(key, 0)
-        rows[key] = {"real": r, "sim": s, "within_margin": abs(r - s) <= MARGIN * max(r, s, 1)}
+        fixed = held or key.startswith(DETERMINISTIC)
+        rows[key] = {"real": r, "sim": s, "within_margin": abs(r - s) <= MARGIN * max(r, s, 1) if fixed else None}
     return rows
 
 
 def main(args: argparse.Namespace) -> None:
-    from bench import control_plane
     validation: Dict[str, Any] = {"margin": MARGIN, "command": "python -m bench.control_plane --validate"}
     with tempfile.TemporaryDirectory(prefix="control_plane_validate.") as work:
         for n in (4, 6):
@@ -119,8 +124,8 @@ def main(args: argparse.Namespace) -> None:
             sim = simulated(n, args)
             validation[str(n)] = {
                 "real": real, "sim": sim,
-                "steady": compare(real["steady_per_worker_s"], sim["steady_per_worker_s"]),
-                "reset": compare(real["reset_requests"], sim["reset_requests"])}
+                "steady": compare(real["steady_per_worker_s"], sim["steady_per_worker_s"], held=True),
+                "reset": compare(real["reset_requests"], sim["reset_requests"], held=False)}
             print(json.dumps(validation[str(n)], indent=1), flush=True)
     doc: Dict[str, Any] = {}
     if os.path.exists(args.output):
@@ -129,4 +134,3 @@ def main(args: argparse.Namespace) -> None:
     doc["validation"] = validation
     with open(args.output, "w") as handle:
         json.dump(doc, handle, indent=1, sort_keys=True)
-    del control_plane
