@@ -30,11 +30,10 @@ them; the store answers HTTP/1.0 and closes), at the real intervals:
 from __future__ import annotations
 
 import asyncio
-import base64
-import collections
 import time
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, List, Optional, Set, Tuple
 
+from bench.control_plane_http import HTTPError, Unreachable
 from elastic_ext.launch import prestart, round_watch, store
 from elastic_ext.runtime import driver_watch
 
@@ -44,86 +43,10 @@ GLOO_RETRIES, GLOO_RETRY_S = 3, 0.5  # HTTPStore::PerformHTTP: a failed request 
 PROCESS_SET_HASH = "5d1e6b1f0a3c2e47"  # std::hash of "0,1,...," in hex: 16 digits (its value does not matter)
 
 
-class Unreachable(Exception):
-    """A request that failed as ``urllib`` fails (no connection, timeout, no answer): an OSError there."""
-
-
-class Stats:
-    """Latencies, counts and failures of the simulated requests, by phase and kind."""
-
-    def __init__(self) -> None:
-        self.phase = "start"
-        self.latency: Dict[str, List[float]] = collections.defaultdict(list)
-        self.requests: Dict[Tuple[str, str], int] = collections.Counter()
-        self.failures: Dict[Tuple[str, str, str], int] = collections.Counter()
-        self.fenced: Dict[str, Set[int]] = collections.defaultdict(set)
-        self.watch_failed: Dict[str, int] = collections.Counter()
-        # (phase, context) -> (seconds to its full mesh, seconds to its barrier's end) of each rank
-        self.contexts: Dict[Tuple[str, str], List[Tuple[float, float]]] = collections.defaultdict(list)
-
-
-class Store:
-    """The driver's store over raw HTTP, one connection per request."""
-
-    def __init__(self, port: int, secret: str, stats: Stats) -> None:
-        self.port, self.secret, self.stats = port, secret, stats
-
-    async def request(self, method: str, scope: str, key: str, body: Optional[bytes] = None,
-                      timeout_s: Optional[float] = store.REQUEST_TIMEOUT_S, secret: bool = False,
-                      kind: str = "other") -> Tuple[int, bytes]:
-        lines = [f"{method} /{scope}/{key} HTTP/1.1", f"Host: 127.0.0.1:{self.port}", "Connection: close"]
-        if body is not None:
-            lines.append(f"Content-Length: {len(body)}")
-        if secret:
-            lines.append(f"{store.SECRET_HEADER}: {self.secret}")
-        data = ("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b"")
-        phase, start = self.stats.phase, time.monotonic()
-        try:
-            async with asyncio.timeout(timeout_s):
-                reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
-                try:
-                    writer.write(data)
-                    raw = await reader.read()
-                finally:
-                    writer.close()
-        except (OSError, TimeoutError) as exc:
-            self.stats.failures[(phase, kind, type(exc).__name__)] += 1
-            raise Unreachable(str(exc) or type(exc).__name__) from None
-        if not raw.startswith(b"HTTP/") or len(raw) < 12:
-            self.stats.failures[(phase, kind, "no answer")] += 1
-            raise Unreachable("closed without an answer")
-        self.stats.latency[phase].append(time.monotonic() - start)
-        self.stats.requests[(phase, kind)] += 1
-        return int(raw[9:12]), raw.split(b"\r\n\r\n", 1)[-1]
-
-    async def value(self, scope: str, key: str, timeout_s: Optional[float] = store.REQUEST_TIMEOUT_S,
-                    kind: str = "other") -> Optional[bytes]:
-        """As :func:`elastic_ext.launch.store.get`: the value, None on 404, Unreachable or HTTPError."""
-        status, body = await self.request("GET", scope, key, timeout_s=timeout_s, kind=kind)
-        if status == 404:
-            return None
-        if status != 200:
-            raise HTTPError(status)
-        return store.checked(scope, key, body)
-
-
-    async def quiet(self, scope: str, key: str, timeout_s: Optional[float] = store.REQUEST_TIMEOUT_S,
-                    kind: str = "other") -> Optional[bytes]:
-        """A read whose failure the real code takes as "absent" (``round_watch._read``, the marker's read)."""
-        try:
-            return await self.value(scope, key, timeout_s, kind)
-        except (Unreachable, HTTPError):
-            return None
-
-
-class HTTPError(Exception):
-    """The store answered, with another status than 200 or 404."""
-
-
 class Worker:
     """One simulated worker process: its slot, its round and the activities of the module docstring."""
 
-    def __init__(self, job: "Job", wid: int, host: str, local_rank: int, ranks: List[int]) -> None:
+    def __init__(self, job: Any, wid: int, host: str, local_rank: int, ranks: List[int]) -> None:
         self.job, self.wid, self.host, self.slot_lr = job, wid, host, local_rank
         self.rank, self.size, self.local_rank, self.local_size, self.cross_rank, self.cross_size = ranks
         self.round: Optional[int] = None
@@ -340,99 +263,3 @@ class Worker:
             if missing:
                 await asyncio.sleep(prestart.POLL_S)
         self.job.all_there()
-
-
-class Job:
-    """The simulated workers of one driver: started when the driver says, reset when the job would."""
-
-    def __init__(self, port: int, secret: str, send: Callable[[str], None], gloo: bool, build_s: float,
-                 registration: bytes, process_start_s: float) -> None:
-        self.process_start_s = process_start_s
-        self.stats = Stats()
-        self.store = Store(port, secret, self.stats)
-        self.send, self.gloo, self.build_s, self.registration = send, gloo, build_s, registration
-        self.workers: Dict[int, Worker] = {}
-        self.barriers: Dict[Tuple[str, int], asyncio.Barrier] = {}
-        self.generation = 0                 # bumped at each reset: Gloo's barriers of one init
-        self.early: Set[int] = set()        # the workers whose Prestart of the current early start began
-        self.reset_started = 0.0            # time.time() of the last reset (older host notices are dropped)
-        self.times: Dict[str, Dict[int, float]] = collections.defaultdict(dict)  # event -> wid -> monotonic
-        self.changed = asyncio.Event()
-
-    def alive(self) -> List[Worker]:
-        return [w for w in self.workers.values() if not w.dead]
-
-    def start_worker(self, wid: int, host: str, local_rank: int, ranks: List[int]) -> None:
-        worker = Worker(self, wid, host, local_rank, ranks)
-        self.workers[wid] = worker
-        worker.spawn(worker.first_start())
-
-    def _mark(self, event: str, worker: Worker) -> None:
-        self.times[event][worker.wid] = time.monotonic()
-        self.changed.set()
-
-    def ranked(self, worker: Worker) -> None:
-        self._mark("ranked", worker)
-
-    def released(self, worker: Worker) -> None:
-        self._mark("released", worker)
-
-    def trained(self, worker: Worker) -> None:
-        self._mark("trained", worker)
-
-    async def barrier(self, scope: str, generation: int, size: int) -> None:
-        key = (scope, generation)
-        if key not in self.barriers:
-            self.barriers[key] = asyncio.Barrier(size)
-        await self.barriers[key].wait()
-
-    def kill(self, victim: Worker, exit_code: int = 137) -> None:
-        """SIGKILL: its requests stop, the driver sees its exit status, its peers' collective fails at once."""
-        victim.dead = True
-        for task in list(victim.tasks):
-            task.cancel()
-        self.send(f"exit {victim.wid} {exit_code}")
-        self.reset_all("member_failed")
-
-    def reset_all(self, why: str) -> None:
-        self.stats.requests[(self.stats.phase, f"reset_{why}")] += 1
-        self.generation += 1
-        self.reset_started = time.time()
-        self.times.clear()
-        for worker in self.alive():
-            if worker.registered and not worker.in_reset:
-                worker.round = None  # DriverWatch.left()
-                worker.in_reset = True
-                worker.spawn(self._reset(worker))
-
-    async def _reset(self, worker: Worker) -> None:
-        try:
-            await worker.hvd_init(reset=True)
-        finally:
-            worker.in_reset = False
-        if not worker.dead:
-            await worker.trained()
-
-    def prestart(self, worker: Worker, why: str) -> None:
-        if worker.wid not in self.early:
-            self.early.add(worker.wid)
-            self.stats.requests[(self.stats.phase, f"early_start_{why}")] += 1
-            worker.spawn(worker.early_start())
-
-    def all_there(self, why: str = "all_there") -> None:
-        """Rank 0's commit carries "every newcomer is there" (or an early start ended): every rank resets."""
-        self.early.clear()
-        self.reset_all(why)
-
-    def hosts_updated(self, timestamp: float, result: int) -> None:
-        """The coordinator's notification service was told of a host change (in its thread)."""
-        if timestamp > self.reset_started and result & 2 and not self.early:  # added; a reset drops older ones
-            for worker in self.alive():  # the commit's allreduce: every trained rank starts its Prestart
-                if worker.registered and worker.round is not None:
-                    self.prestart(worker, "hosts_added")
-
-
-def registration_value(port: int, key: bytes) -> bytes:
-    """Horovod's ``worker_addresses`` value for a notification service at ``127.0.0.1:port``."""
-    import cloudpickle
-    return base64.b64encode(cloudpickle.dumps(({"lo": [("127.0.0.1", port)]}, key)))
