@@ -86,6 +86,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--build-s", type=float, default=1.0, help="a newcomer's model build (s)")
     parser.add_argument("--process-start-s", type=float, default=1.0,
                         help="a worker's process start to its first request (Python, Horovod, the framework)")
+    parser.add_argument("--driver-backlog", type=int, default=None,
+                        help="a diagnosis only: the store's listen backlog (Horovod's: 5); never in results.before")
     parser.add_argument("--slots", type=int, default=SLOTS, help="slots per simulated host")
     parser.add_argument("--output", default=RESULTS)
     parser.add_argument("--until", choices=("reset", "host_added"), default="host_added",

@@ -132,6 +132,9 @@ def serve(args: argparse.Namespace) -> None:
                 return 143, time.time()
         return done[1][0], time.time()
 
+    if args.backlog is not None:  # a diagnosis (--driver-backlog), not elastic-horovodrun's store
+        from horovod.runner.http.http_server import RendezvousHTTPServer
+        RendezvousHTTPServer.request_queue_size = args.backlog
     server = RendezvousServer(verbose=0)
     elastic = ElasticDriver(server, FileDiscovery(args.hosts_file), args.min_np, args.max_np, timeout=600)
     port = server.start(create_rendezvous_handler(elastic))
@@ -181,6 +184,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--min-np", type=int)
     parser.add_argument("--max-np", type=int)
     parser.add_argument("--secret")
+    parser.add_argument("--backlog", type=int)
     parser.add_argument("--wrap", metavar="EVENTS_FILE")
     args, rest = parser.parse_known_args(argv)
     if args.wrap:

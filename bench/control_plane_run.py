@@ -168,6 +168,7 @@ class Run:
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "bench.control_plane_driver", "--hosts-file", self.hosts_file, "--np", str(n),
             "--min-np", str(max(1, n // 2)), "--max-np", str(n + self.slots), "--secret", secret,
+            *(["--backlog", str(args.driver_backlog)] if args.driver_backlog else []),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.driver_log, cwd=REPO,
             limit=1 << 20)
         assert self.proc.stdout is not None
