@@ -9,7 +9,9 @@ own timeout (reported as such, never a hang):
 
 1. ``start``: the driver starts the N workers; each runs its first
    ``hvd.init()`` (Gloo's rendezvous only up to ``--gloo-start-max``
-   workers: above, the start is not what is measured), registers, syncs.
+   workers, 0 by default: the start is not what is measured), registers,
+   syncs. A start that does not end in its bound goes on with the workers
+   that trained (``trained_at_steady``).
 2. ``steady``: ``--steady-s`` of training: requests per second, p50/p99
    latency, the driver's CPU (``/proc/<pid>/stat``) per second, false fences.
 3. ``stalled``: the driver stopped (SIGSTOP) for ``--stall-s``, then
@@ -46,6 +48,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from bench.control_plane_run import SLOTS, Run
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "control_plane.json")
 
