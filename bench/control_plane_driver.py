@@ -111,6 +111,12 @@ def serve(args: argparse.Namespace) -> None:
     # As elastic-horovodrun's main() (the parts that shape the store and the rounds); every simulated
     # host resolves to this machine, where the simulated workers run.
     store_guard.install(resolver=lambda host: frozenset({"127.0.0.1"}))
+    try:  # the code of this branch; main's before it (bench.control_plane --before) has no such module
+        from elastic_ext.launch import store_serving
+    except ImportError:
+        store_serving = None
+    if store_serving is not None:
+        store_serving.install()
     driver.install()
     rendezvous_wait.install()
     install_counter()
