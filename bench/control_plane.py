@@ -15,7 +15,7 @@ own timeout (reported as such, never a hang):
 2. ``steady``: ``--steady-s`` of training: requests per second, p50/p99
    latency, the driver's CPU (``/proc/<pid>/stat``) per second, false fences.
 3. ``stalled``: the driver stopped (SIGSTOP) for ``--stall-s``, then
-   continued, and ``FENCE_S + 5`` s more: the workers that would have fenced.
+   continued, and ``FENCE_S + 5`` s more (``--after-stall-s``): the workers that would have fenced.
 4. ``reset``: one worker SIGKILLed (the driver sees its exit status; its
    peers' collective fails at once): ``round_formed_s`` is the time until
    every survivor's ``hvd.init()`` returned (``rank_s``: until every
@@ -29,6 +29,11 @@ own timeout (reported as such, never a hang):
 6. ``host_added``: a host of :data:`SLOTS` slots is added to discovery; the
    coordinator's notice starts an early start (a third reset).
 
+Each N runs twice in one invocation, side by side (``--versions``):
+``before``, the driver of main before issue 55 (``--before-commit``, in a
+temporary git worktree) with the driver watch's old rule in the simulated
+workers, and ``after``, this checkout's. Results: ``results.<version>.<N>``.
+
 ``--validate`` compares the simulation with real jobs of 4 and 6 workers
 (:mod:`bench.control_plane_validate`). Results: ``bench/results/control_plane.json``.
 """
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -45,12 +51,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from bench.control_plane_run import SLOTS, Run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "control_plane.json")
+BEFORE_COMMIT = "5abd304"  # main before issue 55's changes: results.before
 
 
 def machine() -> Dict[str, Any]:
@@ -66,8 +73,10 @@ def commit() -> str:
         return f"unknown ({exc})"
 
 
-def run_one(n: int, args: argparse.Namespace) -> Dict[str, Any]:
-    run = Run(n, args)
+def run_one(n: int, args: argparse.Namespace, tree: Optional[str] = None, fence_on_reach: bool = True
+            ) -> Dict[str, Any]:
+    """One N of the code of ``tree`` (this checkout by default), its workers' watch by ``fence_on_reach``."""
+    run = Run(n, args, **({} if tree is None else {"tree": tree}), fence_on_reach=fence_on_reach)
     with tempfile.TemporaryDirectory(prefix="control_plane.") as tmp:
         run.tmp = tmp
         started = time.monotonic()
@@ -79,9 +88,15 @@ def run_one(n: int, args: argparse.Namespace) -> Dict[str, Any]:
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", default="64,256,1024")
-    parser.add_argument("--version", default="before", help="results.<version> (before: today's main)")
+    parser.add_argument("--versions", default="before,after",
+                        help="results.<version>, each N run by each in turn (before: main at --before-commit; "
+                             "after: this checkout)")
+    parser.add_argument("--before-commit", default=BEFORE_COMMIT, help="main before issue 55's changes")
+    parser.add_argument("--before-tree", help="a checkout of --before-commit (default: a temporary git worktree)")
     parser.add_argument("--steady-s", type=float, default=10.0)
     parser.add_argument("--stall-s", type=float, default=5.0)
+    parser.add_argument("--after-stall-s", type=float, default=None,
+                        help="the stalled phase's time after the driver continues (default FENCE_S + 5)")
     parser.add_argument("--start-timeout-s", type=float, default=90.0)
     parser.add_argument("--reset-timeout-s", type=float, default=45.0)
     parser.add_argument("--run-timeout-s", type=float, default=400.0)
@@ -90,13 +105,29 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--process-start-s", type=float, default=1.0,
                         help="a worker's process start to its first request (Python, Horovod, the framework)")
     parser.add_argument("--driver-backlog", type=int, default=None,
-                        help="a diagnosis only: the store's listen backlog (Horovod's: 5); never in results.before")
+                        help="a diagnosis only: the store's listen backlog (Horovod's: 5); never in results")
     parser.add_argument("--slots", type=int, default=SLOTS, help="slots per simulated host")
     parser.add_argument("--output", default=RESULTS)
     parser.add_argument("--until", choices=("reset", "host_added"), default="host_added",
                         help="the last phase to run (the suite's test stops after the reset)")
     parser.add_argument("--validate", action="store_true")
     return parser.parse_args(argv)
+
+
+@contextlib.contextmanager
+def before_tree(args: argparse.Namespace) -> Iterator[str]:
+    """A checkout of main before the change: ``--before-tree``, or a temporary worktree of ``--before-commit``."""
+    if args.before_tree:
+        yield args.before_tree
+        return
+    with tempfile.TemporaryDirectory(prefix="control_plane_before.") as tmp:
+        path = os.path.join(tmp, "tree")
+        subprocess.run(["git", "worktree", "add", "--detach", path, args.before_commit], cwd=HERE, check=True,
+                       capture_output=True)
+        try:
+            yield path
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", path], cwd=HERE, capture_output=True)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -109,17 +140,27 @@ def main(argv: Optional[List[str]] = None) -> None:
     if os.path.exists(args.output):
         with open(args.output) as handle:
             doc = json.load(handle)
-    for n in [int(w) for w in args.workers.split(",")]:
-        print(f"control_plane: N={n} ...", flush=True)
-        result = run_one(n, args)
-        print(json.dumps({k: v for k, v in result.items() if k not in ("phases", "driver_counts")}), flush=True)
-        doc.setdefault("results", {}).setdefault(args.version, {})[str(n)] = result
-        doc.update({"machine": machine(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                    "commit": commit(), "command": "python -m bench.control_plane " + " ".join(
-                        sys.argv[1:] if argv is None else argv)})
-        os.makedirs(os.path.dirname(args.output), exist_ok=True)
-        with open(args.output, "w") as handle:
-            json.dump(doc, handle, indent=1, sort_keys=True)
+    versions = args.versions.split(",")
+    unknown = set(versions) - {"before", "after"}
+    if unknown:
+        raise SystemExit(f"--versions {args.versions!r}: {sorted(unknown)} unknown; expected before and/or after")
+    doc["results"] = {}  # a run replaces every figure: before and after come from the same run, side by side
+    with before_tree(args) if "before" in versions else contextlib.nullcontext(None) as before:
+        trees = {"before": (before, False), "after": (None, True)}
+        for n in [int(w) for w in args.workers.split(",")]:
+            for version in versions:
+                print(f"control_plane: N={n} {version} ...", flush=True)
+                result = run_one(n, args, *trees[version])
+                print(json.dumps({k: v for k, v in result.items() if k not in ("phases", "driver_counts")}),
+                      flush=True)
+                doc["results"].setdefault(version, {})[str(n)] = result
+                doc.update({"machine": machine(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                            "commit": commit(), "before_commit": args.before_commit,
+                            "command": "python -m bench.control_plane " + " ".join(
+                                sys.argv[1:] if argv is None else argv)})
+                os.makedirs(os.path.dirname(args.output), exist_ok=True)
+                with open(args.output, "w") as handle:
+                    json.dump(doc, handle, indent=1, sort_keys=True)
 
 
 if __name__ == "__main__":

@@ -144,7 +144,8 @@ def serve(args: argparse.Namespace) -> None:
     server = RendezvousServer(verbose=0)
     elastic = ElasticDriver(server, FileDiscovery(args.hosts_file), args.min_np, args.max_np, timeout=600)
     port = server.start(create_rendezvous_handler(elastic))
-    emit(f"port {port}")
+    import elastic_ext
+    emit(f"port {port} {elastic_ext.__file__}")  # which version's code this driver runs
     elastic.wait_for_available_slots(args.np)
     elastic.start(args.np, create_worker)
     for line in sys.stdin:

@@ -20,6 +20,10 @@ class Unreachable(Exception):
     """A request that failed as ``urllib`` fails (no connection, timeout, no answer): an OSError there."""
 
 
+class Unanswered(Unreachable):
+    """A request whose connection the store accepted but which got no answer (timed out, closed, reset)."""
+
+
 class HTTPError(Exception):
     """The store answered, with another status than 200 or 404."""
 
@@ -34,6 +38,7 @@ class Stats:
         self.failures: Dict[Tuple[str, str, str], int] = collections.Counter()
         self.fenced: Dict[str, Set[int]] = collections.defaultdict(set)
         self.watch_failed: Dict[str, int] = collections.Counter()
+        self.watch_unanswered: Dict[str, int] = collections.Counter()  # polls connected, not answered (after)
         # (phase, context) -> (seconds to its full mesh, seconds to its barrier's end) of each rank
         self.contexts: Dict[Tuple[str, str], List[Tuple[float, float]]] = collections.defaultdict(list)
 
@@ -46,7 +51,14 @@ class Store:
 
     async def request(self, method: str, scope: str, key: str, body: Optional[bytes] = None,
                       timeout_s: Optional[float] = store.REQUEST_TIMEOUT_S, secret: bool = False,
-                      kind: str = "other") -> Tuple[int, bytes]:
+                      kind: str = "other", connect_timeout_s: Optional[float] = None) -> Tuple[int, bytes]:
+        """(status, body). ``timeout_s`` bounds the whole request; with ``connect_timeout_s`` the handshake has
+        that bound and the answer ``timeout_s`` more (the driver watch of ``elastic_ext`` after issue 55).
+
+        Raises:
+            Unanswered: connected, no answer (a subclass of Unreachable: the rule before issue 55 counts both).
+            Unreachable: no connection.
+        """
         lines = [f"{method} /{scope}/{key} HTTP/1.1", f"Host: 127.0.0.1:{self.port}", "Connection: close"]
         if body is not None:
             lines.append(f"Content-Length: {len(body)}")
@@ -54,28 +66,34 @@ class Store:
             lines.append(f"{store.SECRET_HEADER}: {self.secret}")
         data = ("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b"")
         phase, start = self.stats.phase, time.monotonic()
+        connected = False
         try:
-            async with asyncio.timeout(timeout_s):
-                reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+            async with asyncio.timeout(timeout_s if connect_timeout_s is None else None) as whole:
+                async with asyncio.timeout(connect_timeout_s):
+                    reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+                connected = True
+                if connect_timeout_s is not None:
+                    whole.reschedule(None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s)
                 try:
                     writer.write(data)
                     raw = await reader.read()
                 finally:
                     writer.close()
         except (OSError, TimeoutError) as exc:
-            self.stats.failures[(phase, kind, type(exc).__name__)] += 1
-            raise Unreachable(str(exc) or type(exc).__name__) from None
+            self.stats.failures[(phase, kind, ("unanswered " if connected else "") + type(exc).__name__)] += 1
+            raise (Unanswered if connected else Unreachable)(str(exc) or type(exc).__name__) from None
         if not raw.startswith(b"HTTP/") or len(raw) < 12:
             self.stats.failures[(phase, kind, "no answer")] += 1
-            raise Unreachable("closed without an answer")
+            raise Unanswered("closed without an answer")
         self.stats.latency[phase].append(time.monotonic() - start)
         self.stats.requests[(phase, kind)] += 1
         return int(raw[9:12]), raw.split(b"\r\n\r\n", 1)[-1]
 
     async def value(self, scope: str, key: str, timeout_s: Optional[float] = store.REQUEST_TIMEOUT_S,
-                    kind: str = "other") -> Optional[bytes]:
+                    kind: str = "other", connect_timeout_s: Optional[float] = None) -> Optional[bytes]:
         """As :func:`elastic_ext.launch.store.get`: the value, None on 404, Unreachable or HTTPError."""
-        status, body = await self.request("GET", scope, key, timeout_s=timeout_s, kind=kind)
+        status, body = await self.request("GET", scope, key, timeout_s=timeout_s, kind=kind,
+                                          connect_timeout_s=connect_timeout_s)
         if status == 404:
             return None
         if status != 200:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,47 +15,21 @@ import time
 from typing import Any, Dict, List, Optional
 
 from bench.control_plane_job import Job, registration_value
-from bench.control_plane_sim import ADDRESS_BYTES
+from bench.control_plane_model import driver_cpu_s, extrapolate, listen_overflows, percentile
 from elastic_ext.runtime import driver_watch
 
 SLOTS = 8
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def driver_cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as handle:
-        fields = handle.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def listen_overflows() -> int:
-    """This machine's count of connections its listening sockets dropped because their accept queue was full
-    (``TcpExt: ListenOverflows``; the whole machine's, which this run dominates while it runs)."""
-    with open("/proc/net/netstat") as handle:
-        lines = handle.read().splitlines()
-    for names, values in zip(lines[::2], lines[1::2]):
-        if names.startswith("TcpExt:"):
-            return int(dict(zip(names.split()[1:], values.split()[1:])).get("ListenOverflows", 0))
-    return 0
-
-
-def percentile(values: List[float], q: float) -> Optional[float]:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def gloo_requests(size: int) -> int:
-    """The fewest store requests of one Gloo context of ``size`` ranks (no read of a missing key)."""
-    return 3 * size + size * (size - 1) // 2 + 2 * size * (size - 1)
+DRIVER = os.path.join(REPO, "bench", "control_plane_driver.py")
 
 
 class Run:
-    """One N: the driver process, the simulated job, the phases."""
+    """One N of one code version: the driver process (``elastic_ext`` of ``tree``), the simulated job, the
+    phases. ``fence_on_reach``: the workers' driver watch counts only handshakes not completed (after issue 55).
+    """
 
-    def __init__(self, n: int, args: argparse.Namespace) -> None:
-        self.n, self.args = n, args
+    def __init__(self, n: int, args: argparse.Namespace, tree: str = REPO, fence_on_reach: bool = True) -> None:
+        self.n, self.args, self.tree, self.fence_on_reach = n, args, tree, fence_on_reach
         self.slots = args.slots
         self.hosts = {f"host-{i:03d}": min(self.slots, n - i * self.slots)
                       for i in range((n + self.slots - 1) // self.slots)}
@@ -136,6 +111,7 @@ class Run:
                                        if phase == name},
                    "fenced": len(stats.fenced.get(name, ())),
                    "watch_failed_polls": stats.watch_failed.get(name, 0),
+                   "watch_unanswered_polls": stats.watch_unanswered.get(name, 0),
                    "by_kind": {kind: n for (phase, kind), n in stats.requests.items() if phase == name},
                    "gloo_contexts_s": {context: {"mesh_max": round(max(m for m, _ in times), 3),
                                                  "done_max": round(max(d for _, d in times), 3)}
@@ -165,17 +141,22 @@ class Run:
                 loop.call_soon_threadsafe(job_ref[0].hosts_updated, timestamp, int(result))
 
         service = WorkerNotificationService(key, "lo", Manager())
+        # The driver's script copied out of bench/ and run with the version's tree first on the path: its
+        # elastic_ext is that version's (it reports which), whatever this process imported.
+        script = shutil.copy(DRIVER, os.path.join(self.tmp, "control_plane_driver.py"))
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "bench.control_plane_driver", "--hosts-file", self.hosts_file, "--np", str(n),
+            sys.executable, script, "--hosts-file", self.hosts_file, "--np", str(n),
             "--min-np", str(max(1, n // 2)), "--max-np", str(n + self.slots), "--secret", secret,
             *(["--backlog", str(args.driver_backlog)] if args.driver_backlog else []),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.driver_log, cwd=REPO,
-            limit=1 << 20)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.driver_log, cwd=self.tree,
+            env=dict(os.environ, PYTHONPATH=self.tree), limit=1 << 20)
         assert self.proc.stdout is not None
-        port = int((await asyncio.wait_for(self.proc.stdout.readline(), 60)).split()[1])
+        words = (await asyncio.wait_for(self.proc.stdout.readline(), 60)).decode().split()
+        port = int(words[1])
+        self.result["driver_elastic_ext"] = words[2] if len(words) > 2 else None
         self.job = Job(port, secret, self.send, gloo=n <= args.gloo_start_max, build_s=args.build_s,
                        registration=registration_value(service.addresses()["lo"][0][1], key),
-                       process_start_s=args.process_start_s)
+                       process_start_s=args.process_start_s, fence_on_reach=self.fence_on_reach)
         job_ref.append(self.job)
         reader = loop.create_task(self.driver_lines())
         try:
@@ -214,7 +195,7 @@ class Run:
         os.kill(self.proc.pid, signal.SIGSTOP)
         await asyncio.sleep(args.stall_s)
         os.kill(self.proc.pid, signal.SIGCONT)
-        await asyncio.sleep(driver_watch.FENCE_S + 5)
+        await asyncio.sleep(driver_watch.FENCE_S + 5 if args.after_stall_s is None else args.after_stall_s)
         stalled = await self.close_phase("stalled")
         self.result.update({k: steady[k] for k in ("requests_per_s", "p50_ms", "p99_ms", "driver_cpu_cores")})
         # What the workers ask in steady training: the driver watch's two reads per second each.
@@ -272,27 +253,3 @@ class Run:
 
     def extrapolate(self, reset: Dict[str, Any], size: int) -> None:
         self.result["reset_extrapolated"] = extrapolate(reset, size, self.slots, self.args.reset_timeout_s)
-
-
-def extrapolate(reset: Dict[str, Any], size: int, slots: int, timeout_s: float) -> Dict[str, Any]:
-    """For a reset that did not end in its bound: Gloo's requests it needs, and two estimates of their time.
-
-    ``at_store_rate_s``: at the rate the store answered in the phase (all its requests, polls included, as if
-    all went to Gloo: a lower bound while the polls go on); ``at_one_core_s``: at the driver's measured CPU per
-    request on a core of its own (Python's store runs on one), small requests' cost (Gloo's address values,
-    136 bytes per peer, cost more). The larger is the extrapolation.
-    """
-    local = [slots] * (size // slots) + ([size % slots] if size % slots else [])
-    total = 2 * (gloo_requests(size) + sum(gloo_requests(s) for s in local)
-                 + sum(gloo_requests(len([h for h in local if h > lr])) for lr in range(slots)))
-    rate = reset["requests_per_s"] or 0.0
-    at_rate = total / rate if rate else None
-    at_core = total * reset["driver_cpu_ms_per_request"] / 1000.0
-    return {"gloo_requests_done": reset["by_kind"].get("gloo", 0), "gloo_requests_needed": total,
-            "gloo_bytes_read_needed": 2 * 2 * size * (size - 1) * ADDRESS_BYTES * (size - 1),
-            "store_requests_per_s": rate, "driver_cpu_ms_per_request": reset["driver_cpu_ms_per_request"],
-            "at_store_rate_s": None if at_rate is None else round(at_rate, 1), "at_one_core_s": round(at_core, 1),
-            "round_formed_s_extrapolated": round(max(at_rate or 0.0, at_core), 1),
-            "note": f"the reset did not end in its bound ({timeout_s} s): Gloo's six rendezvous alone need "
-                    f"{total} store requests (about 5 N^2 (1 + 1/slots)); the time given is the larger of the "
-                    f"two estimates (at the store's measured rate, at its measured CPU per request)"}

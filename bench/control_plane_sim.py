@@ -5,10 +5,13 @@ with one HTTP request (as ``urllib`` and Horovod's C++ ``HTTPRequest`` send
 them; the store answers HTTP/1.0 and closes), at the real intervals:
 
 - the driver watch (:mod:`elastic_ext.runtime.driver_watch`): every
-  ``POLL_S`` after the last poll, ``current`` and ``failed_<round>``
-  (2 s timeout), its fence rule applied as written (``FENCE_MIN_ATTEMPTS``
-  failed polls in a row over at least ``FENCE_S``); a worker that would
-  fence is counted and polls on, so the load stays the same;
+  ``POLL_S`` after the last poll, ``current`` and ``failed_<round>``,
+  its fence rule applied as written (``FENCE_MIN_ATTEMPTS`` failed polls in
+  a row over at least ``FENCE_S``), in the version the job runs: main's
+  before issue 55 (2 s for the whole request, any failure counts) or after
+  it (``fence_on_reach``: 2 s for the handshake, 2 s for the answer, only a
+  handshake not completed counts); a worker that would fence is counted and
+  polls on, so the load stays the same;
 - ``hvd.init()`` as the launcher wraps it (:mod:`elastic_ext.launch.newcomer`):
   the early-start marker at a first init, the keeper's round watch
   (:mod:`elastic_ext.launch.round_watch`: ``current``, then ``failed_<r>``
@@ -33,7 +36,7 @@ import asyncio
 import time
 from typing import Any, List, Optional, Set, Tuple
 
-from bench.control_plane_http import HTTPError, Unreachable
+from bench.control_plane_http import HTTPError, Unanswered, Unreachable
 from elastic_ext.launch import prestart, round_watch, store
 from elastic_ext.runtime import driver_watch
 
@@ -82,14 +85,26 @@ class Worker:
 
     async def watch_check(self) -> None:
         s, mine, members = self.job.store, self.round, set(self.members)
+        # After issue 55 the handshake has its own bound and only a failed one counts (fence_on_reach);
+        # before it, one bound for the whole request and any failure counted.
+        connect_s = driver_watch.CONNECT_TIMEOUT_S if self.job.fence_on_reach else None
         try:
-            current = await s.value(round_watch.SCOPE, round_watch.CURRENT, driver_watch.REQUEST_TIMEOUT_S, "watch")
+            current = await s.value(round_watch.SCOPE, round_watch.CURRENT, driver_watch.REQUEST_TIMEOUT_S, "watch",
+                                    connect_s)
             rounds = [mine] + ([int(current)] if mine is not None and current is not None and int(current) > mine
                                else [])
             failed = [(r, await s.value(round_watch.SCOPE, round_watch.failed_key(r),
-                                        driver_watch.REQUEST_TIMEOUT_S, "watch")) for r in rounds if r is not None]
+                                        driver_watch.REQUEST_TIMEOUT_S, "watch", connect_s))
+                      for r in rounds if r is not None]
         except HTTPError:
             self.failing_since, self.failures = None, 0
+            return
+        except Unanswered:
+            if self.job.fence_on_reach:  # the driver's host accepted the connection: reachable, only slow
+                self.job.stats.watch_unanswered[self.job.stats.phase] += 1
+                self.failing_since, self.failures = None, 0
+                return
+            self.unreachable()
             return
         except Unreachable:
             self.unreachable()
