@@ -201,11 +201,11 @@ class DriverWatch:
         except Unreachable as exc:
             self._unreachable(exc)
             return
-        except OSError as exc:  # connected (the count is cleared): a busy or stopped driver, not a partition
-            if not self._slow:
-                logger.warning("the driver's rendezvous server accepted but did not answer (%s: %s); a busy "
-                               "driver is not a lost one: reading the round again next time", type(exc).__name__,
-                               exc)
+        except OSError as exc:  # connected (the count is cleared): a late answer, a reset or an HTTP error
+            if not self._slow:   # (a busy or stopped driver, not a partition); logged once per streak
+                logger.warning("the driver's rendezvous server accepted the connection but gave no usable answer "
+                               "(%s: %s); a busy driver is not a lost one: reading the round again next time",
+                               type(exc).__name__, exc)
             self._slow = True
             return
         self._slow = False
