@@ -73,6 +73,8 @@ LAUNCHER: Sequence[Row] = (
     (_HTTP, "RendezvousServer.start", "replaced"),
     (_HTTP, "RendezvousServer._httpd", "instance"),
     (_HTTP, "RendezvousHTTPServer.verify_request", "replaced"),
+    (_HTTP, "RendezvousHTTPServer.request_queue_size", "replaced"),  # store_serving (inherited from socketserver)
+    (_HTTP, "RendezvousHTTPServer.process_request", "replaced"),
     (_HTTP, "RendezvousHTTPServer.cache", "instance"),
     (_HTTP, "RendezvousHTTPServer.cache_lock", "instance"),
     ("horovod.runner.elastic.worker", "HostUpdateResult", "read"),

@@ -21,7 +21,9 @@ that could reach a shell are refused), with
 :mod:`elastic_ext.launch.store_guard` (the rendezvous server serves only
 the job's hosts, loads no pickle from the network, and takes the
 launcher's keys only with the job's secret, which each worker receives on
-its stdin), and with
+its stdin), with :mod:`elastic_ext.launch.store_serving` (a listen queue
+that takes a thousand workers' bursts, threads reused rather than one
+started per request), and with
 :mod:`elastic_ext.launch.rendezvous_wait` (a Gloo peer's read of a key its
 peer has not written yet is answered when it is written, not "404, ask
 again in 10 ms"), and with :mod:`elastic_ext.launch.worker_runs` (each
@@ -46,7 +48,7 @@ from typing import Any, List, MutableMapping, Optional
 from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_LAUNCHER, ENV_MIN_NP, ENV_RESTART_IN_PLACE
 from elastic_ext.errors import ConfigError
 from elastic_ext.launch import (build_check, discovery_runs, driver, horovod_seam, noticed_hosts, rendezvous_wait,
-                                ssh_keepalive, store, store_guard, worker_runs)
+                                ssh_keepalive, store, store_guard, store_serving, worker_runs)
 
 
 def restart_in_place_when_checkpointing(environ: MutableMapping[str, str]) -> bool:
@@ -145,6 +147,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     restart_in_place_when_checkpointing(os.environ)
     store.new_job_secret()  # the workers get it on their stdin (worker_runs), never on a command line
     store_guard.install()  # no pickle from the network; the launcher's keys need the secret; the job's hosts only
+    store_serving.install()  # a listen queue for a thousand workers' bursts; threads reused, not one per request
     driver.install()
     noticed_hosts.install()  # preemption notices: noticed hosts leave discovery; Slurm's signal reaches every worker
     discovery_runs.install()  # the discovery script outside the host lock, with no Python middleman

@@ -30,6 +30,21 @@ long time, because no TCP reset ever arrives:
    ``hvd.init()`` goes through the driver, which by then gave its slot to a
    newer worker or to nobody.
 
+**A partition, not a busy driver.** The fence counts only attempts that
+could not *reach* the driver's host: the TCP connection was refused, found
+no route, or was not accepted within :data:`CONNECT_TIMEOUT_S`, or the
+driver's name did not resolve. A connection the driver's host accepted
+proves it reachable and clears the count, whatever happens next: an answer
+slower than :data:`REQUEST_TIMEOUT_S`, a reset, an HTTP error. The kernel
+completes the handshake while the driver process is busy, or stopped, as
+long as its listen queue has room (the launcher sizes it for the job:
+:mod:`elastic_ext.launch.store_serving`), so a driver slow under a burst of
+a thousand workers, or stalled for seconds, fences nobody; behind a
+partition every packet vanishes and no handshake completes. A driver
+process that hangs for good while its host answers fences nobody either:
+it is the process that would start any replacement, so no second job can
+form while it hangs.
+
 The fence counts failed attempts, not time since the last answer: a job
 suspended as a whole (every process stopped, then continued) finds its
 driver at the first attempt after it wakes. The cost is one small HTTP GET
@@ -39,26 +54,33 @@ the failed keys never appear; the fence works the same.
 
 from __future__ import annotations
 
+import http.client
 import logging
 import os
 import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 from typing import Any, Callable, Optional, Set
 
 import elastic_ext.exit_codes as exit_codes
 from elastic_ext.events import FENCED, MEMBER_FAILED
-from elastic_ext.launch import round_watch
+from elastic_ext.launch import round_watch, store
 from elastic_ext.launch.round_watch import ASSIGNED, CURRENT, SCOPE, failed_key
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 1.0
 FENCE_S = 10.0           # below the driver's ssh keepalive bound: fenced before the job can go on without it
-FENCE_MIN_ATTEMPTS = 3   # and at least this many failed GETs in a row (not one slow answer)
-REQUEST_TIMEOUT_S = 2.0
+FENCE_MIN_ATTEMPTS = 3   # and at least this many unreachable attempts in a row
+CONNECT_TIMEOUT_S = 2.0  # a handshake not completed by then: unreachable (a SYN lost once is retried at 1 s)
+REQUEST_TIMEOUT_S = 2.0  # an answer not read by then: no verdict on this poll, the next one asks again
 REPORT_S = 1.0           # the fence waits at most this long for its event and message, then exits anyway
+
+
+class Unreachable(OSError):
+    """No TCP connection to the driver's host could be made (the only failure the fence counts)."""
 
 
 def _slot(failed: bytes) -> str:
@@ -86,6 +108,7 @@ class DriverWatch:
         self._members: Set[str] = set()    # that round's slots, "host:local_rank"
         self._failing_since: Optional[float] = None
         self._failures = 0
+        self._slow = False  # the last poll connected but got no answer (logged once per streak)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -101,7 +124,38 @@ class DriverWatch:
         return watch
 
     def _get(self, key: str) -> Optional[bytes]:
-        return round_watch.get(f"{self.base_url}/{key}", REQUEST_TIMEOUT_S)
+        """The value at ``key`` (None: absent or malformed).
+
+        Raises:
+            Unreachable: no TCP connection to the driver's host (the fence counts these only).
+            OSError: connected, but no answer within :data:`REQUEST_TIMEOUT_S`, or an error status
+                (``urllib.error.HTTPError``): the driver's host is there.
+        """
+        url = f"{self.base_url}/{key}"
+        parts = urllib.parse.urlsplit(url)
+        connection = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=CONNECT_TIMEOUT_S)
+        try:
+            try:
+                connection.connect()
+            except OSError as exc:  # refused, no route, handshake timed out, name not resolved
+                raise Unreachable(f"{type(exc).__name__}: {exc}") from exc
+            self._reached()
+            connection.sock.settimeout(REQUEST_TIMEOUT_S)
+            connection.request("GET", parts.path)
+            response = connection.getresponse()
+            value = response.read()
+        finally:
+            connection.close()
+        if response.status == 404:
+            return None
+        if response.status != 200:
+            raise urllib.error.HTTPError(url, response.status, response.reason, response.headers, None)
+        scope, name = parts.path.split("/")[-2:]
+        return store.checked(scope, name, value)
+
+    def _reached(self) -> None:
+        """The driver's host accepted a connection: it is reachable, however slowly its driver answers."""
+        self._failing_since, self._failures = None, 0
 
     def joined(self) -> None:
         """This worker now trains in the driver's current round (call after each ``hvd.init()``, once its
@@ -124,7 +178,7 @@ class DriverWatch:
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=REQUEST_TIMEOUT_S * 3 + POLL_S)
+            self._thread.join(timeout=(CONNECT_TIMEOUT_S + REQUEST_TIMEOUT_S) * 2 + POLL_S)
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
@@ -144,14 +198,17 @@ class DriverWatch:
             rounds = [mine] + ([int(current)] if mine is not None and current is not None and
                                int(current) > mine else [])
             failed = [(r, self._get(failed_key(r))) for r in rounds if r is not None]
-        except urllib.error.HTTPError as exc:  # the driver answered: it is there
-            self._failing_since, self._failures = None, 0
-            logger.warning("the driver's rendezvous server answered %s; reading the round again next time", exc)
-            return
-        except OSError as exc:
+        except Unreachable as exc:
             self._unreachable(exc)
             return
-        self._failing_since, self._failures = None, 0
+        except OSError as exc:  # connected (the count is cleared): a late answer, a reset or an HTTP error
+            if not self._slow:   # (a busy or stopped driver, not a partition); logged once per streak
+                logger.warning("the driver's rendezvous server accepted the connection but gave no usable answer "
+                               "(%s: %s); a busy driver is not a lost one: reading the round again next time",
+                               type(exc).__name__, exc)
+            self._slow = True
+            return
+        self._slow = False
         for round_id, who in failed:
             if who is not None and (round_id == mine or _slot(who) in members):
                 self._member_failed(mine, _slot(who))

@@ -143,3 +143,114 @@ def test_outside_an_elastic_horovodrun_there_is_no_watch(monkeypatch):
     monkeypatch.delenv("HOROVOD_ELASTIC", raising=False)
     assert DriverWatch.for_this_worker(lambda reason: 0, None) is None
     assert driver_watch.POLL_S <= FENCE_S / FENCE_MIN_ATTEMPTS
+
+
+# ------------------------------------------------------------------ a partition, not a busy driver
+
+@pytest.fixture
+def short_timeouts(monkeypatch):
+    monkeypatch.setattr(driver_watch, "CONNECT_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(driver_watch, "REQUEST_TIMEOUT_S", 0.2)
+
+
+def polled_past_the_fence(w):
+    """Polls as the thread would, the clock past every bound of the fence."""
+    for _ in range(FENCE_MIN_ATTEMPTS + 2):
+        w.watch.check()
+        w.clock.now += FENCE_S
+
+
+def test_a_driver_that_accepts_and_never_answers_fences_nobody(short_timeouts):
+    """A stopped or busy driver: its kernel completes the handshake, the answer never comes."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)  # never accepted, as by a SIGSTOPped driver
+        w = Watched(f"http://127.0.0.1:{listener.getsockname()[1]}/{round_watch.SCOPE}")
+        polled_past_the_fence(w)
+    assert w.exits == [] and w.named(FENCED) == []
+
+
+def test_a_driver_that_reads_the_request_and_never_answers_fences_nobody(short_timeouts):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        w = Watched(f"http://127.0.0.1:{listener.getsockname()[1]}/{round_watch.SCOPE}")
+        accepted = []
+        for _ in range(FENCE_MIN_ATTEMPTS + 2):
+            w.watch.check()  # the handshake completes in the kernel; the request waits in the queue
+            conn, _ = listener.accept()
+            accepted.append(conn)
+            assert conn.recv(1024).startswith(b"GET ")  # read, and left unanswered
+            w.clock.now += FENCE_S
+        for conn in accepted:
+            conn.close()
+    assert w.exits == [] and w.named(FENCED) == []
+
+
+def full_listener():
+    """A listening socket whose accept queue is full: the kernel drops every further SYN (a blackhole, local)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    address, fillers = listener.getsockname(), []
+    for _ in range(16):
+        filler = socket.socket()
+        filler.setblocking(False)
+        filler.connect_ex(address)
+        fillers.append(filler)
+    probe = socket.socket()
+    probe.settimeout(0.3)
+    try:
+        probe.connect(address)
+        raise AssertionError("the accept queue of the test's listener did not fill")
+    except socket.timeout:
+        pass
+    finally:
+        probe.close()
+    return listener, fillers
+
+
+def test_a_blackholed_driver_fences_the_worker_as_before(short_timeouts):
+    listener, fillers = full_listener()
+    try:
+        w = Watched(f"http://127.0.0.1:{listener.getsockname()[1]}/{round_watch.SCOPE}")
+        for step in range(FENCE_MIN_ATTEMPTS - 1):
+            w.watch.check()
+            assert w.exits == [], f"fenced after {step + 1} unanswered handshakes"
+            w.clock.now += FENCE_S / (FENCE_MIN_ATTEMPTS - 1)
+        w.watch.check()
+    finally:
+        for sock in fillers + [listener]:
+            sock.close()
+    assert w.exits == [exit_codes.FENCED]
+    assert "timed out" in w.named(FENCED)[0]["error"], w.named(FENCED)
+
+
+def test_a_driver_whose_name_does_not_resolve_is_unreachable(short_timeouts, monkeypatch):
+    def no_name(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_name)  # no resolver is asked: nothing leaves the machine
+    w = Watched(f"http://driver-host:1/{round_watch.SCOPE}")
+    while not w.exits and w.clock.now < 1000.0 + 10 * FENCE_S:
+        w.watch.check()
+        w.clock.now += FENCE_S / (FENCE_MIN_ATTEMPTS - 1)
+    assert w.exits == [exit_codes.FENCED] and "gaierror" in w.named(FENCED)[0]["error"]
+
+
+def test_an_accepted_connection_clears_the_count_of_unreachable_attempts(short_timeouts):
+    w = Watched(closed_port_url())
+    for _ in range(FENCE_MIN_ATTEMPTS - 1):
+        w.watch.check()
+        w.clock.now += FENCE_S
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        refused = w.watch.base_url
+        w.watch.base_url = f"http://127.0.0.1:{listener.getsockname()[1]}/{round_watch.SCOPE}"
+        w.watch.check()  # accepted, never answered: reachable
+        w.watch.base_url = refused
+    w.watch.check()
+    w.clock.now += FENCE_S
+    w.watch.check()
+    assert w.exits == []

@@ -14,7 +14,7 @@ import pickle
 
 import pytest
 
-from elastic_ext.launch import driver, job_hosts, noticed_hosts, prestart, round_watch, store, store_guard
+from elastic_ext.launch import driver, job_hosts, noticed_hosts, prestart, round_watch, store, store_guard, store_serving
 from tests.unit.test_horovodrun import Job
 from tests.unit.test_prestart import discovered, wait_for
 
@@ -64,6 +64,7 @@ def with_secret(secret=SECRET):
 def job():
     store.set_job_secret(SECRET)
     store_guard.install(resolver)
+    store_serving.install()  # as elastic-horovodrun serves: the rules hold with reused threads
     noticed_hosts.install()
     driver.install()
     started = Job({"host-a": 2, "host-b": 2}, 2, 4)
@@ -76,6 +77,7 @@ def job():
         started.stop()
         driver.uninstall()
         noticed_hosts.uninstall()
+        store_serving.uninstall()
         store_guard.uninstall()
         store.set_job_secret(None)
 

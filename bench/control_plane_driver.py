@@ -1,0 +1,205 @@
+"""The driver process of :mod:`bench.control_plane`: ``elastic-horovodrun``'s real driver and store, alone.
+
+Two uses, both in a process of their own so that the driver's CPU seconds
+are read from ``/proc`` for it alone:
+
+- ``--hosts-file F --np N --min-np M --max-np X``: Horovod's ``ElasticDriver``
+  and rendezvous server as ``elastic-horovodrun`` sets them up (the job's
+  secret, :mod:`elastic_ext.launch.store_guard`,
+  :mod:`elastic_ext.launch.driver`, :mod:`elastic_ext.launch.rendezvous_wait`),
+  its discovery reading the JSON ``{host: slots}`` of ``F`` (the simulation
+  adds a host by rewriting it). Its workers are simulated by the parent: the
+  driver's worker function prints ``start ID HOST LR RANK SIZE LOCAL_RANK
+  LOCAL_SIZE CROSS_RANK CROSS_SIZE`` and returns when the parent writes
+  ``exit ID CODE`` on stdin, as a real worker's end reaches the driver
+  (:mod:`elastic_ext.launch.worker_runs`: the exit status of its child).
+  ``counts`` on stdin prints ``counts {json}``: the requests the store
+  answered so far, by method, scope, key and status (:func:`install_counter`).
+- ``--wrap EVENTS_FILE -- ARGS``: runs ``elastic-horovodrun ARGS`` itself
+  with the counter, writing each answered request as a JSON line to
+  ``EVENTS_FILE`` (``bench.control_plane --validate``).
+
+Bench-only: nothing in ``elastic_ext`` imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import collections
+import json
+import re
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+_out_lock = threading.Lock()
+_counts: Dict[Tuple[str, str, str, int], int] = collections.Counter()
+_counts_lock = threading.Lock()
+_timeline: Optional[List[Tuple[float, str, str, str, int]]] = None
+
+
+def kind_of(scope: str, key: str) -> Tuple[str, str]:
+    """A request's scope and key with ranks, hosts and rounds folded (``global``, ``rank_*``, ``<rank>``...)."""
+    suffix = "_ps" if "_process_set_hash_" in scope else ""
+    base = scope.split("_process_set_hash_")[0]
+    if base.startswith("local_"):
+        base = "local_*"
+    elif base.startswith("cross_"):
+        base = "cross_*"
+    key = re.sub(r"^rank_\d+$", "rank_*", key)
+    key = re.sub(r"^\d+$", "<rank>", key)
+    key = re.sub(r"^(failed|dismissed)_.*$", r"\1_*", key)
+    if scope in ("rank_and_size", "worker_addresses", "elastic_ext_notice"):
+        key = "<slot>"
+    return base + suffix, key
+
+
+def install_counter(timeline: bool = False) -> None:
+    """Counts every answered request of this process's rendezvous servers (and keeps a timeline if asked)."""
+    global _timeline
+    from http.server import BaseHTTPRequestHandler
+
+    if timeline:
+        _timeline = []
+    original = BaseHTTPRequestHandler.send_response
+
+    def send_response(self: Any, code: int, message: Optional[str] = None) -> None:
+        parts = self.path.split("/")
+        scope, key = (parts[1], parts[2]) if len(parts) == 3 else ("?", "?")
+        entry = (self.command, *kind_of(scope, key), int(code))
+        with _counts_lock:
+            _counts[entry] += 1
+            if _timeline is not None:
+                _timeline.append((time.time(), *entry))
+        original(self, code, message)
+
+    BaseHTTPRequestHandler.send_response = send_response  # type: ignore[method-assign]
+
+
+def counts() -> Dict[str, int]:
+    with _counts_lock:
+        return {" ".join(map(str, entry)): n for entry, n in _counts.items()}
+
+
+def emit(line: str) -> None:
+    with _out_lock:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
+class FileDiscovery:
+    """Horovod's HostDiscovery contract over a JSON file the simulation rewrites."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def find_available_hosts_and_slots(self) -> Dict[str, int]:
+        with open(self.path) as handle:
+            return {str(host): int(slots) for host, slots in json.load(handle).items()}
+
+
+def serve(args: argparse.Namespace) -> None:
+    from horovod.runner.elastic.driver import ElasticDriver
+    from horovod.runner.elastic.rendezvous import create_rendezvous_handler
+    from horovod.runner.http.http_server import RendezvousServer
+
+    from elastic_ext.launch import driver, rendezvous_wait, store, store_guard
+
+    store.set_job_secret(args.secret)
+    # As elastic-horovodrun's main() (the parts that shape the store and the rounds); every simulated
+    # host resolves to this machine, where the simulated workers run.
+    store_guard.install(resolver=lambda host: frozenset({"127.0.0.1"}))
+    try:  # the code of this branch; main's before it (bench.control_plane --before) has no such module
+        from elastic_ext.launch import store_serving
+    except ImportError:
+        store_serving = None
+    if store_serving is not None:
+        store_serving.install()
+    driver.install()
+    rendezvous_wait.install()
+    install_counter()
+
+    exits: Dict[int, Tuple[threading.Event, List[int]]] = {}
+    ids = iter(range(1 << 30))
+    ids_lock = threading.Lock()
+
+    def create_worker(slot: Any, events: List[threading.Event]) -> Tuple[int, float]:
+        with ids_lock:
+            wid = next(ids)
+            done: Tuple[threading.Event, List[int]] = (threading.Event(), [])
+            exits[wid] = done
+        emit(f"start {wid} {slot.hostname} {slot.local_rank} {slot.rank} {slot.size} {slot.local_rank} "
+             f"{slot.local_size} {slot.cross_rank} {slot.cross_size}")
+        while not done[0].wait(0.5):
+            if any(event.is_set() for event in events):  # Horovod's execute terminates the worker
+                emit(f"terminated {wid}")
+                return 143, time.time()
+        return done[1][0], time.time()
+
+    if args.backlog is not None:  # a diagnosis (--driver-backlog), not elastic-horovodrun's store
+        from horovod.runner.http.http_server import RendezvousHTTPServer
+        RendezvousHTTPServer.request_queue_size = args.backlog
+    server = RendezvousServer(verbose=0)
+    elastic = ElasticDriver(server, FileDiscovery(args.hosts_file), args.min_np, args.max_np, timeout=600)
+    port = server.start(create_rendezvous_handler(elastic))
+    import elastic_ext
+    emit(f"port {port} {elastic_ext.__file__}")  # which version's code this driver runs
+    elastic.wait_for_available_slots(args.np)
+    elastic.start(args.np, create_worker)
+    for line in sys.stdin:
+        words = line.split()
+        if not words:
+            continue
+        if words[0] == "exit":
+            done = exits.get(int(words[1]))
+            if done is not None:
+                done[1].append(int(words[2]))
+                done[0].set()
+        elif words[0] == "counts":
+            emit("counts " + json.dumps(counts()))
+        elif words[0] == "quit":
+            break
+    emit("done")
+    elastic.stop()
+
+
+def wrap(events_file: str, argv: List[str]) -> None:
+    """``elastic-horovodrun argv`` with the counter, its timeline written to ``events_file`` at exit."""
+    install_counter(timeline=True)
+
+    def write() -> None:
+        with _counts_lock:
+            rows = list(_timeline or [])
+        with open(events_file, "w") as handle:
+            for row in rows:
+                handle.write(json.dumps(row) + "\n")
+
+    atexit.register(write)
+    from elastic_ext.launch import horovodrun
+    try:
+        horovodrun.main(argv)
+    finally:
+        write()
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hosts-file")
+    parser.add_argument("--np", type=int)
+    parser.add_argument("--min-np", type=int)
+    parser.add_argument("--max-np", type=int)
+    parser.add_argument("--secret")
+    parser.add_argument("--backlog", type=int)
+    parser.add_argument("--wrap", metavar="EVENTS_FILE")
+    args, rest = parser.parse_known_args(argv)
+    if args.wrap:
+        wrap(args.wrap, rest[1:] if rest[:1] == ["--"] else rest)
+    else:
+        serve(args)
+
+
+if __name__ == "__main__":
+    main()
+

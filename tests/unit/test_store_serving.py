@@ -1,0 +1,105 @@
+"""How the driver's rendezvous server takes connections under the launcher (elastic_ext.launch.store_serving),
+against Horovod's real server: a listen queue sized for a job's bursts, a thread reused for request after
+request, and a request that waits (a Gloo read held for its peer's write) never holding up the others.
+"""
+
+import threading
+
+import pytest
+
+from elastic_ext.launch import prestart, rendezvous_wait, store_serving
+
+
+def store_threads():
+    return [t for t in threading.enumerate() if t.name == "elastic_ext-store"]
+
+
+@pytest.fixture
+def server():
+    from horovod.runner.http.http_server import RendezvousServer
+    store_serving.install()
+    rendezvous_wait.install()
+    started = RendezvousServer(verbose=0)
+    port = started.start()
+    try:
+        yield started, f"http://127.0.0.1:{port}"
+    finally:
+        started.stop()
+        rendezvous_wait.uninstall()
+        store_serving.uninstall()
+
+
+def test_the_listen_queue_is_sized_for_a_burst_and_given_back(server):
+    from horovod.runner.http.http_server import RendezvousHTTPServer
+    started, _ = server
+    assert started._httpd.request_queue_size == store_serving.BACKLOG >= 4096
+    store_serving.uninstall()
+    assert RendezvousHTTPServer.request_queue_size == 5  # socketserver's, for servers created after
+    store_serving.install()
+
+
+def test_requests_one_after_another_reuse_one_thread(server):
+    _, url = server
+    before = len(store_threads())
+    for i in range(40):
+        prestart.put(f"{url}/global/{i}", b"x")
+        assert prestart.get(f"{url}/global/{i}") == b"x"
+    assert len(store_threads()) - before <= 2, [t.name for t in store_threads()]
+
+
+def test_a_held_read_does_not_hold_up_the_write_it_waits_for(server):
+    """A Gloo read of a key not written yet holds its thread; its peer's write still gets one of its own."""
+    _, url = server
+    got = []
+    reader = threading.Thread(target=lambda: got.append(prestart.get(f"{url}/global/late", timeout_s=10)))
+    reader.start()
+    assert rendezvous_wait.wait_for_readers(1, 10)
+    prestart.put(f"{url}/global/late", b"peer")
+    reader.join(10)
+    assert got == [b"peer"]
+
+
+def test_a_burst_of_concurrent_requests_is_answered_every_one(server):
+    _, url = server
+    answers, lock = [], threading.Lock()
+
+    def one(i):
+        prestart.put(f"{url}/global/burst{i}", str(i).encode())
+        value = prestart.get(f"{url}/global/burst{i}")
+        with lock:
+            answers.append(value)
+
+    clients = [threading.Thread(target=one, args=(i,)) for i in range(200)]
+    for client in clients:
+        client.start()
+    for client in clients:
+        client.join(30)
+    assert sorted(answers) == sorted(str(i).encode() for i in range(200))
+
+
+def test_idle_threads_end_and_every_queued_request_keeps_a_thread(monkeypatch):
+    """The invariant of ReusedThreads: an idle thread ends after IDLE_S; a request never waits for a busy one."""
+    monkeypatch.setattr(store_serving, "IDLE_S", 0.05)
+    served, release = [], threading.Event()
+
+    class Server:
+        def process_request_thread(self, request, client_address):
+            served.append(request)
+            release.wait(10)
+
+    earlier = set(store_threads())  # other tests' servers: their threads are not this one's
+    threads = store_serving.ReusedThreads(Server())
+    for i in range(5):
+        threads.submit(i, None)  # each blocks its thread: the next must get another one
+    assert wait_until(lambda: len(served) == 5)
+    release.set()
+    assert wait_until(lambda: threads._idle == 0 and not set(store_threads()) - earlier)
+
+
+def wait_until(condition, bound_s=10.0):
+    event = threading.Event()
+    for _ in range(int(bound_s / 0.01)):
+        if condition():
+            return True
+        event.wait(0.01)
+    return condition()
