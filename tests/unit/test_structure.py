@@ -267,6 +267,24 @@ def test_no_module_but_exit_codes_defines_a_worker_exit_code():
     assert not found, f"worker exit codes defined outside elastic_ext/exit_codes.py: {found}"
 
 
+def test_no_module_binds_one_name_from_two_modules():
+    """``from a import X`` and ``from b import X`` in one module: the later import silently wins (an event
+    named by an exit code went out as ``143`` instead of ``"leave"`` that way)."""
+    found = []
+    for module, path in module_files().items():
+        with open(path, encoding="utf-8") as handle:
+            tree = ast.parse(handle.read(), path)
+        bound = {}
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom):
+                for alias in node.names:
+                    name = alias.asname or alias.name
+                    if name in bound and bound[name] != node.module:
+                        found.append(f"{module}: {name} from {bound[name]} and from {node.module}")
+                    bound[name] = node.module
+    assert not found, found
+
+
 # Horovod's documented API; anything else of Horovod (its runner, basics, process sets) is private.
 HOROVOD_PUBLIC = ("horovod.torch", "horovod.tensorflow", "horovod.common.exceptions", "horovod.common.elastic")
 
