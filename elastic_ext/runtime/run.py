@@ -65,7 +65,7 @@ from elastic_ext.runtime.watchdog import Watchdog
 from elastic_ext.liveness import LIVENESS
 
 if TYPE_CHECKING:
-    from elastic_ext.state.state import State
+    from elastic_ext.runtime.assembly import State
 
 logger = logging.getLogger(__name__)
 

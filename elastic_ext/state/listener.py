@@ -3,7 +3,7 @@
 A mixin of :class:`elastic_ext.State`, which provides ``_hosts`` (its
 :class:`~elastic_ext.state.host_updates.HostUpdates`), ``_straggler``,
 ``_tracked``, ``_binding``, ``_liveness``, ``_config``, ``_events``,
-``_reset_callbacks``, ``_replica`` and ``commit_id``. The names are Horovod's own
+``_reset_callbacks``, ``_slots`` (the policies' part in the commit) and ``commit_id``. The names are Horovod's own
 (``on_reset``, ``on_hosts_updated``, ``check_host_updates``,
 ``register_reset_callbacks``), so the State plugs into Horovod's
 notification manager as Horovod's ``State`` does.
@@ -94,6 +94,6 @@ class HorovodListener:
             CheckpointError: rank 0's checkpoints keep failing (every rank stops together).
             StateDivergenceError: the replica check found ranks that differ with no strict majority.
         """
-        decide_at_commit(self._hosts, self._straggler, self._binding, self._tracked.objects.values(),
+        decide_at_commit(self._hosts, self._slots, self._binding, self._tracked.objects.values(),
                          self.commit_id, self._liveness, self._config.term_grace_s, self._events,
-                         self._checkpoints_failing(), self._replica)
+                         self._checkpoints_failing())
