@@ -37,12 +37,12 @@ from elastic_ext.runtime.closed_links import ClosedLinksWatch
 from elastic_ext.runtime.connections import CollectiveConnections
 from elastic_ext.runtime.driver_watch import DriverWatch
 from elastic_ext.runtime.numeric_recovery import NumericRecovery
-from elastic_ext.exit_codes import LEAVE
+from elastic_ext import exit_codes  # (its LEAVE, 143, is not the event's name LEAVE)
 from elastic_ext.policies.eviction import exclude_host, host_name
 from elastic_ext.liveness import Liveness
 
 if TYPE_CHECKING:
-    from elastic_ext.state.state import State
+    from elastic_ext.runtime.assembly import State
 
 logger = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ def leave(state: "State", liveness: Liveness, kind: str, cause: str) -> None:
         _shut_down_with_the_others(state.binding, max(1.0, min(10.0, (liveness.leave_time_left() or 0.0))))
     logging.shutdown()
     # 143 (128 + SIGTERM), not 0: Horovod's driver then shrinks the job rather than ending it.
-    os._exit(LEAVE)
+    os._exit(exit_codes.LEAVE)
 
 
 def _shut_down_with_the_others(binding: Any, timeout_s: float) -> None:
