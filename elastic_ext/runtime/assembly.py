@@ -57,6 +57,22 @@ class State(SoftFailures, _core.CoreState):
             member of State, or starts with ``_``) or not an identifier, or
             ``per_rank`` names an object that is not tracked.
         ConfigError: the framework cannot be determined.
+
+    The run loop's contract (what :func:`elastic_ext.run` and
+    :mod:`elastic_ext.runtime.recovery` call, besides ``commit``, ``sync``
+    and Horovod's listener methods; a loop of one's own may call them too):
+
+    - :meth:`restore` ``(background=True)``: after a failed collective, the
+      large entries restored on a thread beside Horovod's re-forming;
+      :meth:`settle_restore` waits for it (and says how long it ran).
+    - :meth:`replay_from_agreed`: after a replica mismatch, every rank back
+      to the last commit on which all agreed.
+    - :meth:`note_failure`: a rollback, for ``checkpoint_every="auto"``.
+    - :meth:`set_early_start`, :meth:`start_early_at_sync`,
+      :meth:`early_start_under_way`, :meth:`removed_at_resize`: the early
+      start of newcomers under the launcher.
+    - :meth:`settle_commits`: waits for an overlapped commit's collective
+      before this rank leaves the training function.
     """
 
     _POLICY_KEYWORDS = ("guard", "straggler")

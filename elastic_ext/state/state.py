@@ -228,7 +228,7 @@ class CoreState(HorovodListener, DurableCommits, Restoring):
 
     def save(self) -> None:
         """The local half of :meth:`commit`: snapshot without any collective."""
-        self._settle_restore()
+        self.settle_restore()
         captures = self._tracked.capture()
         self._replica.before_commit(self.commit_id)  # a synced commit the replica check keeps, before it goes
         try:
@@ -261,7 +261,7 @@ class CoreState(HorovodListener, DurableCommits, Restoring):
                 (the message names the first differing entry).
             CheckpointError: a fresh job cannot resume from its checkpoints.
         """
-        self._settle_restore()
+        self.settle_restore()
         if self._buffers.entries is None or self._buffers.torn:
             # A newcomer (or a torn survivor) snapshots what it has, so that
             # a fresh job starts from rank 0's initial objects.

@@ -221,6 +221,29 @@ def test_state_imports_no_policy():
         "elastic_ext.state.decisions (state) imports elastic_ext.policies.eviction (policies)"]
 
 
+def private_state_calls(source: str) -> List[str]:
+    """``state._name`` and ``self.state._name`` (not dunders) in ``source``: a private member of a State."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id == "state") or \
+                    (isinstance(owner, ast.Attribute) and owner.attr == "state"):
+                found.append(f"{node.lineno}: {node.attr}")
+    return found
+
+
+def test_the_run_loop_uses_only_the_states_public_contract():
+    """runtime/ steers the State through its public methods (docs/state.md, "What the run loop may call")."""
+    offenders = []
+    for module, path in module_files().items():
+        if room(module) == "runtime" and module != "elastic_ext.runtime.assembly":
+            with open(path, encoding="utf-8") as handle:
+                offenders += [f"{module}:{hit}" for hit in private_state_calls(handle.read())]
+    assert not offenders, f"runtime/ calls private members of the State: {offenders}"
+    assert sorted(private_state_calls("state._hosts.settle()\nself.state._x()\nstate.commit()")) == ["1: _hosts", "2: _x"]
+
+
 def test_the_layer_rule_catches_an_edge_up():
     assert layer_violations({"elastic_ext.state.sync": {"elastic_ext.runtime.run"}}) == [
         "elastic_ext.state.sync (state) imports elastic_ext.runtime.run (runtime)"]
