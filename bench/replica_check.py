@@ -44,7 +44,7 @@ from bench.compare_report import failure_free
 from bench.workers import compare_common
 from elastic_ext import ElasticConfig
 from elastic_ext.events import read_events
-from elastic_ext.state.replica import replica_digest
+from elastic_ext.policies.replica_check import replica_digest
 from elastic_ext.state.snapshot import Entry
 from elastic_ext.testing import ledger
 

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from elastic_ext.runtime.run import run
     from elastic_ext.state.adapters import Adapter, GlobalRNG
     from elastic_ext.state.snapshot import Capture, Entry
-    from elastic_ext.state.state import State
+    from elastic_ext.runtime.assembly import State
 
 __version__ = "0.1.0"
 
@@ -48,7 +48,7 @@ _WHERE = {
     "LossWindow": "elastic_ext.policies.guard", "NumericGuard": "elastic_ext.policies.guard",
     "run": "elastic_ext.runtime.run",
     "ElasticPartitioner": "elastic_ext.data.sampler",
-    "State": "elastic_ext.state.state",
+    "State": "elastic_ext.runtime.assembly",
     "StepTimer": "elastic_ext.policies.step_timer",
     "StragglerPolicy": "elastic_ext.policies.straggler",
     "phase": "elastic_ext.liveness", "progress": "elastic_ext.liveness",

@@ -87,7 +87,7 @@ class ElasticConfig:
             commit's collective; ranks whose committed state differs from a
             strict majority's (silent data corruption) take the majority's,
             and a host wrong twice within a day leaves (see
-            :mod:`elastic_ext.state.replica`). With no strict majority (two
+            :mod:`elastic_ext.policies.replica_check`). With no strict majority (two
             ranks, a tie) the job stops with ``StateDivergenceError``. 0
             turns it off.
         exclude_file: a file of host names that the discovery script keeps

@@ -76,7 +76,7 @@ The run loop (``run.py``):
   ``slow_steps``, ``ratios``, and ``host`` on the evicted rank.
 - ``replica_replay`` (:data:`REPLICA_REPLAY`): every rank, when the
   replica check (``replica_check_every``) found ranks whose committed states
-  differ (:mod:`elastic_ext.state.replica`): every rank goes back to
+  differ (:mod:`elastic_ext.policies.replica_check`): every rank goes back to
   ``back_to`` (the last commit on which all agreed) and trains again to
   ``commit_id``; ``wrong_ranks``, ``wrong_hosts``, ``majority_ranks`` (empty
   when no strict majority), ``first_difference`` (the first entry that

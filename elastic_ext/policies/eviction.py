@@ -15,7 +15,8 @@ connects them to :class:`~elastic_ext.State`:
   time per step, its samples per step (its share of the global batch, so an
   uneven share assigned on purpose is not "slow") and the number of steps
   measured into the commit's max-allreduce: no collective of its own.
-- :meth:`StragglerWatch.decide` reads the agreed table; every rank gets the same
+- :meth:`StragglerWatch.decide` reads the agreed table (:class:`StragglerAtCommit`
+  is the watch's part in the commit, :mod:`elastic_ext.state.commit_slots`); every rank gets the same
   answer. The rank to evict is asked to leave through the graceful-leave
   path (no rollback, its commit made durable, exit 143 so Horovod's driver
   drops its host), writes a ``straggler`` event, and appends its host name
@@ -40,8 +41,10 @@ import numpy as np
 from elastic_ext.data import partition
 from elastic_ext.discovery.static import read_exclude_file
 from elastic_ext.errors import ConfigError, DiscoveryInputError
+from elastic_ext.events import STRAGGLER
 from elastic_ext.policies.step_timer import StepTimer, pack_slots, unpack_slots
 from elastic_ext.policies.straggler import StragglerPolicy, StragglerTracker
+from elastic_ext.state.commit_slots import CommitPoint
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +116,45 @@ class StragglerWatch:
         exclude_host(self.exclude_file, host, "evicted as a straggler")
 
 
+class StragglerAtCommit:
+    """The watch's part in the commit (a :class:`~elastic_ext.state.commit_slots.CommitContribution`):
+    its table rides on the commit's collective; an eviction agreed from it makes the evicted rank leave."""
+
+    blocking = False  # where commits overlap, an eviction may act one commit later
+
+    def __init__(self, watch: StragglerWatch) -> None:
+        self.watch = watch
+        self._evicted = None  # this commit's Eviction, once a table named one
+
+    def row(self, at: CommitPoint) -> Optional[np.ndarray]:
+        self._evicted = None
+        local_size = getattr(at.binding, "local_size", None)
+        return self.watch.slots(at.rank, at.size, at.objects,
+                                local_size() if local_size is not None and self.watch.enabled else 1)
+
+    def check(self, columns: np.ndarray, at: CommitPoint) -> None:
+        """Nothing to check on this commit's own table: it is observed with the others."""
+
+    def observe(self, columns: Optional[np.ndarray], at: CommitPoint) -> bool:
+        if columns is not None and self._evicted is None:
+            self._evicted = self.watch.decide(columns, at.size)
+        return self._evicted is not None
+
+    def enact(self, at: CommitPoint) -> bool:
+        """Every rank decided alike: a removal at this commit, like a SIGTERM leave."""
+        evicted, self._evicted = self._evicted, None
+        if evicted is None:
+            return False
+        fields = evicted.fields()
+        if evicted.rank == at.rank:
+            host = host_name()
+            self.watch.exclude(host)
+            fields["host"] = host
+            at.liveness.ask_to_leave(at.term_grace_s, cause="straggler")
+        at.events.emit(STRAGGLER, commit_id=at.commit_id, **fields)
+        return True
+
+
 def exclude_host(path: Optional[str], host: str, why: str) -> None:
     """Appends ``host`` to the exclude file ``path`` (None: no file) once, under a lock, with ``why``
     as a comment; a discovery script's ``--exclude-file`` then keeps it out of the job."""
@@ -137,4 +179,4 @@ def samples_per_step(objects: Iterable[Any], rank: int, size: int) -> int:
     return 1
 
 
-__all__ = ["StragglerWatch", "exclude_host", "host_name", "samples_per_step"]
+__all__ = ["StragglerAtCommit", "StragglerWatch", "exclude_host", "host_name", "samples_per_step"]

@@ -18,7 +18,7 @@ from elastic_ext.policies.guard import FaultCounter
 from elastic_ext.policies.numeric_rollback import Skip
 
 if TYPE_CHECKING:
-    from elastic_ext.state.state import State
+    from elastic_ext.runtime.assembly import State
 
 
 class NumericRecovery:

@@ -42,7 +42,7 @@ from elastic_ext.policies.eviction import exclude_host, host_name
 from elastic_ext.liveness import Liveness
 
 if TYPE_CHECKING:
-    from elastic_ext.state.state import State
+    from elastic_ext.runtime.assembly import State
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class Recoverer:
     def close(self) -> None:
         """Stops what runs beside the training (when ``run`` returns or raises)."""
         try:
-            self.state._settle_restore()
+            self.state.settle_restore()
         except Exception:  # noqa: BLE001 - run is raising already, or its last sync joined it
             logger.exception("the background restore failed")
         if self.driver is not None:
@@ -120,7 +120,7 @@ class Recoverer:
             self.driver.joined()  # the links just learned are this round's
         state.sync()
         self.numeric.reapply(state)  # sync loads the commit, which may not hold a numeric skip yet
-        state._start_early_at_sync()  # a failed slot's new worker starts now, while the survivors train
+        state.start_early_at_sync()  # a failed slot's new worker starts now, while the survivors train
         if self.pending is not None:
             state.events.emit(RECOVERED, **self.pending.event(state.binding.size(), state.generation),
                               learn_connections_s=learned - started, sync_s=time.perf_counter() - learned)
@@ -137,7 +137,7 @@ class Recoverer:
         the same bytes already), so the replay takes the steps a failure-free run took, and the check
         at the commit that differed tells a transient fault from a deterministic divergence.
         """
-        self.state._replay_from_agreed()
+        self.state.replay_from_agreed()
         self.numeric.reapply(self.state)  # skips of numeric rollbacks no commit holds yet
 
     def collective_failed(self, exc: BaseException) -> None:
@@ -158,7 +158,7 @@ class Recoverer:
             self.links.abort(str(exc))
         aborted = time.perf_counter()
         count = state.rollbacks.note(state.commit_id)
-        state._note_failure()  # checkpoint_every="auto" follows the failures seen
+        state.note_failure()  # checkpoint_every="auto" follows the failures seen
         lost_s, step_now = state.seconds_since_commit, self.steps_now(state)
         if count > config.rollback_limit:
             state.events.emit(ROLLBACK_LIMIT, commit_id=state.commit_id, rollbacks=count,
@@ -169,7 +169,7 @@ class Recoverer:
         if state.committed:
             # The large entries are copied back, and the commit digested, on a thread
             # while reset() re-forms Horovod; reset() waits for it before the callbacks.
-            state._start_restore(background=True)
+            state.restore(background=True)
         # else: a fresh process failed before its first sync (in the collective that
         # learns the connections): nothing to roll back; the next sync brings the state.
         self.numeric.reapply(state)  # skips of numeric rollbacks no commit holds yet
@@ -190,7 +190,7 @@ class Recoverer:
         # The commit is agreed on every rank: rank 0 makes it durable now,
         # whether or not it was due (a leaver may be rank 0 itself).
         state.checkpoint_now()
-        removed = state._removed_at_resize()
+        removed = state.removed_at_resize()
         if liveness.leaving() or self.kind == "mpi" or removed:
             # An early start's answer can say that this slot is not in the next world:
             # leave now, as Horovod would end it at its next hvd.init().
@@ -211,17 +211,17 @@ class Recoverer:
         commit, which already holds the end of training).
 
         First, and also when no newcomer is on its way, it waits for the last
-        commit's overlapped collective (see ``State._settle_commits``).
+        commit's overlapped collective (see ``State.settle_commits``).
 
         Raises:
             HostsUpdatedInterrupt: on every rank together, when an early start is under way.
         """
-        self.state._settle_commits()
-        if not self.state._early_start_under_way():
+        self.state.settle_commits()
+        if not self.state.early_start_under_way():
             return
         from horovod.common.exceptions import HostsUpdatedInterrupt
         self.state.commit()  # may agree the resize itself (the newcomers are there)
-        self.state._settle_commits()
+        self.state.settle_commits()
         raise HostsUpdatedInterrupt(False)
 
     def reset(self) -> None:
@@ -235,7 +235,7 @@ class Recoverer:
             self.state.binding.reset()
         finally:
             reinit_done = time.perf_counter()
-            restore_s = self.state._settle_restore()  # a rollback's restore, beside the re-forming
+            restore_s = self.state.settle_restore()  # a rollback's restore, beside the re-forming
         waited = time.perf_counter()
         self.links.after_init()
         callbacks = time.perf_counter()

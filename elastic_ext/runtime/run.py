@@ -65,7 +65,7 @@ from elastic_ext.runtime.watchdog import Watchdog
 from elastic_ext.liveness import LIVENESS
 
 if TYPE_CHECKING:
-    from elastic_ext.state.state import State
+    from elastic_ext.runtime.assembly import State
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def _elastic_session(state: "State", kind: str) -> Iterator[None]:
     if keeper.restarts():
         events.emit(RESTARTED_IN_PLACE, restarts=keeper.restarts())
     if launched():  # the newcomers' side of an early start needs the launcher's entry module
-        state._set_early_start(prestart.early_start_factory(binding, config.rendezvous_timeout_s or 120.0),
+        state.set_early_start(prestart.early_start_factory(binding, config.rendezvous_timeout_s or 120.0),
                                round_watch.capacity_left_out)
     notification_manager.init()
     notification_manager.register_listener(state)

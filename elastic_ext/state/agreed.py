@@ -3,7 +3,7 @@
 With the replica check on (``replica_check_every`` > 0), a mismatch at
 commit c is explained before anything is healed: every rank goes back to
 the last commit a on which all ranks agreed and trains again to c
-(:mod:`elastic_ext.state.replica`). The commit buffers hold only the newest
+(:mod:`elastic_ext.policies.replica_check`). The commit buffers hold only the newest
 commit, so a is kept here, as a copy of every entry (synced and per-rank:
 RNG streams too, so the replay draws what the first pass drew):
 

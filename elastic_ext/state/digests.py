@@ -4,7 +4,7 @@
 them until the entry is replaced, :func:`digest_items` lists the synced
 entries' in commit order and :func:`combine` folds them into the one number
 per rank the sync (:mod:`elastic_ext.state.sync`) and the replica check
-(:mod:`elastic_ext.state.replica`) compare.
+(:mod:`elastic_ext.policies.replica_check`) compare.
 """
 
 from __future__ import annotations

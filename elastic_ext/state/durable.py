@@ -50,7 +50,7 @@ class DurableCommits:
                 "adapters": {name: self._tracked.adapter(name).name for name in names}}
         writer.on_commit(self.commit_id, names, info, force=force)
 
-    def _note_failure(self) -> None:
+    def note_failure(self) -> None:
         """A rollback: the cadence of ``checkpoint_every="auto"`` counts the failures the job has seen."""
         if self._checkpointer is not None:
             self._checkpointer.note_failure()

@@ -3,7 +3,7 @@
 A mixin of :class:`elastic_ext.State`, which provides ``_hosts`` (its
 :class:`~elastic_ext.state.host_updates.HostUpdates`), ``_straggler``,
 ``_tracked``, ``_binding``, ``_liveness``, ``_config``, ``_events``,
-``_reset_callbacks``, ``_replica`` and ``commit_id``. The names are Horovod's own
+``_reset_callbacks``, ``_slots`` (the policies' part in the commit) and ``commit_id``. The names are Horovod's own
 (``on_reset``, ``on_hosts_updated``, ``check_host_updates``,
 ``register_reset_callbacks``), so the State plugs into Horovod's
 notification manager as Horovod's ``State`` does.
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Callable, Iterable, Optional
 
 from elastic_ext.events import PRESTART
-from elastic_ext.state.decisions import decide_at_commit, removed_at_resize
+from elastic_ext.state import decisions as _decisions
 from elastic_ext.state.host_updates import EarlyStart
 
 
@@ -26,7 +26,7 @@ class HorovodListener:
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
-        self._settle_restore()  # the callbacks may use the objects a rollback restores
+        self.settle_restore()  # the callbacks may use the objects a rollback restores
         self._hosts.clear()
         self._straggler.reset()
         self.reset()
@@ -54,20 +54,20 @@ class HorovodListener:
         """True if Horovod has announced a host change this rank has not acted on yet."""
         return self._hosts.pending()
 
-    def _set_early_start(self, factory: Optional[Callable[[], Optional[EarlyStart]]],
-                         capacity_left_out: Optional[Callable[[], bool]] = None) -> None:
+    def set_early_start(self, factory: Optional[Callable[[], Optional[EarlyStart]]],
+                        capacity_left_out: Optional[Callable[[], bool]] = None) -> None:
         """How this rank starts newcomers early at a host addition, and how it learns at a sync that the
         round left capacity out (``run`` sets both under the launcher)."""
         self._hosts.prestart_factory = factory
         self._hosts.capacity_left_out = capacity_left_out
 
-    def _start_early_at_sync(self) -> None:
+    def start_early_at_sync(self) -> None:
         """Right after a sync: starts the newcomers early when the round left capacity out (a failed slot),
         rather than at the commit that would agree the driver's notification of it."""
         if self._hosts.start_for_capacity_left_out():
             self._events.emit(PRESTART, commit_id=self.commit_id, at_sync=True)
 
-    def _settle_commits(self) -> None:
+    def settle_commits(self) -> None:
         """Waits for this rank's overlapped commit collective, if one is in flight.
 
         Before a rank leaves the training function (or resets on its own
@@ -77,13 +77,13 @@ class HorovodListener:
         """
         self._hosts.settle()
 
-    def _early_start_under_way(self) -> bool:
+    def early_start_under_way(self) -> bool:
         """True while newcomers started early are on their way (the same on every rank: agreed at a commit)."""
         return self._hosts.prestart is not None
 
-    def _removed_at_resize(self) -> bool:
+    def removed_at_resize(self) -> bool:
         """True when the early start that ends at this resize found this slot left out of the next world."""
-        return removed_at_resize(self._hosts)
+        return _decisions.removed_at_resize(self._hosts)
 
     def check_host_updates(self) -> None:
         """Raises ``HostsUpdatedInterrupt`` on every rank together if hosts changed or a rank leaves
@@ -94,6 +94,6 @@ class HorovodListener:
             CheckpointError: rank 0's checkpoints keep failing (every rank stops together).
             StateDivergenceError: the replica check found ranks that differ with no strict majority.
         """
-        decide_at_commit(self._hosts, self._straggler, self._binding, self._tracked.objects.values(),
+        _decisions.decide_at_commit(self._hosts, self._slots, self._binding, self._tracked.objects.values(),
                          self.commit_id, self._liveness, self._config.term_grace_s, self._events,
-                         self._checkpoints_failing(), self._replica)
+                         self._checkpoints_failing())

@@ -18,20 +18,19 @@ from elastic_ext.state.snapshot import copy_meta
 class Restoring:
     """``restore`` and what ``run`` uses to restore beside Horovod's re-forming, or to replay."""
 
-    def restore(self) -> None:
+    def restore(self, background: bool = False) -> None:
         """Brings every object back to the last commit, bitwise.
+
+        With ``background`` (the run loop's, after a failed collective), the large entries are
+        restored, and the commit digested for the next sync, on a thread that the next use of the
+        objects or the commit joins (:mod:`elastic_ext.state.restore`: beside Horovod's re-forming;
+        :meth:`settle_restore` waits for it).
 
         Raises:
             NotCommittedError: nothing was committed yet.
             StateError: the last commit is torn (an interrupted copy).
         """
-        self._start_restore(background=False)
-
-    def _start_restore(self, background: bool) -> None:
-        """:meth:`restore`; with ``background``, the large entries are restored, and the commit digested
-        for the next sync, on a thread that the next use of the objects or the commit joins
-        (:mod:`elastic_ext.state.restore`: after a failed collective, beside Horovod's re-forming)."""
-        self._settle_restore()
+        self.settle_restore()
         if self._buffers.entries is None:
             raise NotCommittedError("restore() called before any commit(); call commit() first")
         if self._buffers.torn:
@@ -55,7 +54,7 @@ class Restoring:
         return not isinstance(self._tracked.objects[name], ElasticPartitioner) \
             and getattr(self._tracked.adapter(name), "framework", None) != "tensorflow"
 
-    def _settle_restore(self) -> Optional[float]:
+    def settle_restore(self) -> Optional[float]:
         """Waits for a background restore under way, if any; raises what it raised.
 
         Returns:
@@ -68,11 +67,11 @@ class Restoring:
         restoring.join()
         return restoring.duration_s
 
-    def _replay_from_agreed(self) -> None:
+    def replay_from_agreed(self) -> None:
         """Brings every object and the commit buffers back to the last commit on which every rank agreed
         (the replica check's, :mod:`elastic_ext.state.agreed`), after a replica mismatch: ``run`` then
         trains again to the commit that differed, with every rank together and no reset."""
-        self._settle_restore()
+        self.settle_restore()
         agreed = self._replica.agreed
         for name, entry in agreed.entries.items():
             # (load copies the kept arrays into the commit buffers: the kept ones stay as they are)

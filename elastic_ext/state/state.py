@@ -1,6 +1,12 @@
 """Committed state: tracked objects, commit, restore, reset callbacks, the host-update listener.
 
-:class:`State` holds named objects (a model, an optimizer, a sampler, the
+:class:`CoreState` is the State without its policies: the public
+:class:`elastic_ext.State` (:mod:`elastic_ext.runtime.assembly`) adds the
+numeric guard, the straggler policy and the replica check, which plug into
+the commit through :mod:`elastic_ext.state.commit_slots`; nothing here
+imports a policy.
+
+The State holds named objects (a model, an optimizer, a sampler, the
 epoch counter...), each handled by the adapter for its type. ``commit()``
 captures them (nothing is touched yet, so a bad object raises
 ``StateError`` and leaves the previous commit as it was), copies them into
@@ -19,7 +25,7 @@ Horovod's broadcast does. Per-rank objects (RNG streams, ``State(per_rank=...)``
 are never compared nor broadcast.
 
 Every ``replica_check_every``-th commit a minority whose digest of what must
-agree differs takes the majority's commit (:mod:`elastic_ext.state.replica`).
+agree differs takes the majority's commit (:mod:`elastic_ext.policies.replica_check`).
 With ``config.checkpoint_dir``, rank 0 hands every agreed commit that is due
 to the background writer (:mod:`elastic_ext.checkpoint`), and a sync with no
 survivors (a fresh job) resumes from the newest valid checkpoint.
@@ -29,96 +35,68 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, ContextManager, Dict, FrozenSet, Iterable, Optional
+from typing import Any, ContextManager, Dict, FrozenSet, Iterable, Optional, Tuple
 
 from elastic_ext.state import sync as _sync
 from elastic_ext.state.adapters import Adapter
 from elastic_ext.binding import Binding, get_binding, guess_framework
 from elastic_ext.state.buffers import CommitBuffers
+from elastic_ext.state.commit_slots import CommitSlots
 from elastic_ext.state.digests import Digests
 from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import StateError
 from elastic_ext.events import EventLog
-from elastic_ext.policies.eviction import StragglerWatch
 from elastic_ext.state.durable import DurableCommits
-from elastic_ext.state.soft_failures import SoftFailures
 from elastic_ext.state.host_updates import HostUpdates
 from elastic_ext.state.listener import HorovodListener
-from elastic_ext.policies import numeric_rollback as _numeric
-from elastic_ext.policies.guard import NumericGuard
 from elastic_ext.state.records import CommitRecord, RollbackRecord
-from elastic_ext.state.replica import ReplicaCheck
 from elastic_ext.state.restoring import Restoring
 from elastic_ext.data.sampler import ElasticPartitioner
-from elastic_ext.policies.straggler import StragglerPolicy
 from elastic_ext.state.tracked import Tracked
 from elastic_ext.liveness import LIVENESS
 
 logger = logging.getLogger(__name__)
 
 
-class State(HorovodListener, DurableCommits, SoftFailures, Restoring):
-    """Committed state of a training job, for PyTorch or TensorFlow.
+class CoreState(HorovodListener, DurableCommits, Restoring):
+    """The committed state without its policies; :class:`elastic_ext.State` assembles it with them.
 
-    Every keyword argument becomes an attribute (``state.model``,
-    ``state.epoch``) whose object is committed, restored and synced by the
-    adapter that handles its type. Assigning a new value to such an attribute
-    (``state.epoch += 1``) replaces the tracked object.
-
-    Args:
-        framework: "torch" or "tensorflow"; guessed from the objects, or from
-            which Horovod module is imported, when left out.
-        adapters: extra adapters tried before the built-in ones, for this
-            instance only.
-        config: an :class:`ElasticConfig`; read from the environment if None.
-        per_rank: names of objects that each rank keeps for itself (a
-            per-rank metric, a rank's own data-loader state): committed and
-            restored locally, never compared nor broadcast, not in durable
-            checkpoints, like RNG streams.
-        guard: an :class:`elastic_ext.NumericGuard` (opt-in): enables
-            :meth:`guard_step`; its loss window is committed as
-            ``numeric_guard_window`` (see :mod:`elastic_ext.policies.numeric_rollback`).
-        straggler: an :class:`elastic_ext.StragglerPolicy` (opt-in): a rank much slower than the others,
-            per ``state.step_timer``, is asked to leave at a commit (see
-            :mod:`elastic_ext.policies.eviction`). Every rank must pass the same policy.
-        **objects: the objects to track, by name.
-
-    Raises:
-        StateError: an object has no adapter, a name is reserved (a public
-            member of State, or starts with ``_``) or not an identifier, or
-            ``per_rank`` names an object that is not tracked.
-        ConfigError: the framework cannot be determined.
+    The public class (:mod:`elastic_ext.runtime.assembly`) documents the
+    arguments. It sets, through the ``_plug_*`` methods called in
+    :meth:`_construct`, what the mixins and the commit use of its policies:
+    ``_guard``, ``_straggler`` (with a ``timer`` and ``reset()``),
+    ``_guarded`` (with ``settle()`` and ``drop()``), ``_replica`` (with
+    ``before_commit()``, ``synced()`` and ``agreed``) and ``_slots``, the
+    :class:`~elastic_ext.state.commit_slots.CommitSlots` whose contributions
+    ride on the commit's collective.
     """
 
-    def __init__(self, *, framework: Optional[str] = None, adapters: Iterable[Adapter] = (),
-                 config: Optional[ElasticConfig] = None, per_rank: Iterable[str] = (),
-                 guard: Optional[NumericGuard] = None, straggler: Optional[StragglerPolicy] = None,
-                 **objects: Any) -> None:
-        self._construct(None, framework, adapters, config, per_rank, guard, straggler, objects)
+    #: The constructor's own keywords besides the tracked objects, then those of the assembled State's policies.
+    _KEYWORDS: Tuple[str, ...] = ("framework", "adapters", "config", "per_rank")
+    _POLICY_KEYWORDS: Tuple[str, ...] = ()
+    #: Names no tracked object may take besides the public members (see :func:`reserved_names`).
+    _RESERVED_EXTRA: FrozenSet[str] = frozenset({"framework", "binding", "adapters", "config", "per_rank"})
 
     @classmethod
-    def _on(cls, binding: Binding, **kwargs: Any) -> "State":
+    def _on(cls, binding: Binding, **kwargs: Any) -> "CoreState":
         """A State whose collectives go through ``binding`` instead of Horovod (the test seam
         :func:`elastic_ext.testing.state_on`)."""
         state = cls.__new__(cls)
-        keywords = ("framework", "adapters", "config", "per_rank", "guard", "straggler")
-        options = {k: kwargs.pop(k) for k in keywords if k in kwargs}
+        options = {k: kwargs.pop(k) for k in cls._KEYWORDS + cls._POLICY_KEYWORDS if k in kwargs}
         state._construct(binding, options.get("framework"), options.get("adapters", ()), options.get("config"),
-                         options.get("per_rank", ()), options.get("guard"), options.get("straggler"), kwargs)
+                         options.get("per_rank", ()), kwargs, {k: options.get(k) for k in cls._POLICY_KEYWORDS})
         return state
 
     def _construct(self, binding: Optional[Binding], framework: Optional[str], adapters: Iterable[Adapter],
-                   config: Optional[ElasticConfig], per_rank: Iterable[str], guard: Optional[NumericGuard],
-                   straggler: Optional[StragglerPolicy], objects: Dict[str, Any]) -> None:
+                   config: Optional[ElasticConfig], per_rank: Iterable[str], objects: Dict[str, Any],
+                   policies: Dict[str, Any]) -> None:
         s = object.__setattr__
         s(self, "_liveness", LIVENESS)
         s(self, "_config", config or ElasticConfig.from_env())
-        s(self, "_tracked", Tracked(objects, adapters, per_rank, reserved_names()))
+        s(self, "_tracked", Tracked(objects, adapters, per_rank, reserved_names(type(self))))
         for name, obj in objects.items():
             self._track(name, obj)
-        _numeric.attach(self._tracked, guard)
-        s(self, "_guard", guard)
-        s(self, "_straggler", StragglerWatch(straggler, self._config.exclude_file))
+        self._plug_objects(policies)
         frameworks = self._tracked.frameworks()  # also finds every adapter: StateError if one is missing
         self._tracked.prepare()  # e.g. Keras optimizers build their slots here, before any sync
         if binding is None:
@@ -127,7 +105,7 @@ class State(HorovodListener, DurableCommits, SoftFailures, Restoring):
                                  "pass framework= to choose the one whose Horovod runs the collectives")
             binding = get_binding(framework or (frameworks[0] if frameworks else guess_framework()))
         s(self, "_binding", binding)
-        s(self, "_guarded", _numeric.GuardedSteps(guard, [*frameworks, binding.framework]))
+        self._plug_binding([*frameworks, binding.framework])
         s(self, "_buffers", CommitBuffers(self._config.commit_buffers))
         s(self, "_record", CommitRecord())
         s(self, "_commit_time", None)
@@ -135,15 +113,25 @@ class State(HorovodListener, DurableCommits, SoftFailures, Restoring):
         s(self, "_reset_callbacks", [])
         s(self, "_rollbacks", RollbackRecord())
         s(self, "_events", EventLog(self._config.events_path, binding.rank, binding.size))
-        s(self, "_replica", ReplicaCheck(self._config.replica_check_every, self._tracked, self._buffers,
-                                         self._events, self._config.exclude_file))
         s(self, "_digests", Digests())
         s(self, "_restoring", None)  # a BackgroundRestore under way
         s(self, "_checkpointer", None)
         if self._config.checkpoint_dir is not None:
             from elastic_ext.checkpoint import Checkpointer
             s(self, "_checkpointer", Checkpointer(self._config, self._events, self._buffers))
-            self._replica.checkpoints = self._checkpointer
+        s(self, "_slots", CommitSlots())
+        self._plug_commit()
+
+    # What the assembled State adds (its policies), at the moments they need: the tracked objects
+    # are in (a policy may track its own), the binding is known, the commit's parts are built.
+    def _plug_objects(self, policies: Dict[str, Any]) -> None:
+        """After the objects are tracked, before their adapters are found."""
+
+    def _plug_binding(self, frameworks: Iterable[str]) -> None:
+        """Once the binding is chosen (``frameworks``: the objects', then the binding's)."""
+
+    def _plug_commit(self) -> None:
+        """Once the buffers, the event log and the checkpoint writer are built: ``_slots`` is empty."""
 
     # ------------------------------------------------------------ attributes
 
@@ -240,7 +228,7 @@ class State(HorovodListener, DurableCommits, SoftFailures, Restoring):
 
     def save(self) -> None:
         """The local half of :meth:`commit`: snapshot without any collective."""
-        self._settle_restore()
+        self.settle_restore()
         captures = self._tracked.capture()
         self._replica.before_commit(self.commit_id)  # a synced commit the replica check keeps, before it goes
         try:
@@ -273,7 +261,7 @@ class State(HorovodListener, DurableCommits, SoftFailures, Restoring):
                 (the message names the first differing entry).
             CheckpointError: a fresh job cannot resume from its checkpoints.
         """
-        self._settle_restore()
+        self.settle_restore()
         if self._buffers.entries is None or self._buffers.torn:
             # A newcomer (or a torn survivor) snapshots what it has, so that
             # a fresh job starts from rank 0's initial objects.
@@ -287,12 +275,12 @@ class State(HorovodListener, DurableCommits, SoftFailures, Restoring):
         self._replica.synced(self.commit_id)
 
 
-def reserved_names() -> FrozenSet[str]:
-    """Names no tracked object may take: every public member of :class:`State`
-    (methods, properties, attributes) and its constructor's own keywords."""
-    return _RESERVED
-
-
-_RESERVED: FrozenSet[str] = frozenset(
-    {name for name in dir(State) if not name.startswith("_")}
-    | {"framework", "binding", "adapters", "config", "per_rank", "guard", "straggler", _numeric.WINDOW_NAME})
+def reserved_names(cls: type = CoreState) -> FrozenSet[str]:
+    """Names no tracked object may take in a ``cls``: every public member (methods, properties,
+    attributes) and its ``_RESERVED_EXTRA`` (its constructor's own keywords, its policies' names);
+    :func:`elastic_ext.runtime.assembly.reserved_names` gives the public State's."""
+    found = cls.__dict__.get("_reserved_found")
+    if found is None:
+        found = frozenset({name for name in dir(cls) if not name.startswith("_")} | cls._RESERVED_EXTRA)
+        setattr(cls, "_reserved_found", found)
+    return found

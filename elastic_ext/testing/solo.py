@@ -45,5 +45,5 @@ class SoloBinding:
 def state_on(binding: Any, **kwargs: Any) -> Any:
     """A :class:`~elastic_ext.State` (same keywords as its constructor) whose collectives, rank and
     size come from ``binding`` instead of Horovod: a :class:`SoloBinding`, or ranks simulated by threads."""
-    from elastic_ext.state.state import State
+    from elastic_ext.runtime.assembly import State
     return State._on(binding, **kwargs)

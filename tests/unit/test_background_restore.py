@@ -57,7 +57,7 @@ def test_large_objects_are_restored_on_a_thread_that_also_digests_for_the_next_s
     world.run(commit_then_fail)
     calls = count_digests(monkeypatch)
     for state in states:
-        state._start_restore(background=True)
+        state.restore(background=True)
         # What run reads at once is back before the call returns: the step counter, the small array.
         assert state.step == 5 and state.small.tolist() == [2.0] * 4
         assert state._restoring is not None
@@ -84,7 +84,7 @@ def test_survivors_that_differ_are_still_caught_with_the_threads_digests():
 
     world.run(diverge)
     for state in states:
-        state._start_restore(background=True)
+        state.restore(background=True)
     results = world.run(lambda r: states[r].sync())
     assert all(isinstance(r, StateDivergenceError) for r in results), results
     assert "ranks [1]" in str(results[0]) and "first difference: table" in str(results[0]), results[0]
@@ -104,7 +104,7 @@ def test_an_error_on_the_restore_thread_is_raised_where_the_state_is_next_used()
         original(name, entry)
 
     state._tracked.apply = failing
-    state._start_restore(background=True)
+    state.restore(background=True)
     with pytest.raises(RuntimeError, match="copy failed on the restore thread"):
         state.commit()
     state._tracked.apply = original

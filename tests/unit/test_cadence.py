@@ -157,7 +157,7 @@ def test_under_auto_the_writer_follows_the_cadence_and_a_resume_counts_a_failure
     assert sorted(CheckpointStore(str(tmp_path)).commit_ids()) == [3, 5, 9]
     manifest = read_checkpoint(str(tmp_path / checkpoint_name(9))).manifest
     assert manifest["cadence"]["failures"] == 0 and manifest["cadence"]["training_s"] >= 0
-    state._note_failure()  # a rollback
+    state.note_failure()  # a rollback
     assert writer.cadence.failures == 1
 
     resumed = job(tmp_path, seed=1)

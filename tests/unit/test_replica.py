@@ -84,7 +84,7 @@ def train(job, steps, commit_every, faults=None, twice=None):
                         state.commit()
                 return None
             except ReplicaMismatchError:
-                state._replay_from_agreed()
+                state.replay_from_agreed()
     return world.run(body)
 
 
@@ -235,7 +235,7 @@ def test_a_mismatch_at_the_first_check_after_a_sync_before_any_step_is_a_diverge
                 states[rank].commit()
                 return None
             except ReplicaMismatchError:
-                states[rank]._replay_from_agreed()
+                states[rank].replay_from_agreed()
     results = world.run(body)
     assert all(isinstance(r, StateDivergenceError) for r in results), results
     assert "first difference: optimizer (metadata)" in str(results[0]) and "ranks [2]" in str(results[0]), results[0]

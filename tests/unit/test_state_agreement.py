@@ -22,7 +22,7 @@ from elastic_ext.state import tree
 from elastic_ext.state.snapshot import Entry
 from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import StateDivergenceError, StateError
-from elastic_ext.state.state import reserved_names
+from elastic_ext.runtime.assembly import reserved_names
 from elastic_ext.testing import SoloBinding
 from elastic_ext.testing import state_on
 

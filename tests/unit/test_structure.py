@@ -11,9 +11,10 @@ close a circle with its package.
 
 The layer rule (``docs/architecture.md`` draws it): the leaves (``config`` with ``config_text``,
 ``errors``, ``events``, ``binding``, ``liveness``, ``exit_codes``) import nothing above them; ``data/`` and
-``discovery/`` only the leaves; ``policies/`` also ``data/`` and
-``discovery/``; ``state/`` and ``checkpoint/`` never ``runtime/`` nor
-``launch/``; ``launch/`` nothing of the worker's training side (below it,
+``discovery/`` only the leaves; ``policies/`` also ``data/``, ``discovery/`` and
+``state/`` (they plug into the commit, :mod:`elastic_ext.state.commit_slots`); ``state/`` never
+``policies/`` (the public State is assembled with them in ``runtime/``); ``state/`` and
+``checkpoint/`` never ``runtime/`` nor ``launch/``; ``launch/`` nothing of the worker's training side (below it,
 only ``discovery/``, for its host rules); no module imports the public face (``elastic_ext`` itself) or ``testing/``, except
 ``testing/``; and only ``launch/`` touches Horovod's private modules. No module is over
 300 lines.
@@ -160,8 +161,8 @@ MAY_IMPORT = {
     "leaves": set(),
     "data": set(),
     "discovery": set(),
-    "policies": {"data", "discovery"},
-    "state": {"data", "discovery", "policies", "checkpoint"},
+    "policies": {"data", "discovery", "state"},
+    "state": {"data", "discovery", "checkpoint"},  # never policies: they plug in through state.commit_slots
     "checkpoint": {"state"},
     "launch": {"discovery"},  # the host rules, which the driver applies to whatever discovery lists
     "runtime": {"data", "discovery", "policies", "state", "checkpoint", "launch"},
@@ -207,6 +208,40 @@ def test_every_module_of_the_package_is_in_a_room_and_at_most_8_stay_at_the_top(
 def test_the_layer_rule_holds():
     violations = layer_violations(import_graph())
     assert not violations, "edges against the layer rule:\n" + "\n".join(violations)
+
+
+def test_state_imports_no_policy():
+    """The policies plug into the commit (:mod:`elastic_ext.state.commit_slots`); the core names none."""
+    graph = import_graph()
+    edges = [f"{module} imports {target}" for module, targets in sorted(graph.items()) if room(module) == "state"
+             for target in sorted(targets) if room(target) == "policies"]
+    assert not edges, f"state/ imports policies/: {edges}"
+    assert "elastic_ext.state.commit_slots" in graph["elastic_ext.policies.eviction"], graph["elastic_ext.policies.eviction"]
+    assert layer_violations({"elastic_ext.state.decisions": {"elastic_ext.policies.eviction"}}) == [
+        "elastic_ext.state.decisions (state) imports elastic_ext.policies.eviction (policies)"]
+
+
+def private_state_calls(source: str) -> List[str]:
+    """``state._name`` and ``self.state._name`` (not dunders) in ``source``: a private member of a State."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = node.value
+            if (isinstance(owner, ast.Name) and owner.id == "state") or \
+                    (isinstance(owner, ast.Attribute) and owner.attr == "state"):
+                found.append(f"{node.lineno}: {node.attr}")
+    return found
+
+
+def test_the_run_loop_uses_only_the_states_public_contract():
+    """runtime/ steers the State through its public methods (docs/state.md, "What the run loop may call")."""
+    offenders = []
+    for module, path in module_files().items():
+        if room(module) == "runtime" and module != "elastic_ext.runtime.assembly":
+            with open(path, encoding="utf-8") as handle:
+                offenders += [f"{module}:{hit}" for hit in private_state_calls(handle.read())]
+    assert not offenders, f"runtime/ calls private members of the State: {offenders}"
+    assert sorted(private_state_calls("state._hosts.settle()\nself.state._x()\nstate.commit()")) == ["1: _hosts", "2: _x"]
 
 
 def test_the_layer_rule_catches_an_edge_up():

@@ -5,7 +5,8 @@ With ``ElasticConfig.replica_check_every = N`` (> 0), every N-th commit
 across ranks (:func:`replica_digest`: the synced entries without their
 buffers, so not BatchNorm statistics, and no per-rank object) and puts the
 digest in its own slot of the commit's max-allreduce
-(:mod:`elastic_ext.state.host_updates`): no collective of its own. Every
+(:mod:`elastic_ext.state.host_updates`, through :meth:`ReplicaCheck.row`, its part
+in the commit: :mod:`elastic_ext.state.commit_slots`): no collective of its own. Every
 rank reads the same table and :func:`elastic_ext.policies.replica.judge`
 gives every rank the same verdict. When ranks differ at commit c
 (:meth:`ReplicaCheck.act`, on every rank together), nothing is healed yet:
@@ -50,6 +51,7 @@ from elastic_ext.policies.eviction import exclude_host, host_name
 from elastic_ext.policies.replica import RepeatOffenders, ReplicaVerdict, describe, judge, pack_digest
 from elastic_ext.state.agreed import AgreedCommit
 from elastic_ext.state.buffers import CommitBuffers
+from elastic_ext.state.commit_slots import CommitPoint
 from elastic_ext.state.snapshot import Entry
 from elastic_ext.state.digests import INT63, digest_items
 from elastic_ext.state.sync import first_difference
@@ -86,6 +88,7 @@ def gather_hosts(binding: Binding) -> List[str]:
     name = host_name().encode()[:HOST_BYTES]
     row = np.zeros((1, HOST_BYTES), dtype=np.uint8)
     row[0, :len(name)] = np.frombuffer(name, dtype=np.uint8)
+    # (the collective keeps the name it had when this module lived in state/: every rank must use the same one)
     table = binding.allgather(row, "elastic_ext.state.replica.hosts")
     return [bytes(r).rstrip(b"\0").decode(errors="replace") for r in np.asarray(table, dtype=np.uint8)]
 
@@ -159,6 +162,21 @@ class ReplicaCheck:
         keys = {name: self.tracked.buffer_keys(name) for name in names}
         self._digested = (names, keys)
         return pack_digest(rank, size, replica_digest(self.buffers.entries, names, keys))
+
+    # Its part in the commit (a CommitContribution): a checked commit's digest, acted on at once.
+    blocking = True  # a replay must start before any rank trains on from a commit that differs
+
+    def row(self, at: CommitPoint) -> Optional[np.ndarray]:
+        return self.slots(at.rank, at.size, at.commit_id)
+
+    def check(self, columns: np.ndarray, at: CommitPoint) -> None:
+        self.act(columns, at.binding, at.commit_id, at.liveness, at.term_grace_s)
+
+    def observe(self, columns: Optional[np.ndarray], at: CommitPoint) -> bool:
+        return False  # acted on in check(): nothing more to read
+
+    def enact(self, at: CommitPoint) -> bool:
+        return False  # a host struck twice leaves through the leave path, asked in act()
 
     def act(self, reduced: np.ndarray, binding: Binding, commit_id: int, liveness: Any, term_grace_s: float) -> None:
         """Acts on the agreed table of digests (every rank together; collectives only when they differ).

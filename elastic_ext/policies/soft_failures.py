@@ -1,7 +1,7 @@
 """The State's soft-failure side: the numeric guard's checked steps and the straggler timer.
 
-A mixin of :class:`elastic_ext.State`, which provides ``_guard`` (the
-:class:`~elastic_ext.policies.guard.NumericGuard` given), ``_guarded`` (its
+A mixin of the public :class:`elastic_ext.State` (:mod:`elastic_ext.runtime.assembly`),
+which provides ``_guard`` (the :class:`~elastic_ext.policies.guard.NumericGuard` given), ``_guarded`` (its
 :class:`~elastic_ext.policies.numeric_rollback.GuardedSteps`), ``_straggler``
 (a :class:`~elastic_ext.policies.eviction.StragglerWatch`), ``_tracked`` and
 ``_binding``. What a commit does with them is in ``State.commit`` (the step
