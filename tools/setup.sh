@@ -140,14 +140,25 @@ else
     echo "all present (stamp matches $req_name)" >&2
 fi
 
+# The names of this stack's patches, as the build records them in horovod/elastic_ext_patches.py.
+PATCH_NAMES=""
+for p in "${PATCHES[@]}"; do PATCH_NAMES="$PATCH_NAMES $(basename "$p" .patch)"; done
+
 horovod_ok() {
-    # Horovod is usable only if it imports with every framework we need and
-    # was built against the torch/TF now installed.
-    "$PY" - <<'PYEOF' 2>/dev/null
+    # Horovod is usable only if it imports with every framework we need, was
+    # built against the torch/TF now installed, and carries exactly this
+    # checkout's patches (a venv built before a patch was added is rebuilt).
+    "$PY" - $PATCH_NAMES <<'PYEOF' 2>/dev/null
+import sys
 import horovod, horovod.torch, horovod.tensorflow
 from horovod.common.util import gloo_built, mpi_built
 assert horovod.__version__ == "0.28.1", horovod.__version__
 assert gloo_built() and mpi_built()
+try:
+    from horovod.elastic_ext_patches import PATCHES
+except ImportError:
+    PATCHES = ()
+assert tuple(PATCHES) == tuple(sys.argv[1:]), PATCHES
 PYEOF
 }
 
@@ -186,6 +197,11 @@ else
                 patch -d "$src" -p1 --batch --forward --quiet <"$p" >>"$CACHE/horovod-build.log" 2>&1 \
                     || fail "patch $p does not apply to the Horovod $HOROVOD_VERSION sdist" "see $CACHE/horovod-build.log"
             done
+            # What the build carries, for this script's check above and for elastic_ext's launcher
+            # (elastic_ext.launch.horovod_seam.build_patches).
+            { echo "# Written by elastic_ext's tools/setup.sh: the patches this Horovod was built with."
+              printf 'PATCHES = ('; for n in $PATCH_NAMES; do printf '"%s", ' "$n"; done; echo ')'
+            } >"$src/horovod/elastic_ext_patches.py"
             source_arg="$src"
             # The patches make the build C++17 where torch needs it; torch counts as a
             # CPU build even when it is PyPI's CUDA wheel (03-torch-cuda-wheel-cpu-plugin.patch).

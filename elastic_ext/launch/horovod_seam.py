@@ -168,6 +168,31 @@ def _check(rows: Sequence[Row]) -> None:
               "with plain horovodrun, which elastic_ext's training side also supports without the launcher.")
 
 
+#: The build patch (tools/horovod_patches/) with which an elastic job may fix both tuning values
+#: (:func:`elastic_ext.launch.horovodrun.crashing_tuning`).
+TUNING_FIX = "07-fixed-tuning-after-reset"
+
+
+def build_patches() -> Tuple[str, ...]:
+    """The names of the project's build patches the installed Horovod carries, () for one built without them.
+
+    ``tools/setup.sh`` records them in ``horovod/elastic_ext_patches.py`` when it builds Horovod from its
+    sdist (the current stack); a Horovod from elsewhere has no such module.
+
+    Raises:
+        ConfigError: the module is there but its ``PATCHES`` is not a tuple of names.
+    """
+    try:
+        module = importlib.import_module("horovod.elastic_ext_patches")
+    except ImportError:
+        return ()
+    patches = getattr(module, "PATCHES", None)
+    if not isinstance(patches, tuple) or not all(isinstance(name, str) for name in patches):
+        raise ConfigError(f"{getattr(module, '__file__', 'horovod.elastic_ext_patches')}: PATCHES is {patches!r}, "
+                          "expected a tuple of patch names; rebuild Horovod with tools/setup.sh")
+    return patches
+
+
 def check_launcher() -> None:
     """Raises :class:`ConfigError` naming every difference of the driver's (and its workers') Horovod surface."""
     _check((*LAUNCHER, *WORKER, *WORKER_ELASTIC))
@@ -185,5 +210,5 @@ def check_worker(elastic: bool) -> None:
     _check((*WORKER, *WORKER_ELASTIC) if elastic else WORKER)
 
 
-__all__ = ["EXPECTED_VERSION", "LAUNCHER", "WORKER", "WORKER_ELASTIC", "check_launcher", "check_worker",
-           "differences", "missing"]
+__all__ = ["EXPECTED_VERSION", "LAUNCHER", "TUNING_FIX", "WORKER", "WORKER_ELASTIC", "build_patches",
+           "check_launcher", "check_worker", "differences", "missing"]

@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, List, MutableMapping, Optional
+from typing import Any, List, MutableMapping, Optional, Sequence
 
 from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_LAUNCHER, ENV_MIN_NP, ENV_RESTART_IN_PLACE
 from elastic_ext.errors import ConfigError
@@ -67,21 +67,28 @@ def restart_in_place_when_checkpointing(environ: MutableMapping[str, str]) -> bo
 # ("fixed") by its variable or flag is taken out of it. The hvd.init() that follows a reset sets the
 # fusion threshold's default first, by the index it had before any was taken out: with both fixed the
 # vector is empty and the worker crashes (SIGSEGV in ParameterManager::BayesianParameter::SetValue).
+# tools/horovod_patches/07-fixed-tuning-after-reset.patch fixes it in the Horovod the setup builds.
 _TUNING = (("HOROVOD_FUSION_THRESHOLD", "fusion_threshold_mb", "--fusion-threshold-mb"),
            ("HOROVOD_CYCLE_TIME", "cycle_time_ms", "--cycle-time-ms"))
 
 
-def crashing_tuning(args: Any, environ: MutableMapping[str, str]) -> Optional[str]:
+def crashing_tuning(args: Any, environ: MutableMapping[str, str],
+                    patches: Optional[Sequence[str]] = None) -> Optional[str]:
     """Why an elastic job's workers would crash at their first reset with these settings, or None.
 
-    ``args``: horovodrun's parsed arguments; ``environ``: the environment the workers inherit.
+    ``args``: horovodrun's parsed arguments; ``environ``: the environment the workers inherit;
+    ``patches``: the build patches of the workers' Horovod (default: the installed one's,
+    :func:`elastic_ext.launch.horovod_seam.build_patches`).
     """
     fixed = [flag if getattr(args, dest, None) is not None else name
              for name, dest, flag in _TUNING if getattr(args, dest, None) is not None or environ.get(name)]
     if len(fixed) < len(_TUNING):
         return None
+    if horovod_seam.TUNING_FIX in (horovod_seam.build_patches() if patches is None else patches):
+        return None
     return (f"{' and '.join(fixed)} are both set: Horovod 0.28.1's workers crash (SIGSEGV) in the hvd.init() "
-            "after an elastic reset when the fusion threshold and the cycle time are both fixed; set one of them")
+            "after an elastic reset when the fusion threshold and the cycle time are both fixed; set one of them, "
+            f"or build Horovod with tools/setup.sh (its patch {horovod_seam.TUNING_FIX} fixes the crash)")
 
 
 WORKER_MODULE = worker_runs.WORKER_MODULE

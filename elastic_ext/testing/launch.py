@@ -19,6 +19,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import psutil
 
+from elastic_ext.launch import horovod_seam
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VENV_BIN = os.path.dirname(sys.executable)
 WORKERS = os.path.join(REPO, "tests", "multiprocess", "workers")
@@ -53,8 +55,14 @@ def base_env(**extra: Any) -> Dict[str, str]:
     # and with more than two ranks the ring's chunking (so the summation
     # order) follows the buffer layout: runs then differ in the last bits.
     env.setdefault("HOROVOD_FUSION_THRESHOLD", "0")
-    # Not HOROVOD_CYCLE_TIME as well: Horovod 0.28.1 crashes in the hvd.init()
-    # after a reset when both are set (elastic_ext.launch.horovodrun says why).
+    # Horovod's background loop coordinates the ranks once a cycle, busy or
+    # not: at its default of 1 ms an idle worker takes about 9 % of a core,
+    # at 5 ms 2 % (docs/testing.md), and the jobs here run 4 to 6 workers on
+    # 2 cores. Horovod 0.28.1 as released crashes in the hvd.init() after a
+    # reset when both values are set (elastic_ext.launch.horovodrun says
+    # why): only where its build carries the fix.
+    if horovod_seam.TUNING_FIX in horovod_seam.build_patches():
+        env.setdefault("HOROVOD_CYCLE_TIME", "5")
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

@@ -79,3 +79,18 @@ def test_a_missing_instance_field_is_found_from_the_class_source(monkeypatch):
     assert horovod_seam.missing([gone]) == [
         "horovod.runner.elastic.driver.ElasticDriver._no_such_field (instance): expected, not found "
         "(horovod.runner.elastic.driver.ElasticDriver has no attribute '_no_such_field')"]
+
+
+def test_build_patches_reads_what_the_setup_recorded_and_refuses_anything_else(monkeypatch):
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "horovod.elastic_ext_patches", None)  # a Horovod built elsewhere
+    assert horovod_seam.build_patches() == ()
+    recorded = types.ModuleType("horovod.elastic_ext_patches")
+    recorded.PATCHES = ("01-python312-distutils", horovod_seam.TUNING_FIX)
+    monkeypatch.setitem(sys.modules, "horovod.elastic_ext_patches", recorded)
+    assert horovod_seam.build_patches() == ("01-python312-distutils", horovod_seam.TUNING_FIX)
+    recorded.PATCHES = "07-fixed-tuning-after-reset"  # a string, not a tuple of names
+    with pytest.raises(horovod_seam.ConfigError, match="expected a tuple of patch names"):
+        horovod_seam.build_patches()

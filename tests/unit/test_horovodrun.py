@@ -15,7 +15,7 @@ import time
 import pytest
 
 from elastic_ext import exit_codes
-from elastic_ext.launch import driver, driver_state, horovodrun, prestart, round_watch
+from elastic_ext.launch import driver, driver_state, horovod_seam, horovodrun, prestart, round_watch
 from tests.unit.test_prestart import Discovery, discovered, in_threads, wait_for, waiting_in_the_barrier
 
 
@@ -486,23 +486,34 @@ def horovodrun_args(*argv):
 def test_an_elastic_job_whose_workers_would_crash_at_a_reset_is_refused(argv, environ, crashes):
     # Found by the job tiers: with both set, each survivor of a SIGKILL died in its next hvd.init().
     args = horovodrun_args("-np", "2", "--min-np", "1", "--host-discovery-script", "d.sh", *argv, "python", "t.py")
-    why = horovodrun.crashing_tuning(args, environ)
+    why = horovodrun.crashing_tuning(args, environ, patches=())
     assert (why is not None) is crashes, why
     if crashes:
         assert "--cycle-time-ms" in why or "HOROVOD_CYCLE_TIME" in why, why
-        assert "set one of them" in why
+        assert "set one of them" in why and horovod_seam.TUNING_FIX in why
+    # A Horovod built with the fix (tools/horovod_patches/) takes both.
+    assert horovodrun.crashing_tuning(args, environ, patches=("01-x", horovod_seam.TUNING_FIX)) is None
 
 
-def test_the_launcher_exits_before_starting_a_worker_that_would_crash_at_a_reset(tmp_path):
+def test_the_launcher_refuses_both_tuning_values_exactly_where_its_horovod_lacks_the_fix(tmp_path):
+    """Against the installed Horovod: one built by tools/setup.sh with the fix runs the job (its one worker
+    writes the marker); one without it exits before starting a worker."""
     marker = tmp_path / "started"
+    discover = tmp_path / "discover.sh"
+    discover.write_text("#!/bin/sh\necho localhost:1\n")
+    discover.chmod(0o755)
     env = dict(os.environ, HOROVOD_FUSION_THRESHOLD="0", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     proc = subprocess.run([sys.executable, "-m", "elastic_ext.launch.horovodrun", "-np", "1", "--min-np", "1",
-                           "--host-discovery-script", "true", "--cycle-time-ms", "5",
+                           "--host-discovery-script", str(discover), "--cycle-time-ms", "5",
                            sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
                           env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    assert "HOROVOD_FUSION_THRESHOLD and --cycle-time-ms are both set" in proc.stderr, proc.stderr
-    assert not marker.exists()
+    if horovod_seam.TUNING_FIX in horovod_seam.build_patches():
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert marker.exists()
+    else:
+        assert proc.returncode != 0
+        assert "HOROVOD_FUSION_THRESHOLD and --cycle-time-ms are both set" in proc.stderr, proc.stderr
+        assert not marker.exists()
 
 
 # ------------------------------------------- a failure while a newcomer starts
