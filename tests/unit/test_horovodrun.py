@@ -497,15 +497,17 @@ def test_an_elastic_job_whose_workers_would_crash_at_a_reset_is_refused(argv, en
 
 def test_the_launcher_refuses_both_tuning_values_exactly_where_its_horovod_lacks_the_fix(tmp_path):
     """Against the installed Horovod: one built by tools/setup.sh with the fix runs the job (its one worker
-    writes the marker); one without it exits before starting a worker."""
+    joins the elastic job and writes the marker); one without it exits before starting a worker."""
     marker = tmp_path / "started"
     discover = tmp_path / "discover.sh"
     discover.write_text("#!/bin/sh\necho localhost:1\n")
     discover.chmod(0o755)
+    script = tmp_path / "worker.py"
+    script.write_text(f"import horovod.torch as hvd\nhvd.init()\nopen({str(marker)!r}, 'w')\n")
     env = dict(os.environ, HOROVOD_FUSION_THRESHOLD="0", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     proc = subprocess.run([sys.executable, "-m", "elastic_ext.launch.horovodrun", "-np", "1", "--min-np", "1",
-                           "--host-discovery-script", str(discover), "--cycle-time-ms", "5",
-                           sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
+                           "--network-interfaces", "lo", "--host-discovery-script", str(discover),
+                           "--cycle-time-ms", "5", sys.executable, str(script)],
                           env=env, capture_output=True, text=True, timeout=120)
     if horovod_seam.TUNING_FIX in horovod_seam.build_patches():
         assert proc.returncode == 0, proc.stderr[-3000:]
