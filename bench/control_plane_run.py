@@ -198,8 +198,9 @@ class Run:
         await asyncio.sleep(driver_watch.FENCE_S + 5 if args.after_stall_s is None else args.after_stall_s)
         stalled = await self.close_phase("stalled")
         self.result.update({k: steady[k] for k in ("requests_per_s", "p50_ms", "p99_ms", "driver_cpu_cores")})
-        # What the workers ask in steady training: the driver watch's two reads per second each.
-        self.result["requests_asked_per_s"] = round(2 * len(job.alive()) / driver_watch.POLL_S, 1)
+        # What the workers ask in steady training: the driver watch's reads per poll, 2 before issue 55, 1 after.
+        reads = 1 if self.fence_on_reach else 2
+        self.result["requests_asked_per_s"] = round(reads * len(job.alive()) / driver_watch.POLL_S, 1)
         self.result["false_fences_stalled"] = stalled["fenced"]
         # A SIGKILL of one worker (not the coordinator): the round forms from the others.
         victim = sorted(job.alive(), key=lambda w: w.rank)[min(3, n - 1)]

@@ -5,13 +5,14 @@ with one HTTP request (as ``urllib`` and Horovod's C++ ``HTTPRequest`` send
 them; the store answers HTTP/1.0 and closes), at the real intervals:
 
 - the driver watch (:mod:`elastic_ext.runtime.driver_watch`): every
-  ``POLL_S`` after the last poll, ``current`` and ``failed_<round>``,
-  its fence rule applied as written (``FENCE_MIN_ATTEMPTS`` failed polls in
-  a row over at least ``FENCE_S``), in the version the job runs: main's
-  before issue 55 (2 s for the whole request, any failure counts) or after
-  it (``fence_on_reach``: 2 s for the handshake, 2 s for the answer, only a
-  handshake not completed counts); a worker that would fence is counted and
-  polls on, so the load stays the same;
+  ``POLL_S`` after the last poll, its fence rule applied as written
+  (``FENCE_MIN_ATTEMPTS`` failed polls in a row over at least ``FENCE_S``),
+  in the version the job runs: main's before issue 55 (``current`` and
+  ``failed_<round>``, 2 s for the whole request, any failure counts) or
+  after it (``fence_on_reach``: only ``failed_<round>``, 2 s for the
+  handshake, 2 s for the answer, only a handshake not completed counts); a
+  worker that would fence is counted and polls on, so the load stays the
+  same;
 - ``hvd.init()`` as the launcher wraps it (:mod:`elastic_ext.launch.newcomer`):
   the early-start marker at a first init, the keeper's round watch
   (:mod:`elastic_ext.launch.round_watch`: ``current``, then ``failed_<r>``
@@ -89,13 +90,19 @@ class Worker:
         # before it, one bound for the whole request and any failure counted.
         connect_s = driver_watch.CONNECT_TIMEOUT_S if self.job.fence_on_reach else None
         try:
-            current = await s.value(round_watch.SCOPE, round_watch.CURRENT, driver_watch.REQUEST_TIMEOUT_S, "watch",
-                                    connect_s)
-            rounds = [mine] + ([int(current)] if mine is not None and current is not None and int(current) > mine
-                               else [])
-            failed = [(r, await s.value(round_watch.SCOPE, round_watch.failed_key(r),
-                                        driver_watch.REQUEST_TIMEOUT_S, "watch", connect_s))
-                      for r in rounds if r is not None]
+            if self.job.fence_on_reach:  # after: one read, this round's failed key (the driver publishes a
+                # member's failure under each round it belongs to), or ``current`` between rounds
+                key = round_watch.CURRENT if mine is None else round_watch.failed_key(mine)
+                who = await s.value(round_watch.SCOPE, key, driver_watch.REQUEST_TIMEOUT_S, "watch", connect_s)
+                failed = [] if mine is None else [(mine, who)]
+            else:  # before: ``current``, then the failed key of each round that may hold a member of this one
+                current = await s.value(round_watch.SCOPE, round_watch.CURRENT, driver_watch.REQUEST_TIMEOUT_S,
+                                        "watch", connect_s)
+                rounds = [mine] + ([int(current)] if mine is not None and current is not None and int(current) > mine
+                                   else [])
+                failed = [(r, await s.value(round_watch.SCOPE, round_watch.failed_key(r),
+                                            driver_watch.REQUEST_TIMEOUT_S, "watch", connect_s))
+                          for r in rounds if r is not None]
         except HTTPError:
             self.failing_since, self.failures = None, 0
             return

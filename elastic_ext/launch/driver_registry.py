@@ -34,8 +34,12 @@ def registry_methods(original_reset: Method, original_recorded: Method) -> Tuple
         driver = self._driver
         slots = [f"{host}:{slot.local_rank}" for host, host_slots in driver.host_assignments.items()
                  for slot in host_slots]
+        round_id, ext = self.last_rendezvous(), state_of(driver)
+        with ext.lock:  # this round and the one before it: during an early start members still train in that one
+            ext.rounds = {r: members for r, members in ext.rounds.items() if r == round_id - 1}
+            ext.rounds[round_id] = set(slots)
         store_write(driver, ASSIGNED, ",".join(slots).encode("utf-8"))
-        store_write(driver, CURRENT, str(self.last_rendezvous()).encode("ascii"))
+        store_write(driver, CURRENT, str(round_id).encode("ascii"))
         if state_of(driver).regrow:
             # Before any member's rank answer (this runs in the round's barrier): every member reads it at its sync.
             store_write(driver, CAPACITY_LEFT_OUT, b"1")

@@ -105,7 +105,7 @@ def driver_methods(original: Dict[str, Method]) -> Dict[str, Method]:
             state_of(self).starting.pop((host, local_rank), None)
             state_of(self).newcomers.discard((host, local_rank))
         if exit_code != 0 and not self.finished() and self.has_rank_assignment(host, local_rank):
-            store_write(self, failed_key(self._worker_registry.last_rendezvous()), f"{host}[{local_rank}]".encode())
+            publish_failed(self, host, local_rank)
             if exit_code == PEERS_FAILED:
                 state_of(self).peers_failed.add(host)
             if exit_code != DISMISSED:
@@ -115,6 +115,18 @@ def driver_methods(original: Dict[str, Method]) -> Dict[str, Method]:
     return {"_get_host_assignments": get_host_assignments, "_update_host_assignments": update_host_assignments,
             "get_slot_info": get_slot_info, "_start_worker_process": start_worker_process,
             "record_ready": record_ready, "_handle_worker_exit": handle_worker_exit}
+
+
+def publish_failed(driver: Any, host: str, local_rank: int) -> None:
+    """The failed member's slot under the current round's failed key, and under the previous round's when it
+    was a member of that one too: during an early start the survivors still train in the previous round, and
+    their driver watch reads only their own round's key (one request per poll)."""
+    current, who = driver._worker_registry.last_rendezvous(), f"{host}[{local_rank}]".encode()
+    with state_of(driver).lock:
+        earlier = [r for r, members in state_of(driver).rounds.items()
+                   if r != current and f"{host}:{local_rank}" in members]
+    for round_id in [current, *earlier]:
+        store_write(driver, failed_key(round_id), who)
 
 
 def move_survivors(driver: Any, ext: DriverState, moved: Dict[Slot, int]) -> None:

@@ -65,6 +65,9 @@ class DriverState:
     regrow_since: Optional[float] = None  # when the current round left capacity out
     # Starting workers dismissed in the current round (until it is recorded).
     dismissed: Set[Slot] = dataclasses.field(default_factory=set)
+    # The slots ("host:local_rank") of the current round and the one before it, by round: a member's
+    # failure is published for each of them it belongs to (the driver watch reads its own round only).
+    rounds: Dict[int, Set[str]] = dataclasses.field(default_factory=dict)
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 

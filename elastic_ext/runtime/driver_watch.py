@@ -62,12 +62,12 @@ import threading
 import time
 import urllib.error
 import urllib.parse
-from typing import Any, Callable, Optional, Set
+from typing import Any, Callable, Optional
 
 import elastic_ext.exit_codes as exit_codes
 from elastic_ext.events import FENCED, MEMBER_FAILED
 from elastic_ext.launch import round_watch, store
-from elastic_ext.launch.round_watch import ASSIGNED, CURRENT, SCOPE, failed_key
+from elastic_ext.launch.round_watch import CURRENT, SCOPE, failed_key
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,6 @@ class DriverWatch:
         self.base_url, self._cut, self._events, self._exit, self._clock = base_url, cut, events, exit_fn, clock
         self._lock = threading.Lock()
         self._round: Optional[int] = None  # the round this worker trains in; None between rounds
-        self._members: Set[str] = set()    # that round's slots, "host:local_rank"
         self._failing_since: Optional[float] = None
         self._failures = 0
         self._slow = False  # the last poll connected but got no answer (logged once per streak)
@@ -161,14 +160,13 @@ class DriverWatch:
         """This worker now trains in the driver's current round (call after each ``hvd.init()``, once its
         collective links are known)."""
         try:
-            current, assigned = self._get(CURRENT), self._get(ASSIGNED)
+            current = self._get(CURRENT)
         except OSError as exc:
             logger.warning("cannot read the driver's round (%s): a member lost without a reset is noticed only "
                            "at Gloo's timeout in this round", exc)
-            current = assigned = None
+            current = None
         with self._lock:
             self._round = int(current) if current is not None else None
-            self._members = set(assigned.decode("utf-8", "replace").split(",")) if assigned else set()
 
     def left(self) -> None:
         """This worker stopped training in its round (a failure or resize is being handled): nothing to cut."""
@@ -190,14 +188,13 @@ class DriverWatch:
     def check(self) -> None:
         """One poll: cut the links if a member of this worker's round failed; fence if the driver is gone."""
         with self._lock:
-            mine, members = self._round, set(self._members)
+            mine = self._round
         try:
-            current = self._get(CURRENT)
-            # During an early start of newcomers the driver is a round ahead of this worker's collectives
-            # (round_watch's store then holds only the newer round): a failure there counts if it is one of ours.
-            rounds = [mine] + ([int(current)] if mine is not None and current is not None and
-                               int(current) > mine else [])
-            failed = [(r, self._get(failed_key(r))) for r in rounds if r is not None]
+            # One request: this worker's round's failed key. During an early start of newcomers the driver is
+            # a round ahead of this worker's collectives; it publishes a failed member under every round the
+            # member belongs to (elastic_ext.launch.driver_slots.publish_failed). Between rounds only whether
+            # the driver is reachable matters.
+            who = self._get(CURRENT) if mine is None else self._get(failed_key(mine))
         except Unreachable as exc:
             self._unreachable(exc)
             return
@@ -209,10 +206,8 @@ class DriverWatch:
             self._slow = True
             return
         self._slow = False
-        for round_id, who in failed:
-            if who is not None and (round_id == mine or _slot(who) in members):
-                self._member_failed(mine, _slot(who))
-                return
+        if mine is not None and who is not None:
+            self._member_failed(mine, _slot(who))
 
     def _member_failed(self, round_id: int, member: str) -> None:
         with self._lock:

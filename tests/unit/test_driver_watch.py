@@ -78,19 +78,41 @@ def test_a_worker_that_left_its_round_cuts_nothing(server):
     assert w.cuts == []
 
 
-def test_during_an_early_start_only_a_failed_member_of_this_workers_round_counts(server):
-    """The driver is a round ahead while newcomers start: a newcomer that dies is not a reason to roll back."""
+class Driver:
+    """What publish_failed reads of Horovod's driver: its registry's round (it writes through store_write)."""
+
+    def __init__(self):
+        self.round = 3
+        self._worker_registry = self
+
+    def last_rendezvous(self):
+        return self.round
+
+
+def test_during_an_early_start_only_a_failed_member_of_this_workers_round_counts(server, monkeypatch):
+    """The driver is a round ahead while newcomers start: a newcomer that dies is not a reason to roll back,
+    a member of this worker's round is, and the watch finds it in one read of its own round's key."""
+    from elastic_ext.launch import driver_slots, driver_state
+
+    driver = Driver()
+    monkeypatch.setattr(driver_slots, "store_write", lambda _, key, value: publish(server, key, value))
+    driver_state.state_of(driver).rounds = {3: {"a:0", "a:1"}}
     publish(server, round_watch.CURRENT, b"3")
-    publish(server, round_watch.ASSIGNED, b"a:0,a:1")
     w = Watched(server)
     w.watch.joined()
+    reads = []
+    get = w.watch._get
+    monkeypatch.setattr(w.watch, "_get", lambda key: reads.append(key) or get(key))
+    driver.round = 4  # the early start's round: a, b and the newcomer c
+    driver_state.state_of(driver).rounds[4] = {"a:0", "a:1", "c:0"}
     publish(server, round_watch.CURRENT, b"4")
-    publish(server, round_watch.failed_key(4), b"c[0]")
+    driver_slots.publish_failed(driver, "c", 0)
     w.watch.check()
     assert w.cuts == []
-    publish(server, round_watch.failed_key(4), b"a[1]")
+    driver_slots.publish_failed(driver, "a", 1)
     w.watch.check()
     assert len(w.cuts) == 1 and "a:1" in w.cuts[0]
+    assert reads == [round_watch.failed_key(3)] * 2  # one request per poll
 
 
 def closed_port_url():
