@@ -33,7 +33,9 @@ three things there that the launcher changes:
    still running after :data:`SCRIPT_TIMEOUT_S` is killed with its process
    group and the run fails (Horovod's error rule below), and the workers'
    guard (:func:`elastic_ext.launch.worker_runs.start_guard`) kills the
-   group when the driver exits or dies first.
+   group when the driver exits or dies first. The script's shell waits
+   (:data:`GATED`) until the guard knows its group: a driver that dies as
+   the script starts leaves nothing running.
 
 Everything else is Horovod's: the period, the error rule (the first
 discovery's failure ends the job, later ones are logged and retried), the
@@ -51,7 +53,7 @@ from typing import Any, Dict, Optional
 
 from elastic_ext.discovery.hosts import host_error
 from elastic_ext.launch.replaced import Originals, replace, restore
-from elastic_ext.launch.worker_runs import start_guard, stop_guard
+from elastic_ext.launch.worker_runs import arm_guard, start_guard, stop_guard
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,8 @@ REFUSED_LOGGED = 1024
 # The project's own scripts end within their --timeout-s (5 s by default) and half a second; Horovod asks every
 # second, so a script still running after a minute is hung, not slow, and a later run may answer.
 SCRIPT_TIMEOUT_S = 60.0
+# The script's shell waits for one line before it runs the script (an EOF first: the driver is gone, run nothing).
+GATED = 'IFS= read -r go || exit 125; exec /bin/sh -c "$1" </dev/null'
 
 
 def valid_hosts(found: Dict[str, int]) -> Dict[str, int]:
@@ -83,10 +87,21 @@ def run_script(self: Any) -> str:
     Raises:
         RuntimeError: the script exited non-zero (Horovod's message), or ran past :data:`SCRIPT_TIMEOUT_S`.
     """
-    shell = subprocess.Popen(self._discovery_script, shell=True, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                             start_new_session=True)  # its own group: a timeout kills what the script started too
-    guard = start_guard(shell.pid)  # ends the group if the driver exits or dies while the script runs
+    guard = start_guard()  # ends the group if the driver exits or dies while the script runs
     try:
+        # Its own group (a timeout kills what the script started too), held at GATED until the guard knows
+        # the group: a driver that dies in between leaves nothing running unguarded.
+        shell = subprocess.Popen(["/bin/sh", "-c", GATED, "elastic_ext-discovery", self._discovery_script],
+                                 stdout=subprocess.PIPE, stdin=subprocess.PIPE, start_new_session=True)
+    except BaseException:
+        stop_guard(guard)
+        raise
+    arm_guard(guard, shell.pid)
+    try:
+        assert shell.stdin is not None
+        shell.stdin.write(b"go\n")
+        shell.stdin.close()
+        shell.stdin = None  # (communicate would flush it)
         out, _ = shell.communicate(timeout=SCRIPT_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         try:
