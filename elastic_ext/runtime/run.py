@@ -103,7 +103,7 @@ def _elastic_session(state: "State", kind: str) -> Iterator[None]:
         events.emit(RESTARTED_IN_PLACE, restarts=keeper.restarts())
     if launched():  # the newcomers' side of an early start needs the launcher's entry module
         state.set_early_start(prestart.early_start_factory(binding, config.rendezvous_timeout_s or 120.0),
-                               round_watch.capacity_left_out)
+                              round_watch.capacity_left_out)
     notification_manager.init()
     notification_manager.register_listener(state)
     dog = Watchdog(config, on_stall=lambda idle: events.emit(STALL, idle_s=idle),
