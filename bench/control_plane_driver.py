@@ -6,7 +6,8 @@ are read from ``/proc`` for it alone:
 - ``--hosts-file F --np N --min-np M --max-np X``: Horovod's ``ElasticDriver``
   and rendezvous server as ``elastic-horovodrun`` sets them up (the job's
   secret, :mod:`elastic_ext.launch.store_guard`,
-  :mod:`elastic_ext.launch.driver`, :mod:`elastic_ext.launch.rendezvous_wait`),
+  :mod:`elastic_ext.launch.driver`'s subclass of Horovod's driver; on a
+  version before it, the changes it installed and ``rendezvous_wait``),
   its discovery reading the JSON ``{host: slots}`` of ``F`` (the simulation
   adds a host by rewriting it). Its workers are simulated by the parent: the
   driver's worker function prints ``start ID HOST LR RANK SIZE LOCAL_RANK
@@ -105,20 +106,22 @@ def serve(args: argparse.Namespace) -> None:
     from horovod.runner.elastic.rendezvous import create_rendezvous_handler
     from horovod.runner.http.http_server import RendezvousServer
 
-    from elastic_ext.launch import driver, rendezvous_wait, store, store_guard
+    from elastic_ext.launch import driver, store
 
     store.set_job_secret(args.secret)
     # As elastic-horovodrun's main() (the parts that shape the store and the rounds); every simulated
     # host resolves to this machine, where the simulated workers run.
-    store_guard.install(resolver=lambda host: frozenset({"127.0.0.1"}))
-    try:  # the code of this branch; main's before it (bench.control_plane --before) has no such module
-        from elastic_ext.launch import store_serving
-    except ImportError:
-        store_serving = None
-    if store_serving is not None:
-        store_serving.install()
-    driver.install()
-    rendezvous_wait.install()
+    resolver = lambda host: frozenset({"127.0.0.1"})  # noqa: E731
+    try:  # this branch's code: every change made in one place, the driver one subclass of Horovod's
+        from elastic_ext.launch import horovod_changes
+    except ImportError:  # main before it (bench.control_plane --before): each module installed its changes
+        from elastic_ext.launch import rendezvous_wait, store_guard  # (rendezvous_wait removed since: no gain)
+        store_guard.install(resolver=resolver)
+        driver.install()
+        rendezvous_wait.install()
+    else:
+        horovod_changes.install_launcher(parts=("store_guard", "store_serving"), resolver=resolver)
+        ElasticDriver = driver.driver_class()  # noqa: N806
     install_counter()
 
     exits: Dict[int, Tuple[threading.Event, List[int]]] = {}

@@ -46,13 +46,10 @@ def cpu_s() -> float:
 
 
 def horovod_execute(discovery: Any) -> str:
-    """Horovod 0.28.1's ``_execute_discovery_script``, whatever install() replaced."""
-    from elastic_ext.launch import discovery_runs
+    """Horovod 0.28.1's ``_execute_discovery_script``."""
     from horovod.runner.elastic.discovery import HostDiscoveryScript
 
-    original = discovery_runs._originals.get((HostDiscoveryScript, "_execute_discovery_script"),
-                                             HostDiscoveryScript._execute_discovery_script)
-    return original(discovery)
+    return HostDiscoveryScript._execute_discovery_script(discovery)
 
 
 def one_run(system: str, command: str) -> Dict[str, float]:
@@ -75,11 +72,10 @@ def lock_waits(system: str, command: str, seconds: float, takes: int, seed: int)
     from horovod.runner.elastic.discovery import HostDiscoveryScript, HostManager
     from horovod.runner.elastic.driver import ElasticDriver
 
-    original_loop = discovery_runs._originals.get((ElasticDriver, "_discover_hosts"), ElasticDriver._discover_hosts)
-    loop: Callable[[Any], None] = original_loop if system == "horovod" else discovery_runs.discover_hosts
+    loop: Callable[[Any], None] = ElasticDriver._discover_hosts if system == "horovod" else discovery_runs.discover_hosts
     discovery = HostDiscoveryScript(command, 1)
-    if system == "horovod":  # Horovod's run of the script too, not the launcher's
-        discovery._execute_discovery_script = types.MethodType(horovod_execute, discovery)
+    if system == "launcher":  # the launcher's run of the script too, as its driver builds its discovery
+        discovery = discovery_runs.script_discovery(discovery)
     driver = types.SimpleNamespace(_shutdown=threading.Event(), _wait_hosts_cond=threading.Condition(),
                                    _host_manager=HostManager(discovery),
                                    _notify_workers_host_changes=lambda hosts, result: None)
@@ -109,8 +105,6 @@ def main() -> None:
     if args.runs < 1 or args.takes < 1 or args.seconds <= 0:
         parser.error(f"--runs {args.runs}, --takes {args.takes}, --seconds {args.seconds}: expected positive values")
 
-    from elastic_ext.launch import discovery_runs
-    discovery_runs.install()
     work = tempfile.mkdtemp(prefix="bench_discovery_")
     hosts = os.path.join(work, "hosts")
     with open(hosts, "w") as handle:

@@ -17,7 +17,9 @@ import glob
 import json
 import logging
 import os
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
+
+from elastic_ext.launch.horovod_seam import Change
 
 logger = logging.getLogger(__name__)
 
@@ -79,12 +81,12 @@ def cached(name: str, check: Callable[..., Any], key: str, path: str) -> Callabl
     return answer
 
 
-def install() -> None:
-    """Makes ``horovod.runner.launch`` answer its build checks from the cache (this process only)."""
+def changes() -> List[Change]:
+    """``horovod.runner.launch``'s build checks answered from the cache (this process only; made by
+    :func:`elastic_ext.launch.horovod_changes.install_launcher`)."""
     import horovod
     from horovod.runner import launch
 
     key = extensions_key(os.path.dirname(horovod.__file__))
     path = cache_path()
-    for name in CHECKS:
-        setattr(launch, name, cached(name, getattr(launch, name), key, path))
+    return [(launch, name, cached(name, getattr(launch, name), key, path)) for name in CHECKS]

@@ -8,15 +8,16 @@ three things there that the launcher changes:
    whose round forms while the script runs waits for the script's end:
    here 0.3 s and more, in about a third of the failures. Under the
    launcher the script runs first, with no lock held, and only its answer
-   is applied under the lock (:func:`discover_hosts`, which replaces
-   ``ElasticDriver._discover_hosts``; :class:`Prefetched` hands the answer
+   is applied under the lock (:func:`discover_hosts`, the launcher's
+   driver's ``_discover_hosts``, :mod:`elastic_ext.launch.driver`; :class:`Prefetched` hands the answer
    to Horovod's ``HostManager`` unchanged, so blacklists, cooldowns and the
    notices' filter act on it as before).
 2. **Each run starts a fresh Python interpreter as a middleman**
    (``safe_shell_exec``, multiprocessing's spawn), which then starts the
    script: about 0.3 s of CPU a second on the driver's host, beside the
    workers, before the script's own. Under the launcher the script is a
-   plain child of the driver (:func:`run_script`): the same shell command,
+   plain child of the driver (:func:`run_script`, in the discovery the
+   driver builds from Horovod's, :func:`script_discovery`): the same shell command,
    environment, exit-status rule and parsing as Horovod's.
 
 3. **Host names are checked before Horovod sees them**, whichever
@@ -44,6 +45,7 @@ notification of the workers.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -52,12 +54,10 @@ import threading
 from typing import Any, Dict, Optional
 
 from elastic_ext.discovery.hosts import host_error
-from elastic_ext.launch.replaced import Originals, replace, restore
 from elastic_ext.launch.worker_runs import arm_guard, start_guard, stop_guard
 
 logger = logging.getLogger(__name__)
 
-_originals: Originals = {}  # what install() replaced
 _refused: set = set()       # hosts refused so far: each is logged once, not at every discovery run
 REFUSED_LOGGED = 1024
 # The project's own scripts end within their --timeout-s (5 s by default) and half a second; Horovod asks every
@@ -182,18 +182,23 @@ def discover_hosts(self: Any) -> None:
         self._shutdown.wait(DISCOVER_HOSTS_FREQUENCY_SECS)
 
 
-def install() -> None:
-    """Installs the changes of the module docstring in this (the driver's) process; idempotent."""
-    if _originals:
-        return
+@functools.lru_cache(maxsize=None)
+def _script_class() -> type:
     from horovod.runner.elastic.discovery import HostDiscoveryScript
-    from horovod.runner.elastic.driver import ElasticDriver
 
-    replace(_originals, ((HostDiscoveryScript, "_execute_discovery_script", run_script),
-                         (ElasticDriver, "_discover_hosts", discover_hosts)))
+    class Script(HostDiscoveryScript):  # type: ignore[misc, valid-type]
+        """Horovod's discovery by script, the script run by :func:`run_script`."""
+        _execute_discovery_script = run_script
+
+    return Script
 
 
-def uninstall() -> None:
-    """Puts back what :func:`install` replaced (tests)."""
-    restore(_originals)
-    _refused.clear()
+def script_discovery(discovery: Any) -> Any:
+    """``discovery`` as the launcher's driver runs it: Horovod's ``HostDiscoveryScript`` becomes one whose
+    script runs through :func:`run_script` (same script, same default slots, same parsing); any other
+    discovery is returned as it is."""
+    from horovod.runner.elastic.discovery import HostDiscoveryScript
+
+    if type(discovery) is not HostDiscoveryScript:
+        return discovery
+    return _script_class()(discovery._discovery_script, discovery._default_slots)

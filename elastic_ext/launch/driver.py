@@ -83,45 +83,81 @@ cooldown, discovery.
 
 from __future__ import annotations
 
+import functools
+import threading
+from typing import Any
+
+from elastic_ext.launch import discovery_runs, noticed_hosts, worker_clients
 from elastic_ext.launch.driver_dismissal import worth_dismissing
 from elastic_ext.launch.driver_registry import REGROW_POLL_S, registry_methods
 from elastic_ext.launch.driver_slots import driver_methods
 from elastic_ext.launch.driver_state import STARTS_KEPT, DriverState, Slot, moves, survivors_by_host
-from elastic_ext.launch.replaced import Originals, replace, restore
 
-__all__ = ["install", "uninstall", "worth_dismissing", "REGROW_POLL_S", "STARTS_KEPT", "DriverState", "Slot",
-           "moves", "survivors_by_host"]
+__all__ = ["driver_class", "worth_dismissing", "REGROW_POLL_S", "STARTS_KEPT", "DriverState", "Slot", "moves",
+           "survivors_by_host"]
 
-_originals: Originals = {}  # what install() replaced
+#: The methods of Horovod's ``ElasticDriver`` that :mod:`~elastic_ext.launch.driver_slots` changes.
+SLOT_METHODS = ("_get_host_assignments", "_update_host_assignments", "get_slot_info", "_start_worker_process",
+                "record_ready", "_handle_worker_exit")
 
 
-def install() -> None:
-    """Changes Horovod's elastic driver as the module docstring says; idempotent.
+@functools.lru_cache(maxsize=None)
+def driver_class() -> type:
+    """Horovod's ``ElasticDriver`` with the changes of the module docstring, as one subclass.
 
-    The changes live by what they change: :mod:`~elastic_ext.launch.driver_registry`
-    (a round's recording), :mod:`~elastic_ext.launch.driver_slots` (a round's
-    forming and its workers' names), :mod:`~elastic_ext.launch.driver_dismissal`
+    ``elastic-horovodrun`` binds it where Horovod builds its driver
+    (:func:`elastic_ext.launch.horovod_seam.install_launcher`); a test
+    builds it or Horovod's own side by side. The changes live by what they
+    change: :mod:`~elastic_ext.launch.driver_registry` (a round's recording,
+    in a subclass of Horovod's ``WorkerStateRegistry`` that the driver
+    holds), :mod:`~elastic_ext.launch.driver_slots` (a round's forming and
+    its workers' names), :mod:`~elastic_ext.launch.driver_dismissal`
     (starting workers dismissed), on the record of
-    :mod:`~elastic_ext.launch.driver_state`.
+    :mod:`~elastic_ext.launch.driver_state`; the discovery as the launcher
+    runs it (:mod:`~elastic_ext.launch.discovery_runs`: the script outside
+    the host lock; :mod:`~elastic_ext.launch.noticed_hosts`: hosts with a
+    preemption notice left out), and the clients of the workers' services
+    (:mod:`~elastic_ext.launch.worker_clients`). Horovod is imported here,
+    once, not when this module is.
     """
-    if _originals:
-        return
     from horovod.runner.elastic.driver import ElasticDriver
     from horovod.runner.elastic.registration import WorkerStateRegistry
 
-    original = {name: getattr(ElasticDriver, name) for name in (
-        "_update_host_assignments", "_get_host_assignments", "_start_worker_process", "_handle_worker_exit",
-        "get_slot_info", "record_ready")}
     reset, on_workers_recorded = registry_methods(WorkerStateRegistry.reset, WorkerStateRegistry._on_workers_recorded)
-    methods = driver_methods(original)
-    replace(_originals, ((WorkerStateRegistry, "reset", reset),
-                         (WorkerStateRegistry, "_on_workers_recorded", on_workers_recorded),
-                         *((ElasticDriver, name, methods[name]) for name in (
-                             "_get_host_assignments", "_update_host_assignments", "get_slot_info",
-                             "_start_worker_process", "record_ready", "_handle_worker_exit"))))
+    registry = type("Registry", (WorkerStateRegistry,), {
+        "__module__": __name__, "__doc__": "Horovod's WorkerStateRegistry as elastic-horovodrun records a round.",
+        "reset": reset, "_on_workers_recorded": on_workers_recorded})
+    slots = driver_methods({name: getattr(ElasticDriver, name) for name in SLOT_METHODS})
+    client = worker_clients.client_class()
 
+    class Driver(ElasticDriver):  # type: ignore[misc, valid-type]
+        """Horovod's elastic driver as ``elastic-horovodrun`` changes it (:mod:`elastic_ext.launch.driver`)."""
 
-def uninstall() -> None:
-    """Gives Horovod's driver its own behaviour back (for tests that run both in one process)."""
-    restore(_originals)
+        _get_host_assignments = slots["_get_host_assignments"]
+        _update_host_assignments = slots["_update_host_assignments"]
+        get_slot_info = slots["get_slot_info"]
+        _start_worker_process = slots["_start_worker_process"]
+        record_ready = slots["record_ready"]
+        _handle_worker_exit = slots["_handle_worker_exit"]
 
+        def __init__(self, rendezvous: Any, discovery: Any, min_num_proc: int, max_num_proc: int,
+                     timeout: Any = None, reset_limit: Any = None, cooldown_range: Any = None,
+                     verbose: int = 0) -> None:
+            # Horovod starts its discovery thread in its __init__: it waits until this one has ended.
+            self._elastic_ext_built = threading.Event()
+            discovery = noticed_hosts.WithoutNoticed(discovery_runs.script_discovery(discovery))
+            super().__init__(rendezvous, discovery, min_num_proc, max_num_proc, timeout=timeout,
+                             reset_limit=reset_limit, cooldown_range=cooldown_range, verbose=verbose)
+            self._worker_registry = registry(self, self._host_manager, reset_limit=reset_limit)
+            noticed_hosts.driver_built(self)
+            self._elastic_ext_built.set()
+
+        def _discover_hosts(self) -> None:
+            self._elastic_ext_built.wait()
+            discovery_runs.discover_hosts(self)
+
+        def register_worker_server(self, host: str, slot: int, addresses: Any, secret_key: Any) -> None:
+            self._worker_clients[(host, slot)] = client(addresses, secret_key, self._verbose)
+            noticed_hosts.worker_registered(self, host, slot)
+
+    return Driver

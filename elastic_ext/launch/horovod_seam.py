@@ -13,8 +13,11 @@ that names every difference: what was expected, what was found, and what to do.
 The tables below are the whole surface: :data:`LAUNCHER` (the driver's
 process) and :data:`WORKER` (a worker, before its script; under an elastic
 ``horovodrun`` also :data:`WORKER_ELASTIC`). Each row is ``(module,
-attribute, how)``, ``how`` being ``"replaced"`` (the project sets it),
-``"read"`` (a module or class attribute the project reads or calls) or
+attribute, how)``, ``how`` being ``"replaced"`` (the project sets it on
+Horovod's class or module), ``"bound"`` (a module name through which
+Horovod builds an object, set to the project's subclass), ``"overridden"`` (a method or class a subclass
+of the project's overrides or extends, calling Horovod's), ``"read"`` (a
+module or class attribute the project reads or calls) or
 ``"instance"`` (a field Horovod's class sets on its instances, ``self.NAME``
 in the source of the class or a base; or a method of the class a Horovod
 function builds, ``def NAME(`` in its source). The PyTorch extension's wait
@@ -27,13 +30,17 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from elastic_ext.errors import ConfigError
 
 EXPECTED_VERSION = "0.28.1"
 
 Row = Tuple[str, str, str]
+
+#: One change made by :mod:`elastic_ext.launch.horovod_changes`: ``(owner, name, value)``, ``owner`` a
+#: Horovod class, module or object.
+Change = Tuple[Any, str, Any]
 
 _DRIVER = "horovod.runner.elastic.driver"
 _REGISTRY = "horovod.runner.elastic.registration"
@@ -42,34 +49,35 @@ _HTTP = "horovod.runner.http.http_server"
 _BASICS = "horovod.common.basics"
 
 #: What the launcher's process replaces or reads (driver_*.py, discovery_runs, noticed_hosts,
-#: rendezvous_wait, store, store_guard, worker_clients, worker_runs, build_check, ssh_keepalive, horovodrun).
+#: store, store_guard, worker_clients, worker_runs, build_check, ssh_keepalive, horovodrun).
 LAUNCHER: Sequence[Row] = (
-    *((_DRIVER, f"ElasticDriver.{name}", "replaced") for name in (
+    ("horovod.runner.gloo_run", "ElasticDriver", "bound"),
+    *((_DRIVER, f"ElasticDriver.{name}", "overridden") for name in (
         "_get_host_assignments", "_update_host_assignments", "get_slot_info", "_start_worker_process",
         "record_ready", "_handle_worker_exit", "__init__", "register_worker_server", "_discover_hosts")),
     *((_DRIVER, f"ElasticDriver.{name}", "read") for name in (
         "_notify_workers_host_changes", "has_rank_assignment", "world_size", "finished", "host_assignments")),
     *((_DRIVER, f"ElasticDriver.{name}", "instance") for name in (
         "_rendezvous", "_host_manager", "_worker_registry", "_worker_clients", "_min_num_proc", "_max_num_proc",
-        "_shutdown", "_host_assignments", "_wait_hosts_cond")),
-    (_DRIVER, "WorkerNotificationClient", "replaced"),
+        "_shutdown", "_host_assignments", "_wait_hosts_cond", "_verbose")),
+    (_DRIVER, "WorkerNotificationClient", "overridden"),  # its _wire, in the launcher's driver's clients
     (_DRIVER, "DISCOVER_HOSTS_FREQUENCY_SECS", "read"),
-    (_REGISTRY, "WorkerStateRegistry.reset", "replaced"),
-    (_REGISTRY, "WorkerStateRegistry._on_workers_recorded", "replaced"),
+    (_REGISTRY, "WorkerStateRegistry.reset", "overridden"),
+    (_REGISTRY, "WorkerStateRegistry._on_workers_recorded", "overridden"),
     *((_REGISTRY, f"WorkerStateRegistry.{name}", "read") for name in ("last_rendezvous", "get")),
     *((_REGISTRY, f"WorkerStateRegistry.{name}", "instance") for name in (
         "_driver", "_host_manager", "_lock", "_states", "_workers")),
     *((_REGISTRY, name, "read") for name in ("FAILURE", "READY", "SUCCESS")),
-    (_DISCOVERY, "HostManager.update_available_hosts", "replaced"),
+    (_DISCOVERY, "HostManager.update_available_hosts", "read"),
     (_DISCOVERY, "HostManager.blacklist", "replaced"),  # shadowed on the instance while a round is recorded
     (_DISCOVERY, "HostManager.current_hosts", "read"),
     (_DISCOVERY, "HostManager._discovery", "instance"),
-    (_DISCOVERY, "HostDiscoveryScript._execute_discovery_script", "replaced"),
+    (_DISCOVERY, "HostDiscoveryScript._execute_discovery_script", "overridden"),
     (_DISCOVERY, "HostDiscoveryScript._discovery_script", "instance"),
+    (_DISCOVERY, "HostDiscoveryScript._default_slots", "instance"),
     (_DISCOVERY, "HostUpdateResult", "read"),
     (_HTTP, "KVStoreHandler._put_value", "replaced"),
-    (_HTTP, "KVStoreHandler._get_value", "replaced"),
-    (_HTTP, "KVStoreHandler.do_PUT", "replaced"),
+    (_HTTP, "KVStoreHandler.do_PUT", "read"),
     (_HTTP, "RendezvousServer.start", "replaced"),
     (_HTTP, "RendezvousServer._httpd", "instance"),
     (_HTTP, "RendezvousHTTPServer.verify_request", "replaced"),
@@ -169,7 +177,7 @@ def _check(rows: Sequence[Row]) -> None:
 
 
 #: The build patch (tools/horovod_patches/) with which an elastic job may fix both tuning values
-#: (:func:`elastic_ext.launch.horovodrun.crashing_tuning`).
+#: (:func:`elastic_ext.launch.command_line.crashing_tuning`).
 TUNING_FIX = "07-fixed-tuning-after-reset"
 
 

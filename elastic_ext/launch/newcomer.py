@@ -1,7 +1,7 @@
 """The newcomer's side of an early start: a world of one until ``@elastic_ext.run``, then the real one.
 
-:func:`install` wraps Horovod's ``hvd.init()`` and its rank and size
-queries. At this process's first ``init()``, when the survivors' marker is
+:func:`init` runs around Horovod's ``hvd.init()``, :func:`query` around its
+rank and size queries (:mod:`elastic_ext.launch.horovod_changes` wraps them). At this process's first ``init()``, when the survivors' marker is
 in the rendezvous server's store (:mod:`elastic_ext.launch.prestart`), the
 newcomer starts Horovod as a world of one (:func:`start_solo`) and builds
 its model; at ``@elastic_ext.run`` it announces itself and joins the
@@ -21,7 +21,6 @@ import functools
 import logging
 import os
 import sys
-import types
 from typing import Any, Callable, Dict, Mapping, MutableMapping, Optional
 
 from elastic_ext.config import ENV_HOROVOD_RENDEZVOUS_ADDR, ENV_HOROVOD_RENDEZVOUS_PORT
@@ -63,13 +62,14 @@ def early_start_under_way(environ: Optional[Mapping[str, str]] = None) -> bool:
         return False
 
 
-def start_solo(init: Callable[[], Any], environ: Optional[MutableMapping[str, str]] = None) -> None:
+def start_solo(init: Callable[[], Any], environ: Optional[MutableMapping[str, str]] = None,
+               hold_ranks: Optional[Callable[[int], None]] = None) -> None:
     """Runs Horovod's ``init`` as a world of one, so that the script builds its model before it joins.
 
     Horovod's rank, size and local rank still answer what the newcomer was
-    launched with (:func:`install` wraps them), and the global process set
-    holds every launched rank, so ``DistributedOptimizer`` registers its
-    hooks. :func:`join` later makes it a member of the real world.
+    launched with (:func:`query`), and the global process set
+    holds every launched rank (``hold_ranks``, given the launched size), so
+    ``DistributedOptimizer`` registers its hooks. :func:`join` later makes it a member of the real world.
     """
     global _launch
     env = os.environ if environ is None else environ
@@ -84,8 +84,8 @@ def start_solo(init: Callable[[], Any], environ: Optional[MutableMapping[str, st
             env.pop(name, None)
         env.update(launch)
     _launch = launch
-    from horovod.common.process_sets import global_process_set
-    global_process_set.ranks = list(range(int(launch["HOROVOD_SIZE"])))
+    if hold_ranks is not None:
+        hold_ranks(int(launch["HOROVOD_SIZE"]))
 
 
 def watch_dismissal(environ: Optional[Mapping[str, str]] = None) -> bool:
@@ -148,72 +148,51 @@ def join(binding: Any, environ: Optional[Mapping[str, str]] = None) -> bool:
     return True
 
 
-def _wrap_query(name: str, original: Callable[[Any], int]) -> Callable[[Any], int]:
+def wraps_init(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """True in a worker of an elastic ``horovodrun``, where :func:`init` runs around Horovod's ``init``."""
+    return store_url(environ) is not None
+
+
+def query(name: str, original: Callable[[Any], int]) -> Callable[[Any], int]:
+    """Horovod's rank or size query ``name`` (a key of :data:`QUERIES`) as a newcomer running solo answers it:
+    with what it was launched with (:func:`start_solo`), Horovod's own answer otherwise."""
     @functools.wraps(original)
-    def query(self: Any) -> int:
+    def answer(self: Any) -> int:
         if _launch is not None:
             return int(_launch[QUERIES[name]])
         return original(self)
 
-    return query
+    return answer
 
 
-def install(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """Wraps Horovod's ``init`` (see the module docstring) and its rank and size queries (:func:`start_solo`).
+def init(horovod_init: Callable[[], Any], local_rank: Callable[[], int], hold_ranks: Callable[[int], None]) -> Any:
+    """Runs ``horovod_init`` (Horovod's ``init`` with its arguments) as this worker's ``hvd.init()`` must run.
 
-    Patches ``HorovodBasics``, which Horovod's own code calls through, and
-    what the already imported ``horovod`` modules bound from it (``hvd.rank``
-    is one). Only in workers of an elastic ``horovodrun``; returns True if
-    installed.
+    At the first ``init`` of a newcomer of an early start, or of a worker
+    its keeper restarted, as a world of one (:func:`start_solo`): it asks
+    for its rank at ``@elastic_ext.run``. Otherwise the dismissal watch
+    stops first (it asks for its rank now), and a restartable worker stops
+    waiting for a peer that died (the keeper's round watch). The keeper
+    learns the init's end (``local_rank``: the local rank Horovod gave;
+    ``hold_ranks``: see :func:`start_solo`).
+    :mod:`elastic_ext.launch.horovod_changes` wraps Horovod's ``init`` with it.
     """
-    if store_url(environ) is None:
-        return False
+    global _first_init_done
+    reset = _first_init_done
+    restarted = keeper.restarts() > 0 and not reset
+    solo = early_start_under_way() or restarted
+    _first_init_done = True
+    if not solo:
+        stop_watching()  # it asks for its rank now
+    keeper.enter_init()
+    stop_watch = round_watch.watch(reset, keeper.lost_round) if keeper.active() and not solo else None
     try:
-        from horovod.common import basics
-    except ImportError:
-        return False
-    cls = basics.HorovodBasics
-    original = cls.init
-    if getattr(original, "elastic_ext_wraps", None) is not None:
-        return True
-
-    @functools.wraps(original)
-    def init(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # A worker its keeper restarted starts solo too, and asks for a rank at @elastic_ext.run.
-        global _first_init_done
-        reset = _first_init_done
-        restarted = keeper.restarts() > 0 and not reset
-        solo = early_start_under_way() or restarted
-        _first_init_done = True
-        if not solo:
-            stop_watching()  # it asks for its rank now
-        keeper.enter_init()
-        # A restartable worker stops waiting for a peer that died (under python -m elastic_ext.launch.horovodrun).
-        stop_watch = round_watch.watch(reset, keeper.lost_round) if keeper.active() and not solo else None
-        try:
-            result = start_solo(lambda: original(self, *args, **kwargs)) if solo else original(self, *args, **kwargs)
-        except BaseException:
-            keeper.leave_init(joined=False)
-            raise
-        finally:
-            if stop_watch is not None:
-                stop_watch()
-        keeper.leave_init(joined=not solo, local_rank=None if solo else original_local_rank(self))
-        return result
-
-    original_local_rank = cls.local_rank
-    init.elastic_ext_wraps = original  # type: ignore[attr-defined]
-    replaced = {original: init}
-    cls.init = init
-    for name in QUERIES:
-        query = getattr(cls, name)
-        replaced[query] = _wrap_query(name, query)
-        setattr(cls, name, replaced[query])
-    for module_name, module in list(sys.modules.items()):
-        if module_name.split(".")[0] != "horovod":
-            continue
-        for name in ("init", *QUERIES):
-            bound = getattr(module, name, None)
-            if isinstance(bound, types.MethodType) and bound.__func__ in replaced:
-                setattr(module, name, types.MethodType(replaced[bound.__func__], bound.__self__))
-    return True
+        result = start_solo(horovod_init, hold_ranks=hold_ranks) if solo else horovod_init()
+    except BaseException:
+        keeper.leave_init(joined=False)
+        raise
+    finally:
+        if stop_watch is not None:
+            stop_watch()
+    keeper.leave_init(joined=not solo, local_rank=None if solo else local_rank())
+    return result

@@ -1,6 +1,7 @@
 """The driver's side of preemption notices: a host with a notice leaves discovery; Slurm's signal reaches every worker.
 
-``elastic-horovodrun`` installs this in its driver (:func:`install`):
+``elastic-horovodrun`` makes these changes in its driver (:func:`changes`, and its driver class,
+:mod:`elastic_ext.launch.driver`):
 
 1. **A host with a notice is dropped from discovery for good.** A worker
    whose host has a notice (:mod:`elastic_ext.launch.notices`) writes the
@@ -33,18 +34,17 @@ import logging
 import signal
 import threading
 import urllib.parse
-from typing import Any, Dict, Set
+from typing import Any, Dict, List, Set
 
 from elastic_ext.launch import job_hosts
 from elastic_ext.launch.notices import NOTICE_SCOPE, NOTICE_SIGNAL, JobNotice, signal_notice
-from elastic_ext.launch.replaced import Originals, replace, restore
+from elastic_ext.launch.horovod_seam import Change
 
 logger = logging.getLogger(__name__)
 
 MAX_HOST_LEN = 253
 
 noticed: Set[str] = set()              # hosts with a notice, dropped from discovery for the job's life
-_originals: Originals = {}             # what install() replaced
 _drivers: list = []                    # the driver of this process, once Horovod created it
 _job_notices: list = []                # the JobNotice of this job, once the signal came
 
@@ -113,57 +113,38 @@ def on_signal(signum: int, frame: Any) -> None:
     threading.Thread(target=relay, name="elastic_ext-job-notice", daemon=True).start()
 
 
-def install() -> None:
-    """Installs both parts of the module docstring in this (the driver's) process; idempotent."""
-    if _originals:
-        return
-    from horovod.runner.elastic.discovery import HostManager
-    from horovod.runner.elastic.driver import ElasticDriver
+def driver_built(driver: Any) -> None:
+    """The launcher's driver (:func:`elastic_ext.launch.driver.driver_class`) was built: the signal's relay uses it."""
+    _drivers[:] = [driver]
+
+
+def worker_registered(driver: Any, host: str, local_rank: int) -> None:
+    """A worker registered its notification service: a worker that was starting when the signal came gets
+    the job's notice now."""
+    if _job_notices:
+        client = driver._worker_clients[(host, local_rank)]
+        threading.Thread(target=_send, args=(client, _job_notices[0], host, local_rank), daemon=True,
+                         name="elastic_ext-job-notice-late").start()
+
+
+def changes() -> List[Change]:
+    """In this (the driver's) process: Slurm's signal for the whole job (installed now), and the store's
+    reading of notices, for :func:`elastic_ext.launch.horovod_changes.install_launcher` to make. The
+    driver's part (:class:`WithoutNoticed`, :func:`driver_built`, :func:`worker_registered`) is in the
+    launcher's driver."""
     from horovod.runner.http.http_server import KVStoreHandler
 
     original_put = KVStoreHandler._put_value
-    original_update = HostManager.update_available_hosts
-    original_init = ElasticDriver.__init__
-    original_register = ElasticDriver.register_worker_server
 
     def put_value(self: Any, scope: str, key: str, value: bytes) -> None:
         if scope == NOTICE_SCOPE:
             note(urllib.parse.unquote(key))
         original_put(self, scope, key, value)
 
-    def update_available_hosts(self: Any) -> Any:
-        if not isinstance(self._discovery, WithoutNoticed):
-            self._discovery = WithoutNoticed(self._discovery)
-        return original_update(self)
-
-    def driver_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        original_init(self, *args, **kwargs)
-        _drivers[:] = [self]
-
-    def register_worker_server(self: Any, host: str, slot: int, addresses: Any, secret_key: Any) -> None:
-        original_register(self, host, slot, addresses, secret_key)
-        if _job_notices:  # a worker that was starting when the signal came
-            client = self._worker_clients[(host, slot)]
-            threading.Thread(target=_send, args=(client, _job_notices[0], host, slot), daemon=True,
-                             name="elastic_ext-job-notice-late").start()
-
-    replace(_originals, ((KVStoreHandler, "_put_value", put_value),
-                         (HostManager, "update_available_hosts", update_available_hosts),
-                         (ElasticDriver, "__init__", driver_init),
-                         (ElasticDriver, "register_worker_server", register_worker_server)))
     if threading.current_thread() is threading.main_thread() and signal.getsignal(NOTICE_SIGNAL) is signal.SIG_DFL:
         signal.signal(NOTICE_SIGNAL, on_signal)
+    return [(KVStoreHandler, "_put_value", put_value)]
 
 
-def uninstall() -> None:
-    """Gives Horovod its own behaviour back and forgets the notices (tests run both in one process)."""
-    restore(_originals)
-    noticed.clear()
-    job_hosts.hosts.forget()
-    _drivers.clear()
-    _job_notices.clear()
-    if signal.getsignal(NOTICE_SIGNAL) is on_signal:
-        signal.signal(NOTICE_SIGNAL, signal.SIG_DFL)
-
-
-__all__ = ["noticed", "note", "WithoutNoticed", "notify_every_worker", "on_signal", "install", "uninstall"]
+__all__ = ["noticed", "note", "WithoutNoticed", "changes", "driver_built", "notify_every_worker", "on_signal",
+           "worker_registered"]

@@ -35,7 +35,7 @@ import signal
 import threading
 import time
 import urllib.parse
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from elastic_ext.config import ElasticConfig, elastic_horovodrun, notice_endpoints
 from elastic_ext.errors import ConfigError
@@ -46,6 +46,8 @@ from elastic_ext.launch.sigterm import Relay
 from elastic_ext.liveness import LIVENESS, Liveness
 
 logger = logging.getLogger(__name__)
+
+_accepting: list = []  # (config, liveness) once install() ran: the driver's JobNotice is taken
 
 CAUSE = "preemption"
 NOTICE_SCOPE = store.NOTICE_SCOPE    # the driver's store: one key per host with a notice
@@ -223,23 +225,25 @@ def _install_signal(config: ElasticConfig, liveness: Liveness, environ: Mapping[
 
 
 def _accept_job_notices(config: ElasticConfig, liveness: Liveness) -> None:
-    """Lets this worker's Horovod notification service take a :class:`JobNotice` from the driver."""
-    from horovod.runner.common.util.network import AckResponse
-    from horovod.runner.elastic.worker import WorkerNotificationService
+    """Lets this worker's Horovod notification service take a :class:`JobNotice` from the driver
+    (:func:`job_notice_handler`, installed by :func:`elastic_ext.launch.horovod_changes.install_worker`)."""
+    _accepting[:] = [(config, liveness)]
 
-    original = WorkerNotificationService._handle
-    if getattr(original, "elastic_ext_notices", False):
-        return
+
+def job_notice_handler(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Horovod's ``WorkerNotificationService._handle`` (``original``) that also takes a :class:`JobNotice`
+    once :func:`install` has run in this worker; before that, or without it, Horovod's alone."""
+    from horovod.runner.common.util.network import AckResponse
 
     def handle(self: Any, req: Any, client_address: Any) -> Any:
-        if isinstance(req, JobNotice):
+        if isinstance(req, JobNotice) and _accepting:
+            config, liveness = _accepting[0]
             act(req.notice, config, liveness, report=False)
             return AckResponse()
         return original(self, req, client_address)
 
-    handle.elastic_ext_notices = True
-    WorkerNotificationService._handle = handle
+    return handle
 
 
 __all__ = ["CAUSE", "NOTICE_SCOPE", "NOTICE_SIGNAL", "Watcher", "JobNotice", "act", "clients", "cloud_from_dmi",
-           "install", "report_host", "signal_notice"]
+           "install", "job_notice_handler", "report_host", "signal_notice"]

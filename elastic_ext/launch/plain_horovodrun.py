@@ -16,11 +16,11 @@ itself.
 
 import sys
 
-from elastic_ext.launch import build_check
+from elastic_ext.launch import horovod_changes
 
 
 def main() -> None:
-    build_check.install()
+    horovod_changes.install_launcher(parts=("build_check",))
     from horovod.runner.launch import run_commandline
     sys.argv = ["horovodrun", *sys.argv[1:]]
     sys.exit(run_commandline())

@@ -20,16 +20,17 @@ win over the user's ``~/.ssh/config``.
 
 Host keys: Horovod's prefix says ``StrictHostKeyChecking=no``, so a machine in
 the middle would receive each worker's command line (the rendezvous address
-included). :func:`install` replaces it with the ``ssh_host_keys`` setting
+included). :func:`changes` replace it with the ``ssh_host_keys`` setting
 (``accept-new`` by default: a first contact still works, a changed key is refused).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import List, Optional
 
 from elastic_ext.config import SSH_HOST_KEYS, ElasticConfig
+from elastic_ext.launch.horovod_seam import Change
 
 ALIVE_INTERVAL_S = 5
 ALIVE_COUNT_MAX = 3
@@ -40,9 +41,10 @@ OPTIONS = f"-o ServerAliveInterval={ALIVE_INTERVAL_S} -o ServerAliveCountMax={AL
 HOST_KEY_OPTION = re.compile(r"-o\s*StrictHostKeyChecking[= ]\S+", re.IGNORECASE)
 
 
-def install(host_keys: Optional[str] = None) -> None:
-    """Adds :data:`OPTIONS` to the ssh command of Horovod's driver (this process) and sets its host key check
-    to ``host_keys`` (None: the ``ssh_host_keys`` setting); idempotent.
+def changes(host_keys: Optional[str] = None) -> List[Change]:
+    """The ssh command of Horovod's driver (this process) with :data:`OPTIONS` and its host key check set to
+    ``host_keys`` (None: the ``ssh_host_keys`` setting), for
+    :func:`elastic_ext.launch.horovod_changes.install_launcher` to make.
 
     Raises:
         ConfigError: the setting (or any ``ELASTIC_EXT_*`` variable) is bad.
@@ -55,4 +57,4 @@ def install(host_keys: Optional[str] = None) -> None:
     prefix = " ".join(part for part in prefix.split(" ") if part)  # the removed option leaves a double space
     if OPTIONS not in prefix:
         prefix = f"{prefix} {OPTIONS}"
-    remote.SSH_COMMAND_PREFIX = f"{prefix} {check}"
+    return [(remote, "SSH_COMMAND_PREFIX", f"{prefix} {check}")]

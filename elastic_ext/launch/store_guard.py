@@ -2,8 +2,9 @@
 
 Horovod's rendezvous server listens on every interface with no
 authentication, unpickles every PUT to ``worker_addresses`` and answers a
-GET of it with the worker's notification-service key. :func:`install`
-(``elastic-horovodrun``'s driver) changes that, in this process:
+GET of it with the worker's notification-service key. :func:`changes`
+(made in ``elastic-horovodrun``'s driver by :mod:`elastic_ext.launch.horovod_changes`)
+change that, in this process:
 
 1. **Clients** (of an elastic job's server; a static job has no
    discovery to list its hosts, and its store loads no pickle): a
@@ -23,7 +24,8 @@ GET of it with the worker's notification-service key. :func:`install`
    are registered (:func:`own_addresses`), and the driver loads its
    service's answers, signed with the key the registering client chose,
    with Horovod's three answer classes allowed and no other global
-   (:mod:`elastic_ext.launch.worker_clients`). The value is not kept, and
+   (:mod:`elastic_ext.launch.worker_clients`, the clients of the launcher's
+   driver, :mod:`elastic_ext.launch.driver`). The value is not kept, and
    a GET of that scope is answered 404: the workers' keys are never
    readable.
 3. **The launcher's keys**: an HTTP PUT or DELETE of
@@ -49,18 +51,17 @@ import io
 import logging
 import pickle
 import urllib.parse
-from typing import Any, Callable, Dict, FrozenSet, Optional, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
-from elastic_ext.launch import store, worker_clients
+from elastic_ext.launch import store
 from elastic_ext.launch.job_hosts import hosts, normal
-from elastic_ext.launch.replaced import Originals, replace, restore
+from elastic_ext.launch.horovod_seam import Change
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 1 << 20
 LOGGED_REFUSALS = 256  # distinct refusals logged; an attacker's flood is not copied into the log
 
-_originals: Originals = {}
 _refusals_logged: Set[Tuple[str, str, int]] = set()
 
 
@@ -211,21 +212,20 @@ def guarded(handler_cls: type) -> type:
     return Guarded
 
 
-def install(resolver: Optional[Callable[[str], FrozenSet[str]]] = None) -> None:
-    """Guards this (the driver's) process's rendezvous servers as the module docstring says; idempotent.
+def changes(resolver: Optional[Callable[[str], FrozenSet[str]]] = None) -> List[Change]:
+    """What guards this (the driver's) process's rendezvous servers as the module docstring says, for
+    :func:`elastic_ext.launch.horovod_changes.install_launcher` to make.
 
-    Makes the job's secret (:func:`elastic_ext.launch.store.new_job_secret`) if this process has none.
+    Makes the job's secret (:func:`elastic_ext.launch.store.new_job_secret`) if this process has none,
+    and starts following the job's hosts.
     ``resolver``: host name -> addresses (tests; default :func:`elastic_ext.launch.job_hosts.resolve`).
     """
-    if _originals:
-        return
     from horovod.runner.http.http_server import RendezvousHTTPServer, RendezvousServer
 
     if store.job_secret() is None:
         store.new_job_secret()
     hosts.start(resolver)
     original_start = RendezvousServer.start
-    worker_clients.install()
 
     def start(self: Any, handler_cls: Any = None) -> Any:
         from horovod.runner.http.http_server import RendezvousHandler
@@ -241,16 +241,8 @@ def install(resolver: Optional[Callable[[str], FrozenSet[str]]] = None) -> None:
                            "job's hosts", client_address[0])
         return False
 
-    replace(_originals, ((RendezvousServer, "start", start), (RendezvousHTTPServer, "verify_request", verify_request)))
+    return [(RendezvousServer, "start", start), (RendezvousHTTPServer, "verify_request", verify_request)]
 
 
-def uninstall() -> None:
-    """Gives Horovod's server its own behaviour back and forgets the hosts (tests)."""
-    restore(_originals)
-    worker_clients.uninstall()
-    hosts.stop()
-    _refusals_logged.clear()
-
-
-__all__ = ["MAX_BODY_BYTES", "Refused", "guarded", "install", "own_addresses", "refusal", "uninstall",
+__all__ = ["MAX_BODY_BYTES", "Refused", "changes", "guarded", "own_addresses", "refusal",
            "worker_addresses"]

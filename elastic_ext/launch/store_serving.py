@@ -8,8 +8,8 @@ server with socketserver's defaults, which do not hold a thousand workers
    (its driver watch) and a reset sends a burst of every worker's Gloo
    rendezvous: connections beyond the queue are dropped by the kernel and
    their clients retry the handshake 1, 3 and 7 s later, so an answer the
-   driver would give in milliseconds arrives seconds late. :func:`install`
-   makes the queue :data:`BACKLOG` (the kernel caps it at
+   driver would give in milliseconds arrives seconds late. :func:`changes`
+   make the queue :data:`BACKLOG` (the kernel caps it at
    ``net.core.somaxconn``) for every server created afterwards in this
    process. A full queue is also what the driver watch of a worker takes
    for a partition (:mod:`elastic_ext.runtime.driver_watch`): a handshake
@@ -19,10 +19,9 @@ server with socketserver's defaults, which do not hold a thousand workers
    second at most. Here a request goes to a thread that finished its
    previous one and waits for the next, and a new thread starts only when
    none waits. Requests may block (Horovod's elastic rank requests wait for
-   the driver's round; a Gloo read waits for its peer's write,
-   :mod:`elastic_ext.launch.rendezvous_wait`), so the number of threads is
-   not bounded, as before: a fixed pool could hold every thread on reads
-   whose writes wait in the queue behind them. A thread idle for
+   the driver's round), so the number of threads is
+   not bounded, as before: a fixed pool could hold every thread on such
+   requests while those that would end their wait sit in the queue. A thread idle for
    :data:`IDLE_S` ends.
 
 Who may connect and what a request may do is unchanged
@@ -35,14 +34,13 @@ from __future__ import annotations
 import queue
 import socket
 import threading
-from typing import Any, Tuple
+from typing import Any, List, Tuple
 
-from elastic_ext.launch.replaced import Originals, replace, restore
+from elastic_ext.launch.horovod_seam import Change
 
 BACKLOG = max(4096, socket.SOMAXCONN)  # a burst of every worker's requests of a thousand-worker job
 IDLE_S = 30.0  # a reused thread waits this long for another request, then ends
 
-_originals: Originals = {}
 
 
 class ReusedThreads:
@@ -93,20 +91,13 @@ def _process_request(self: Any, request: Any, client_address: Any) -> None:
     threads.submit(request, client_address)
 
 
-def install() -> None:
-    """The driver's rendezvous servers created from now on in this process serve as the module docstring
-    says; idempotent."""
-    if _originals:
-        return
+def changes() -> List[Change]:
+    """What makes the driver's rendezvous servers created from now on in this process serve as the module
+    docstring says (:func:`elastic_ext.launch.horovod_changes.install_launcher` makes it)."""
     from horovod.runner.http.http_server import RendezvousHTTPServer
 
-    replace(_originals, ((RendezvousHTTPServer, "request_queue_size", BACKLOG),
-                         (RendezvousHTTPServer, "process_request", _process_request)))
+    return [(RendezvousHTTPServer, "request_queue_size", BACKLOG),
+            (RendezvousHTTPServer, "process_request", _process_request)]
 
 
-def uninstall() -> None:
-    """Gives Horovod's server socketserver's behaviour back (tests; servers already listening keep their queue)."""
-    restore(_originals)
-
-
-__all__ = ["BACKLOG", "IDLE_S", "ReusedThreads", "install", "uninstall"]
+__all__ = ["BACKLOG", "IDLE_S", "ReusedThreads", "changes"]

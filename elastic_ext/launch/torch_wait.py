@@ -11,8 +11,9 @@ whose cores the input pipeline also uses) those spinning threads take the
 CPU from Horovod's background threads, which run the collective the main
 threads wait for: the wait makes itself longer.
 
-:func:`install` (run by the launcher's worker entry, before the user's
-code) makes ``hvd.init()`` replace that wait with :func:`waiting`: it polls
+Under the launcher's worker entry each ``hvd.init()`` replaces that wait,
+once the extension is loaded, with :func:`waiting`
+(:func:`elastic_ext.launch.horovod_changes.install_worker`): it polls
 the handle and sleeps between polls, 20 µs at first and doubling up to
 :data:`MAX_PAUSE_S`, then lets Horovod's own wait release the handle (and
 raise the collective's error, as before). A collective that is already done
@@ -28,8 +29,6 @@ compute, 3.36 against 4.16 ms.
 
 from __future__ import annotations
 
-import functools
-import sys
 import time
 from typing import Any, Callable
 
@@ -56,39 +55,4 @@ def waiting(poll: Callable[[int], int], wait_and_clear: Callable[[int], None],
     return wait
 
 
-def patch_extension() -> bool:
-    """Replaces the PyTorch extension's wait, if that extension is loaded; True if it is (now) replaced."""
-    lib = sys.modules.get(EXTENSION)
-    if lib is None or not hasattr(lib, WAIT) or not hasattr(lib, POLL):
-        return False
-    current = getattr(lib, WAIT)
-    if getattr(current, "elastic_ext_waits", None) is None:
-        setattr(lib, WAIT, waiting(getattr(lib, POLL), current))
-    return True
-
-
-def install() -> bool:
-    """Makes each ``hvd.init()`` replace the PyTorch extension's wait (:func:`patch_extension`) once it is loaded.
-
-    ``import horovod.torch`` loads the extension and every collective comes
-    after an ``init()``, so no wait is missed. Returns False where Horovod
-    is not installed.
-    """
-    try:
-        from horovod.common import basics
-    except ImportError:
-        return False
-    cls = basics.HorovodBasics
-    original = cls.init
-    if getattr(original, "elastic_ext_patches_wait", False):
-        return True
-
-    @functools.wraps(original)
-    def init(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        patch_extension()
-        return result
-
-    init.elastic_ext_patches_wait = True  # type: ignore[attr-defined]
-    cls.init = init
-    return True
+__all__ = ["EXTENSION", "FIRST_PAUSE_S", "MAX_PAUSE_S", "POLL", "WAIT", "waiting"]

@@ -13,25 +13,28 @@ naming each difference otherwise):
 1. restart in place (:mod:`elastic_ext.launch.keeper`): this process becomes
    the keeper and forks the one that runs the script, when the job restarts
    workers in place;
-2. the newcomer's side of an early start (:mod:`elastic_ext.launch.newcomer`):
-   Horovod's ``hvd.init()`` and rank queries are wrapped, so a newcomer the
-   survivors started early builds its model in a world of one, and until it
-   announces itself it exits when the driver dismisses it (a member of its
-   round failed meanwhile);
+2. Horovod's changes in a worker (:mod:`elastic_ext.launch.horovod_changes`):
+   one wrapper of ``hvd.init()`` runs the newcomer's side of an early start
+   (:mod:`elastic_ext.launch.newcomer`: a newcomer the survivors started
+   early builds its model in a world of one, its rank queries answered
+   with its launched slot) and then makes Horovod's PyTorch binding wait
+   for its collectives without spinning on a core
+   (:mod:`elastic_ext.launch.torch_wait`); until a newcomer announces itself
+   it exits when the driver dismisses it (a member of its round failed
+   meanwhile);
 3. Gloo's timeout for the first ``hvd.init()`` (:mod:`elastic_ext.launch.gloo_timeout`),
    the same as the survivors' resets wait;
 4. SIGTERM means "leave at the first commit" (:mod:`elastic_ext.launch.sigterm`),
    also while the script builds its model and the job re-forms;
 5. a preemption notice (the cloud's metadata endpoint, Slurm's signal) means
    the same (:mod:`elastic_ext.launch.notices`);
-6. Horovod's PyTorch binding waits for its collectives without spinning on a
-   core (:mod:`elastic_ext.launch.torch_wait`);
-7. PyTorch's allocator puts large tensors in huge pages, so that a killed
+6. PyTorch's allocator puts large tensors in huge pages, so that a killed
    worker's links close sooner (:mod:`elastic_ext.launch.torch_pages`).
 
 Then it runs the script as ``__main__`` in this interpreter, with
 ``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS`` would set them.
-Steps 0 to 5 do nothing outside a worker of an elastic ``horovodrun``.
+Steps 0 to 5 do nothing outside a worker of an elastic ``horovodrun`` but
+the collective wait.
 """
 
 from __future__ import annotations
@@ -69,17 +72,16 @@ def check_horovod() -> None:
 
 
 def prepare() -> None:
-    """Steps 0 to 7 of the module docstring, in that order (the keeper forks before anything else runs)."""
-    from elastic_ext.launch import gloo_timeout, keeper, newcomer, notices, sigterm, torch_pages, torch_wait
+    """Steps 0 to 6 of the module docstring, in that order (the keeper forks before anything else runs)."""
+    from elastic_ext.launch import gloo_timeout, horovod_changes, keeper, newcomer, notices, sigterm, torch_pages
 
     receive_secret()
     keeper.install()
-    newcomer.install()
+    horovod_changes.install_worker()  # one wrapper of hvd.init (early start, round watch, then torch's wait)
     newcomer.watch_dismissal()
     gloo_timeout.first_rendezvous_timeout()
     sigterm.install_early_sigterm()
     notices.install()
-    torch_wait.install()
     torch_pages.install()
 
 

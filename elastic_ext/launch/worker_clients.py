@@ -6,7 +6,7 @@ and sends it host changes and job notices. Horovod's client checks each
 answer's HMAC with the key that came with the registration, then loads
 the answer with cloudpickle: whoever registered a service chose that key,
 so a registration from anyone but a worker would make the driver load
-whatever its service answers. Under the launcher (:func:`install`) the
+whatever its service answers. Under the launcher (:func:`client_class`) the
 driver's client loads an answer with an unpickler that allows Horovod's
 three answer classes and no other global; anything else fails the request
 as an unreachable service does.
@@ -14,18 +14,16 @@ as an unreachable service does.
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import struct
 from typing import Any
 
-from elastic_ext.launch.replaced import Originals, replace, restore
 
 MAX_ANSWER_BYTES = 1 << 20  # an answer is a few hundred bytes
 ANSWERS = frozenset({("horovod.runner.common.util.network", name)
                      for name in ("AckResponse", "AckStreamResponse", "PingResponse")})
-
-_originals: Originals = {}
 
 
 class _Answers(pickle.Unpickler):
@@ -53,18 +51,18 @@ def load_answer(key: bytes, rfile: Any) -> Any:
     return _Answers(io.BytesIO(message)).load()
 
 
-def install() -> None:
-    """Makes this (the driver's) process's clients of the workers' services load answers by :func:`load_answer`."""
-    if _originals:
-        return
+@functools.lru_cache(maxsize=None)
+def client_class() -> type:
+    """Horovod's ``WorkerNotificationClient`` whose answers are loaded by :func:`load_answer`: the client
+    the launcher's driver (:func:`elastic_ext.launch.driver.driver_class`) registers for each worker."""
     from horovod.runner.common.util.network import Wire
-    from horovod.runner.elastic import driver
+    from horovod.runner.elastic.driver import WorkerNotificationClient
 
-    class AnswerWire(Wire):
+    class AnswerWire(Wire):  # type: ignore[misc, valid-type]
         def read(self, rfile: Any) -> Any:
             return load_answer(self._key, rfile)
 
-    class WorkerNotificationClient(driver.WorkerNotificationClient):  # type: ignore[misc, valid-type, name-defined]
+    class Client(WorkerNotificationClient):  # type: ignore[misc, valid-type]
         @property
         def _wire(self) -> Any:
             return self.__dict__["_answer_wire"]
@@ -73,12 +71,7 @@ def install() -> None:
         def _wire(self, wire: Any) -> None:  # Horovod's BasicClient sets it, then pings the service at once
             self.__dict__["_answer_wire"] = AnswerWire(wire._key)
 
-    replace(_originals, ((driver, "WorkerNotificationClient", WorkerNotificationClient),))
+    return Client
 
 
-def uninstall() -> None:
-    """Gives the driver Horovod's client back (tests)."""
-    restore(_originals)
-
-
-__all__ = ["ANSWERS", "MAX_ANSWER_BYTES", "install", "load_answer", "uninstall"]
+__all__ = ["ANSWERS", "MAX_ANSWER_BYTES", "client_class", "load_answer"]

@@ -43,10 +43,10 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import Iterable, Optional, TextIO, Tuple
+from typing import Iterable, List, Optional, TextIO, Tuple
 
 from elastic_ext.launch import store
-from elastic_ext.launch.replaced import Originals, replace, restore
+from elastic_ext.launch.horovod_seam import Change
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,6 @@ GRACE_S = 5  # Horovod's GRACEFUL_TERMINATION_TIME_S
 GUARD = (f'read group || exit 0; read _ ; kill -s TERM -- "-$group" 2>/dev/null; sleep {GRACE_S}; '
          'kill -s KILL -- "-$group" 2>/dev/null')
 
-_originals: Originals = {}
 
 
 def execute(command: str, env: Optional[dict] = None, stdout: Optional[TextIO] = None,
@@ -202,19 +201,12 @@ def stop_guard(guarded: Optional[Tuple[subprocess.Popen, int]]) -> None:
         os.close(write_end)
 
 
-def install() -> None:
-    """Runs the driver's worker commands through :func:`execute` in this (the driver's) process; idempotent."""
-    if _originals:
-        return
+def changes() -> List[Change]:
+    """Horovod's ``safe_shell_exec.execute`` as this (the driver's) process runs worker commands:
+    :func:`execute` (made by :func:`elastic_ext.launch.horovod_changes.install_launcher`)."""
     from horovod.runner.common.util import safe_shell_exec
 
-    replace(_originals, ((safe_shell_exec, "execute", execute),))
+    return [(safe_shell_exec, "execute", execute)]
 
 
-def uninstall() -> None:
-    """Gives Horovod its middleman back (tests run both in one process)."""
-    restore(_originals)
-
-
-__all__ = ["GRACE_S", "GUARD", "arm_guard", "execute", "install", "start_guard", "stop_guard", "terminate",
-           "uninstall"]
+__all__ = ["GRACE_S", "GUARD", "arm_guard", "changes", "execute", "start_guard", "stop_guard", "terminate"]

@@ -12,16 +12,20 @@ import pytest
 from horovod.runner.elastic import driver as horovod_driver
 from horovod.runner.elastic.discovery import HostDiscoveryScript, HostManager
 
-from elastic_ext.launch import discovery_runs, noticed_hosts, worker_runs
+from elastic_ext.launch import discovery_runs, driver, noticed_hosts, worker_runs
 from elastic_ext.launch.discovery_runs import Prefetched
 from tests.unit.test_prestart import wait_for
 
 
 @pytest.fixture
 def installed():
-    discovery_runs.install()
     yield
-    discovery_runs.uninstall()
+    discovery_runs._refused.clear()  # the hosts it logged, for the next test
+
+
+def launchers(path, slots):
+    """Horovod's discovery by script as the launcher's driver runs it."""
+    return discovery_runs.script_discovery(HostDiscoveryScript(path, slots))
 
 
 def script(tmp_path, body):
@@ -33,7 +37,7 @@ def script(tmp_path, body):
 
 def test_the_script_runs_as_a_plain_child_and_is_parsed_as_horovod_does(tmp_path, installed, monkeypatch):
     monkeypatch.setenv("HOSTS_FOR_TEST", "b")
-    discovery = HostDiscoveryScript(script(tmp_path, 'echo a:2; echo "$HOSTS_FOR_TEST"; echo log >&2'), 3)
+    discovery = launchers(script(tmp_path, 'echo a:2; echo "$HOSTS_FOR_TEST"; echo log >&2'), 3)
     assert discovery.find_available_hosts_and_slots() == {"a": 2, "b": 3}
 
 
@@ -41,7 +45,7 @@ def test_the_script_runs_as_a_plain_child_and_is_parsed_as_horovod_does(tmp_path
 def test_a_failing_script_raises_horovods_error_with_its_exit_status(tmp_path, installed, body, code):
     path = script(tmp_path, body)
     with pytest.raises(RuntimeError, match=f"Failed to execute discovery script: {path}. Exit code: {code}$"):
-        HostDiscoveryScript(path, 1).find_available_hosts_and_slots()
+        launchers(path, 1).find_available_hosts_and_slots()
 
 
 class Blocking:
@@ -132,8 +136,8 @@ def test_the_answer_fetched_outside_the_lock_goes_through_the_notices_filter():
     assert inner.calls == 2 and manager.current_hosts.host_slots == {"a": 1, "b": 1}
 
 
-def run_a_job(discovery, commands):
-    """Horovod's driver with ``discovery``, max 2 workers, each running Horovod's own worker command (a no-op
+def run_a_job(discovery, commands, launcher=False):
+    """Horovod's driver (the launcher's with ``launcher``) with ``discovery``, max 2 workers, each running Horovod's own worker command (a no-op
     script, with HOROVOD_HOSTNAME=host and the rest as Horovod writes them) through the launcher's execute."""
     from horovod.runner.elastic.driver import ElasticDriver
     from horovod.runner.elastic.rendezvous import create_rendezvous_handler
@@ -141,7 +145,8 @@ def run_a_job(discovery, commands):
     from horovod.runner.http.http_server import RendezvousServer
 
     server = RendezvousServer()
-    elastic = ElasticDriver(server, discovery, 1, 2, timeout=30)  # min_np 1, max_np 2
+    built = driver.driver_class() if launcher else ElasticDriver
+    elastic = built(server, discovery, 1, 2, timeout=30)  # min_np 1, max_np 2
     server.start(create_rendezvous_handler(elastic))
     command_of = _slot_info_to_command_fn("true", {})
     done = threading.Semaphore(0)
@@ -172,14 +177,13 @@ def test_a_discovered_host_that_would_run_a_command_never_reaches_horovod(tmp_pa
         run_a_job(HostDiscoveryScript(path, 1), commands)
         assert wait_for(marker.exists, timeout_s=30), commands
         return
-    discovery_runs.install()
     commands = []
     try:
         with caplog.at_level("ERROR", logger="elastic_ext.launch.discovery_runs"):
-            assert Prefetched(HostDiscoveryScript(path, 1)).find_available_hosts_and_slots() == {"localhost": 1}
-            assert run_a_job(HostDiscoveryScript(path, 1), commands) == {"localhost"}
+            assert Prefetched(launchers(path, 1)).find_available_hosts_and_slots() == {"localhost": 1}
+            assert run_a_job(HostDiscoveryScript(path, 1), commands, launcher=True) == {"localhost"}
     finally:
-        discovery_runs.uninstall()
+        discovery_runs._refused.clear()
     assert [host for host, _ in commands] == ["localhost"]
     assert not marker.exists()
     refused = [r.getMessage() for r in caplog.records]
@@ -201,7 +205,7 @@ def test_a_script_past_its_timeout_is_killed_with_what_it_started(tmp_path, inst
     pidfile = tmp_path / "pid"
     path = script(tmp_path, f"sleep 300 & echo $! > {pidfile}; wait")
     with pytest.raises(RuntimeError, match=f"Discovery script {path} did not finish within 0.5s: killed"):
-        HostDiscoveryScript(path, 1).find_available_hosts_and_slots()
+        launchers(path, 1).find_available_hosts_and_slots()
     assert wait_for(lambda: _gone(int(pidfile.read_text())), 10)
 
 
@@ -213,8 +217,8 @@ def test_a_running_script_ends_when_the_driver_exits(tmp_path):
         "import os, threading, time\n"
         "from horovod.runner.elastic.discovery import HostDiscoveryScript\n"
         "from elastic_ext.launch import discovery_runs\n"
-        "discovery_runs.install()\n"
-        f"threading.Thread(target=HostDiscoveryScript({path!r}, 1).find_available_hosts_and_slots, daemon=True).start()\n"
+        f"discovery = discovery_runs.script_discovery(HostDiscoveryScript({path!r}, 1))\n"
+        "threading.Thread(target=discovery.find_available_hosts_and_slots, daemon=True).start()\n"
         f"while not os.path.exists({str(pidfile)!r}) or not open({str(pidfile)!r}).read().strip(): time.sleep(0.01)\n"
         "os._exit(0)\n")])
     assert driver.wait(timeout=60) == 0

@@ -12,18 +12,18 @@ import pytest
 from horovod.common.basics import HorovodBasics
 from horovod.runner.elastic.driver import ElasticDriver
 
-from elastic_ext.launch import driver, horovod_seam, horovodrun, worker
+from elastic_ext.launch import horovod_changes, horovod_seam, horovodrun, worker
 
 EVERY_ROW = (*horovod_seam.LAUNCHER, *horovod_seam.WORKER, *horovod_seam.WORKER_ELASTIC)
 
 
 def launcher_stops():
     """Runs elastic-horovodrun's main; returns its exit message (it must exit before changing Horovod)."""
-    original = ElasticDriver.__dict__.get("_handle_worker_exit")
+    from horovod.runner import gloo_run
     with pytest.raises(SystemExit) as stopped:
         horovodrun.main(["-np", "1", "python", "-c", "pass"])
-    assert not driver._originals, "the driver was changed before the check"
-    assert ElasticDriver.__dict__.get("_handle_worker_exit") is original
+    assert not horovod_changes.REPLACED, "Horovod was changed before the check"
+    assert gloo_run.ElasticDriver is ElasticDriver
     message = str(stopped.value.code)
     assert message.startswith("elastic-horovodrun: this Horovod differs"), message
     return message
@@ -37,6 +37,7 @@ def worker_stops(tmp_path):
     with pytest.raises(SystemExit) as stopped:
         worker.main([str(script)])
     assert not ran.exists(), "the script ran despite the check"
+    assert not horovod_changes.REPLACED, "Horovod was changed before the check"
     message = str(stopped.value.code)
     assert message.startswith("elastic_ext worker: this Horovod differs"), message
     return message
@@ -57,10 +58,10 @@ def test_another_version_stops_the_launcher_and_the_worker_entry(monkeypatch, tm
         assert "pip install horovod==0.28.1" in message, message  # what to do
 
 
-def test_a_missing_replaced_driver_method_stops_the_launcher(monkeypatch):
+def test_a_missing_overridden_driver_method_stops_the_launcher(monkeypatch):
     monkeypatch.delattr(ElasticDriver, "_update_host_assignments")
     message = launcher_stops()
-    assert "horovod.runner.elastic.driver.ElasticDriver._update_host_assignments (replaced): expected, not found" \
+    assert "horovod.runner.elastic.driver.ElasticDriver._update_host_assignments (overridden): expected, not found" \
         in message, message
     assert "1 place(s)" in message, message
 

@@ -15,12 +15,15 @@ import time
 import pytest
 
 from elastic_ext import exit_codes
-from elastic_ext.launch import driver, driver_state, horovod_seam, horovodrun, prestart, round_watch
+from elastic_ext.launch import command_line, driver, driver_state, horovod_seam, horovodrun, prestart, round_watch
 from tests.unit.test_prestart import Discovery, discovered, in_threads, wait_for, waiting_in_the_barrier
 
 
 class Job:
-    """Horovod's driver as horovodrun sets it up, with a worker exit the test triggers per slot."""
+    """Horovod's driver as horovodrun sets it up, with a worker exit the test triggers per slot; with
+    ``changed`` (the fixture of that name), the launcher's driver (elastic_ext.launch.driver.driver_class)."""
+
+    changed = False
 
     def __init__(self, hosts, min_np, max_np):
         from horovod.runner.elastic.driver import ElasticDriver
@@ -29,7 +32,8 @@ class Job:
 
         self.server = RendezvousServer()
         self.discovery = Discovery(hosts)
-        self.driver = ElasticDriver(self.server, self.discovery, min_np, max_np, timeout=30)
+        built = driver.driver_class() if self.changed else ElasticDriver
+        self.driver = built(self.server, self.discovery, min_np, max_np, timeout=30)
         self.port = self.server.start(create_rendezvous_handler(self.driver))
         self.url = f"http://127.0.0.1:{self.port}"
         self.started = []
@@ -88,10 +92,8 @@ def started_job():
 
 
 @pytest.fixture
-def changed():
-    driver.install()
-    yield
-    driver.uninstall()
+def changed(monkeypatch):
+    monkeypatch.setattr(Job, "changed", True)
 
 
 def a_worker_of_host_a_dies_in_a_round(job):
@@ -309,9 +311,8 @@ def test_no_round_is_published_by_horovods_own_driver():
 
 
 @pytest.mark.parametrize("with_changes", [False, True])
-def test_the_late_exit_of_a_replaced_worker_is_not_charged_to_the_new_worker_in_its_slot(with_changes):
-    if with_changes:
-        driver.install()
+def test_the_late_exit_of_a_replaced_worker_is_not_charged_to_the_new_worker_in_its_slot(with_changes, monkeypatch):
+    monkeypatch.setattr(Job, "changed", with_changes)
     job = started_job()
     try:
         # host-b leaves and comes back before its old workers have exited (as a
@@ -344,8 +345,6 @@ def test_the_late_exit_of_a_replaced_worker_is_not_charged_to_the_new_worker_in_
             assert job.store(round_watch.failed_key(round_now)) is None
     finally:
         job.stop()
-        if with_changes:
-            driver.uninstall()
 
 
 def worker_env(job, host, local_rank):
@@ -486,13 +485,13 @@ def horovodrun_args(*argv):
 def test_an_elastic_job_whose_workers_would_crash_at_a_reset_is_refused(argv, environ, crashes):
     # Found by the job tiers: with both set, each survivor of a SIGKILL died in its next hvd.init().
     args = horovodrun_args("-np", "2", "--min-np", "1", "--host-discovery-script", "d.sh", *argv, "python", "t.py")
-    why = horovodrun.crashing_tuning(args, environ, patches=())
+    why = command_line.crashing_tuning(args, environ, patches=())
     assert (why is not None) is crashes, why
     if crashes:
         assert "--cycle-time-ms" in why or "HOROVOD_CYCLE_TIME" in why, why
         assert "set one of them" in why and horovod_seam.TUNING_FIX in why
     # A Horovod built with the fix (tools/horovod_patches/) takes both.
-    assert horovodrun.crashing_tuning(args, environ, patches=("01-x", horovod_seam.TUNING_FIX)) is None
+    assert command_line.crashing_tuning(args, environ, patches=("01-x", horovod_seam.TUNING_FIX)) is None
 
 
 def test_the_launcher_refuses_both_tuning_values_exactly_where_its_horovod_lacks_the_fix(tmp_path):

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from elastic_ext.launch.horovodrun import WORKER_MODULE, worker_command
+from elastic_ext.launch.command_line import WORKER_MODULE, worker_command
 from elastic_ext.testing.launch import Job, base_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -19,6 +19,7 @@ from elastic_ext.errors import ConfigError
 from elastic_ext.launch import metadata, noticed_hosts, notices
 from elastic_ext.liveness import Liveness
 from elastic_ext.testing.metadata_server import ENV, MetadataServer
+from tests.unit.horovod_restore import changes  # noqa: F401 - a fixture
 from tests.unit.test_horovodrun import Job
 from tests.unit.test_prestart import wait_for
 
@@ -183,7 +184,8 @@ def service_class():
         WorkerNotificationService._handle = original
 
 
-def test_sigusr1_is_a_notice_in_a_worker_of_an_elastic_job(tmp_path, service_class):
+def test_sigusr1_is_a_notice_in_a_worker_of_an_elastic_job(tmp_path, service_class, monkeypatch):
+    monkeypatch.setattr(notices, "_accepting", [])  # what install() sets for the driver's notices
     liveness = Liveness()
     env = {"HOROVOD_ELASTIC": "1", "SLURM_JOB_ID": "42", ENV: "off"}
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
@@ -201,15 +203,15 @@ def test_sigusr1_is_a_notice_in_a_worker_of_an_elastic_job(tmp_path, service_cla
 # ------------------------------------------------------------------ the driver
 
 @pytest.fixture
-def job():
-    noticed_hosts.install()
+def job(monkeypatch, changes):
+    changes("noticed_hosts")
+    monkeypatch.setattr(Job, "changed", True)  # the launcher's driver: its discovery leaves noticed hosts out
     started = Job({"host-a": 2, "host-b": 2}, 2, 4)
     started.start(4)
     try:
         yield started
     finally:
         started.stop()
-        noticed_hosts.uninstall()
 
 
 def test_the_driver_drops_a_host_whose_worker_reported_a_notice(job):
@@ -232,7 +234,10 @@ def test_the_drivers_signal_reaches_every_worker_and_those_that_register_later(j
     monkeypatch.setattr(notices, "act", lambda notice, *args, **kwargs: acted.append(notice) or real_act(
         notice, *args, **kwargs))
     monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setattr(notices, "_accepting", [])
     notices._accept_job_notices(CONFIG, liveness)
+    # as the worker entry installs it (horovod_changes.install_worker); service_class puts Horovod's back
+    service_class._handle = notices.job_notice_handler(service_class._handle)
     services = []
 
     def register(local_rank):

@@ -14,10 +14,11 @@ import time
 import pytest
 
 from elastic_ext import exit_codes
-from elastic_ext.launch import newcomer, prestart, round_watch
+from elastic_ext.launch import horovod_changes, newcomer, prestart, round_watch
 from elastic_ext.state.host_updates import HOSTS_ADDED, HOSTS_REMOVED, HostUpdates, agreement_vector, read_agreement
 from elastic_ext.launch.prestart import Prestart, parse_slot
 
+from tests.unit.horovod_restore import restore_horovod
 from tests.unit.test_state_agreement import ThreadWorld
 
 
@@ -206,7 +207,8 @@ def test_a_newcomer_builds_its_model_solo_then_joins_the_survivors_reset(job, so
         assert wait_for(lambda: prestart.get(f"{job.url}/{prestart.SCOPE}/{prestart.MARKER}") is not None)
         env = newcomer_env(job, slot_info.rank, slot_info.hostname, slot_info.local_rank)
         assert newcomer.early_start_under_way(env) is True
-        newcomer.start_solo(lambda: seen.update(init_env=dict(env)), env)  # Horovod's init, as a world of one
+        # Horovod's init, as a world of one, as the worker's init wrapper runs it (horovod_changes)
+        newcomer.start_solo(lambda: seen.update(init_env=dict(env)), env, horovod_changes.hold_global_ranks)
         seen.update(after=dict(env), ranks=list(global_process_set.ranks))
         # (It builds its model here: the survivors go on training and do not see it yet.)
         seen["ready_before_join"] = prestart.get(f"{job.url}/{prestart.SCOPE}/{slot_info.rank}")
@@ -291,24 +293,33 @@ def test_a_newcomer_that_announced_itself_or_a_worker_of_the_jobs_start_is_never
 def test_while_solo_horovods_queries_answer_the_launch_values(monkeypatch, solo_state):
     import horovod.torch as hvd
     from horovod.common import basics
-    for name in ("init", *newcomer.QUERIES):  # put Horovod back afterwards
-        monkeypatch.setattr(basics.HorovodBasics, name, getattr(basics.HorovodBasics, name))
-        monkeypatch.setattr(hvd, name, getattr(hvd, name))
     env = {"HOROVOD_ELASTIC": "1", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1", "HOROVOD_GLOO_RENDEZVOUS_PORT": "1"}
-    assert newcomer.install(env) and newcomer.install(env)  # once only
-    monkeypatch.setattr(newcomer, "_launch", dict(zip(newcomer.SLOT_VARIABLES, ("5", "8", "1", "2", "2", "4"))))
-    assert (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()) \
-        == (5, 8, 1, 2, 2, 4)
-    monkeypatch.setattr(newcomer, "_launch", None)
-    with pytest.raises(ValueError, match="not been initialized"):
-        hvd.rank()  # after joining, Horovod's own answer (here: not initialised)
+    before = [getattr(owner, name) for owner in (basics.HorovodBasics, hvd) for name in ("init", *newcomer.QUERIES)]
+    try:
+        assert horovod_changes.install_worker(env)
+        wrapped = basics.HorovodBasics.init
+        assert horovod_changes.install_worker(env) and basics.HorovodBasics.init is wrapped  # once only
+        monkeypatch.setattr(newcomer, "_launch", dict(zip(newcomer.SLOT_VARIABLES, ("5", "8", "1", "2", "2", "4"))))
+        assert (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()) \
+            == (5, 8, 1, 2, 2, 4)
+        monkeypatch.setattr(newcomer, "_launch", None)
+        with pytest.raises(ValueError, match="not been initialized"):
+            hvd.rank()  # after joining, Horovod's own answer (here: not initialised)
+    finally:
+        restore_horovod()
+    assert before == [getattr(owner, name) for owner in (basics.HorovodBasics, hvd) for name in ("init", *newcomer.QUERIES)]
 
 
-def test_install_does_nothing_outside_an_elastic_horovodrun():
+def test_outside_an_elastic_horovodrun_the_worker_wraps_only_init_for_the_collective_wait():
     from horovod.common import basics
-    before = basics.HorovodBasics.init
-    assert newcomer.install({"HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1"}) is False
-    assert basics.HorovodBasics.init is before
+    before = {name: getattr(basics.HorovodBasics, name) for name in ("init", *newcomer.QUERIES)}
+    try:
+        assert horovod_changes.install_worker({"HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1"})
+        assert basics.HorovodBasics.init is not before["init"] and basics.HorovodBasics.init.__wrapped__ is before["init"]
+        assert all(getattr(basics.HorovodBasics, name) is before[name] for name in newcomer.QUERIES)
+    finally:
+        restore_horovod()
+    assert basics.HorovodBasics.init is before["init"]
 
 
 def test_a_bad_rank_answer_names_the_value():

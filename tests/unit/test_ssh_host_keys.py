@@ -3,6 +3,7 @@
 import pytest
 
 from elastic_ext.launch import ssh_keepalive
+from tests.unit.horovod_restore import changes  # noqa: F401 - a fixture
 
 
 @pytest.fixture
@@ -18,11 +19,11 @@ def horovod_prefix(monkeypatch):
     ({"ELASTIC_EXT_SSH_HOST_KEYS": "accept-new"}, "StrictHostKeyChecking=accept-new"),
     ({"ELASTIC_EXT_SSH_HOST_KEYS": "strict"}, "StrictHostKeyChecking=yes"),
 ])
-def test_the_prefix_after_install_holds_the_chosen_host_key_check(horovod_prefix, monkeypatch, env, option):
+def test_the_prefix_after_install_holds_the_chosen_host_key_check(horovod_prefix, monkeypatch, env, option, changes):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    ssh_keepalive.install()
-    ssh_keepalive.install()  # idempotent
+    changes("ssh_keepalive")
+    changes("ssh_keepalive")  # idempotent
     prefix = horovod_prefix.SSH_COMMAND_PREFIX
     assert "StrictHostKeyChecking=no" not in prefix
     assert prefix.count("StrictHostKeyChecking") == 1 and option in prefix.split()

@@ -14,7 +14,8 @@ import pickle
 
 import pytest
 
-from elastic_ext.launch import driver, job_hosts, noticed_hosts, prestart, round_watch, store, store_guard, store_serving
+from elastic_ext.launch import job_hosts, noticed_hosts, prestart, round_watch, store, store_guard, store_serving
+from tests.unit.horovod_restore import changes  # noqa: F401 - a fixture
 from tests.unit.test_horovodrun import Job
 from tests.unit.test_prestart import discovered, wait_for
 
@@ -61,12 +62,11 @@ def with_secret(secret=SECRET):
 
 
 @pytest.fixture
-def job():
+def job(monkeypatch, changes):
     store.set_job_secret(SECRET)
-    store_guard.install(resolver)
-    store_serving.install()  # as elastic-horovodrun serves: the rules hold with reused threads
-    noticed_hosts.install()
-    driver.install()
+    # as elastic-horovodrun serves: the rules hold with reused threads
+    changes("store_guard", "store_serving", "noticed_hosts", resolver=resolver)
+    monkeypatch.setattr(Job, "changed", True)  # the launcher's driver
     started = Job({"host-a": 2, "host-b": 2}, 2, 4)
     started.start(4)
     try:
@@ -75,10 +75,6 @@ def job():
         yield started
     finally:
         started.stop()
-        driver.uninstall()
-        noticed_hosts.uninstall()
-        store_serving.uninstall()
-        store_guard.uninstall()
         store.set_job_secret(None)
 
 
@@ -148,13 +144,14 @@ def hostile_service(path):
 
 
 @pytest.mark.parametrize("guard", [True, False])
-def test_the_driver_loads_no_pickle_from_a_service_registered_as_a_workers(tmp_path, guard):
+def test_the_driver_loads_no_pickle_from_a_service_registered_as_a_workers(tmp_path, guard, monkeypatch, changes):
     from horovod.runner.common.util import codec
 
     made = tmp_path / "made"
     service, key = hostile_service(str(made))
     if guard:
-        store_guard.install(resolver)
+        changes("store_guard", resolver=resolver)
+    monkeypatch.setattr(Job, "changed", guard)  # the launcher's driver with its guarded store
     started = Job({"host-a": 1}, 1, 1)
     try:
         value = codec.dumps_base64((service.addresses(), key), to_ascii=False)  # only builtins: passes rule 2
@@ -169,8 +166,6 @@ def test_the_driver_loads_no_pickle_from_a_service_registered_as_a_workers(tmp_p
     finally:
         service.shutdown()
         started.stop()
-        if guard:
-            store_guard.uninstall()
 
 
 def test_a_registration_is_kept_only_at_its_clients_own_address():

@@ -1,13 +1,14 @@
 """How the driver's rendezvous server takes connections under the launcher (elastic_ext.launch.store_serving),
 against Horovod's real server: a listen queue sized for a job's bursts, a thread reused for request after
-request, and a request that waits (a Gloo read held for its peer's write) never holding up the others.
+request, and a request that waits (a rank request until its round forms) never holding up the others.
 """
 
 import threading
 
 import pytest
 
-from elastic_ext.launch import prestart, rendezvous_wait, store_serving
+from elastic_ext.launch import horovod_changes, prestart, store_serving
+from tests.unit.horovod_restore import changes  # noqa: F401 - a fixture
 
 
 def store_threads():
@@ -15,27 +16,22 @@ def store_threads():
 
 
 @pytest.fixture
-def server():
+def server(changes):
     from horovod.runner.http.http_server import RendezvousServer
-    store_serving.install()
-    rendezvous_wait.install()
+    changes("store_serving")
     started = RendezvousServer(verbose=0)
     port = started.start()
     try:
         yield started, f"http://127.0.0.1:{port}"
     finally:
         started.stop()
-        rendezvous_wait.uninstall()
-        store_serving.uninstall()
 
 
-def test_the_listen_queue_is_sized_for_a_burst_and_given_back(server):
+def test_the_listen_queue_is_sized_for_a_burst(server):
     from horovod.runner.http.http_server import RendezvousHTTPServer
     started, _ = server
     assert started._httpd.request_queue_size == store_serving.BACKLOG >= 4096
-    store_serving.uninstall()
-    assert RendezvousHTTPServer.request_queue_size == 5  # socketserver's, for servers created after
-    store_serving.install()
+    assert horovod_changes.REPLACED[(RendezvousHTTPServer, "request_queue_size")] == 5  # socketserver's
 
 
 def test_requests_one_after_another_reuse_one_thread(server):
@@ -50,18 +46,6 @@ def test_requests_one_after_another_reuse_one_thread(server):
         assert prestart.get(f"{url}/global/{i}") == b"x"
         assert wait_until(lambda: started._httpd._elastic_ext_threads._idle == 1)
     assert len(set(store_threads()) - before) == 1, [t.name for t in store_threads()]
-
-
-def test_a_held_read_does_not_hold_up_the_write_it_waits_for(server):
-    """A Gloo read of a key not written yet holds its thread; its peer's write still gets one of its own."""
-    _, url = server
-    got = []
-    reader = threading.Thread(target=lambda: got.append(prestart.get(f"{url}/global/late", timeout_s=10)))
-    reader.start()
-    assert rendezvous_wait.wait_for_readers(1, 10)
-    prestart.put(f"{url}/global/late", b"peer")
-    reader.join(10)
-    assert got == [b"peer"]
 
 
 def test_a_burst_of_concurrent_requests_is_answered_every_one(server):

@@ -402,3 +402,49 @@ def test_rng_state_of_a_framework_not_in_the_process_is_a_clear_error():
                "except StateError as exc:\n"
                "    print(exc)\n")
     assert out.strip() == "the commit holds torch RNG state but torch is not imported in this process", out
+
+
+def horovod_changes_in(source: str, path: str = "<source>") -> List[int]:
+    """Lines of ``source`` that set an attribute of a name imported from Horovod (a class, a module, an
+    object), by assignment or ``setattr``/``delattr``: a change of Horovod."""
+    tree = ast.parse(source, path)
+    names: Set[str] = set()
+    for node in _import_nodes(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level and node.module.split(".")[0] == "horovod":
+            names.update(alias.asname or alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(alias.asname or alias.name.split(".")[0] for alias in node.names
+                         if alias.name.split(".")[0] == "horovod")
+    lines = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            if isinstance(target, ast.Attribute):
+                base = target
+                while isinstance(base, ast.Attribute):
+                    base = base.value
+                if isinstance(base, ast.Name) and base.id in names:
+                    lines.append(node.lineno)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") \
+                and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in names:
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_only_horovod_changes_changes_horovod():
+    """The seam: elastic_ext.launch.horovod_changes makes every change of Horovod; the other modules say what
+    they would change (or subclass Horovod's classes)."""
+    offenders = []
+    for module, path in module_files().items():
+        if module != "elastic_ext.launch.horovod_changes":
+            with open(path, encoding="utf-8") as handle:
+                offenders += [f"{module}:{line}" for line in horovod_changes_in(handle.read(), path)]
+    assert not offenders, f"Horovod changed outside launch/horovod_changes.py: {offenders}"
+
+
+def test_the_seam_check_catches_a_change_of_horovod():
+    source = ("from horovod.runner import launch\nfrom horovod.common.basics import HorovodBasics as B\n"
+              "import horovod.torch\n"
+              "launch.parse_args = None\nsetattr(B, 'init', None)\nhorovod.torch.init = None\nx = launch.parse_args\n")
+    assert sorted(horovod_changes_in(source)) == [4, 5, 6]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from elastic_ext.launch import torch_wait
+from elastic_ext.launch import horovod_changes, torch_wait
 
 
 class Handle:
@@ -47,4 +47,4 @@ def test_the_collectives_error_comes_from_horovods_own_wait():
 
 def test_nothing_is_patched_before_the_extension_is_loaded(monkeypatch):
     monkeypatch.delitem(__import__("sys").modules, torch_wait.EXTENSION, raising=False)
-    assert torch_wait.patch_extension() is False
+    assert horovod_changes.replace_torch_wait() is False

@@ -13,7 +13,8 @@ import psutil
 import pytest
 from horovod.runner.common.util import safe_shell_exec
 
-from elastic_ext.launch import worker_runs
+from elastic_ext.launch import horovod_changes, worker_runs
+from tests.unit.horovod_restore import restore_horovod
 
 COMMANDS = [
     "echo out one; echo err one >&2; printf 'no newline'; exit 3",
@@ -98,13 +99,14 @@ def test_after_a_normal_end_no_guard_is_left_and_nothing_is_signalled(tmp_path):
     assert not marker.exists(), "the worker's group was signalled after its normal end"
 
 
-def test_install_replaces_horovods_execute_and_uninstall_puts_it_back():
+def test_the_launchers_changes_replace_horovods_execute_and_record_its_original():
     original = safe_shell_exec.execute
-    worker_runs.install()
     try:
+        horovod_changes.install_launcher(parts=("worker_runs",))
         assert safe_shell_exec.execute is worker_runs.execute
+        assert horovod_changes.REPLACED[(safe_shell_exec, "execute")] is original
     finally:
-        worker_runs.uninstall()
+        restore_horovod()
     assert safe_shell_exec.execute is original
 
 
