@@ -20,7 +20,8 @@ class Delegated:
     """A public method of the State that one of its parts implements: ``state.name(...)`` calls
     ``state.<part>.name(...)``; its docstring and signature are the part's (``help``, ``inspect``).
 
-    Like a method (a non-data descriptor), an instance attribute of the same name shadows it.
+    Like a method: an instance attribute of the same name shadows it (a non-data descriptor), and
+    on the class it takes the State first (``State.restore(state)``).
     """
 
     def __init__(self, part: str, method: Callable[..., Any]) -> None:
@@ -29,3 +30,6 @@ class Delegated:
 
     def __get__(self, state: Any, owner: Optional[type] = None) -> Any:
         return self if state is None else getattr(getattr(state, self.part), self.name)
+
+    def __call__(self, state: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(getattr(state, self.part), self.name)(*args, **kwargs)

@@ -1,9 +1,11 @@
-"""The State's parts, each built alone with small fakes (no State): the listener, the durable hand-off, the restorer.
+"""The State's parts, each built alone with small fakes (no State): the listener, the durable hand-off, the restorer;
+and how the State shows a part's method as its own.
 
 Each part gets only its constructor's arguments (:mod:`elastic_ext.state.parts`); the tests
 of the whole State (test_state*.py, test_background_restore.py) cover how CoreState wires them.
 """
 
+import inspect
 import threading
 
 import numpy as np
@@ -20,11 +22,12 @@ from elastic_ext.state.digests import Digests
 from elastic_ext.state.durable import DurableCommits
 from elastic_ext.state.host_updates import HOSTS_ADDED, HostUpdates
 from elastic_ext.state.listener import HorovodListener
+from elastic_ext.state.parts import Delegated
 from elastic_ext.state.records import CommitRecord
 from elastic_ext.state.restore import LARGE_BYTES
 from elastic_ext.state.restoring import Restorer
 from elastic_ext.state.tracked import Tracked
-from elastic_ext.testing import SoloBinding
+from elastic_ext.testing import SoloBinding, state_on
 
 LARGE = LARGE_BYTES // 4 * 2  # float32 elements: an entry large enough for the background restore
 
@@ -226,3 +229,27 @@ def test_the_restorer_refuses_before_any_commit_and_replays_the_agreed_commit():
     part.replay_from_agreed()
     assert tracked.objects["weights"].tolist() == [0.0, 1.0, 2.0]
     assert (record.commit_id, record.generation) == (3, 2) and calls == ["policies rewound"]
+
+
+# ---------------------------------------------------------- the delegation
+
+def test_a_delegated_method_is_the_parts_own_on_the_state_and_on_its_class():
+    class Part:
+        def greet(self, name):
+            """Greets ``name``."""
+            return f"{id(self)} greets {name}"
+
+    class Host:
+        greet = Delegated("_part", Part.greet)
+
+        def __init__(self):
+            self._part = Part()
+
+    host = Host()
+    mine = f"{id(host._part)} greets"
+    assert host.greet("a") == f"{mine} a" and Host.greet(host, "b") == f"{mine} b"
+    assert Host.greet.__doc__ == "Greets ``name``." and str(inspect.signature(host.greet)) == "(name)"
+    host.greet = lambda name: "shadowed"  # like a method, an instance attribute shadows it
+    assert host.greet("c") == "shadowed"
+    state = state_on(SoloBinding(), step=0)
+    assert state.on_reset.__self__ is state._listener and state.restore.__self__ is state._restorer
