@@ -1,10 +1,9 @@
 """Committed state: tracked objects, commit, restore, reset callbacks, the host-update listener.
 
-:class:`CoreState` is the State without its policies: the public
-:class:`elastic_ext.State` (:mod:`elastic_ext.runtime.assembly`) adds the
-numeric guard, the straggler policy and the replica check, which plug into
-the commit through :mod:`elastic_ext.state.commit_slots`; nothing here
-imports a policy.
+:class:`CoreState` is the State without its policies: the public :class:`elastic_ext.State`
+(:mod:`elastic_ext.runtime.assembly`) adds the numeric guard, the straggler policy and the
+replica check, which plug into the commit through :mod:`elastic_ext.state.commit_slots`;
+nothing here imports a policy.
 
 The State holds named objects (a model, an optimizer, a sampler, the
 epoch counter...), each handled by the adapter for its type. ``commit()``
@@ -203,6 +202,7 @@ class CoreState:
     def objects(self) -> Dict[str, Any]:
         """The tracked objects by name (a copy of the mapping)."""
         return dict(self._tracked.objects)
+
     config = property(lambda self: self._config, doc="The :class:`ElasticConfig` in force.")
     binding = property(lambda self: self._binding, doc="The Horovod operations in use.")
     events = property(lambda self: self._events, doc="This rank's :class:`EventLog`.")
