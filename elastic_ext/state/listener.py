@@ -33,7 +33,8 @@ class HorovodListener:
         record: where this rank stands (its commit id, read when a method runs).
         slots: the policies' contributions to the commit's collective (filled once the State is assembled).
         binding: the collectives of the commit's decision.
-        liveness: this process's liveness (a leave asked for, the stall check).
+        liveness: this process's liveness (a leave asked for, its grace), asked for when the commit decides:
+            the State's, which a test that runs ranks as threads replaces by one per rank.
         events: this rank's event log.
         term_grace_s: how long a rank told to leave may still train (``ElasticConfig.term_grace_s``).
         settle_restore: waits for a background restore under way (the reset callbacks use the objects).
@@ -42,7 +43,8 @@ class HorovodListener:
     """
 
     def __init__(self, *, hosts: HostUpdates, tracked: Tracked, buffers: CommitBuffers, record: CommitRecord,
-                 slots: CommitSlots, binding: Binding, liveness: Liveness, events: EventLog, term_grace_s: float,
+                 slots: CommitSlots, binding: Binding, liveness: Callable[[], Liveness], events: EventLog,
+                 term_grace_s: float,
                  settle_restore: Callable[[], Any], reset_policies: Callable[[], None],
                  checkpoints_failing: Callable[[], Optional[str]]) -> None:
         self._hosts, self._tracked, self._buffers, self._record = hosts, tracked, buffers, record
@@ -127,5 +129,5 @@ class HorovodListener:
             StateDivergenceError: the replica check found ranks that differ with no strict majority.
         """
         _decisions.decide_at_commit(self._hosts, self._slots, self._binding, self._tracked.objects.values(),
-                                    self._record.commit_id, self._liveness, self._term_grace_s, self._events,
+                                    self._record.commit_id, self._liveness(), self._term_grace_s, self._events,
                                     self._checkpoints_failing())

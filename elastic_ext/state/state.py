@@ -122,7 +122,7 @@ class CoreState:
                                            record=record, binding=binding))
         s(self, "_listener", HorovodListener(
             hosts=self._hosts, tracked=tracked, buffers=buffers, record=record, slots=self._slots, binding=binding,
-            liveness=self._liveness, events=self._events, term_grace_s=self._config.term_grace_s,
+            liveness=lambda: self._liveness, events=self._events, term_grace_s=self._config.term_grace_s,
             settle_restore=self._restorer.settle_restore, reset_policies=lambda: self._straggler.reset(),
             checkpoints_failing=self._durable.checkpoints_failing))
         self._plug_commit()

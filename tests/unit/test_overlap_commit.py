@@ -151,7 +151,6 @@ def test_a_leaver_whose_grace_ends_before_the_next_commit_leaves_at_this_one(mon
     world, states = world_of(2, True)
     live = Liveness()
     monkeypatch.setattr(states[1], "_liveness", live)
-    monkeypatch.setattr(states[1]._listener, "_liveness", live)  # the part that decides at the commit was given it
     clock = iter([0.0, 0.0, 10.0, 10.0])  # rank 0's and rank 1's collectives, commit 1 then 2: 10 s apart
     monkeypatch.setattr(host_updates, "_now", lambda: next(clock))
     assert commit_all(world, states) == [None, None]

@@ -53,10 +53,11 @@ def committed(objects):
 
 # ------------------------------------------------------------------ listener
 
-def listener(tracked, buffers, record, calls, failing=None, hosts=None):
+def listener(tracked, buffers, record, calls, failing=None, hosts=None, live=None):
+    live = live or [Liveness()]
     return HorovodListener(
         hosts=hosts or HostUpdates(), tracked=tracked, buffers=buffers, record=record, slots=CommitSlots(),
-        binding=SoloBinding(), liveness=Liveness(), events=EventLog(None, lambda: 0, lambda: 1),
+        binding=SoloBinding(), liveness=lambda: live[0], events=EventLog(None, lambda: 0, lambda: 1),
         term_grace_s=5.0, settle_restore=lambda: calls.append("restore settled"),
         reset_policies=lambda: calls.append("policies reset"), checkpoints_failing=lambda: failing)
 
@@ -96,6 +97,18 @@ def test_the_listener_stops_every_rank_at_the_commit_it_reads_when_checkpoints_k
         part.check_host_updates()
     ok = listener(tracked, buffers, record, calls, failing=None)
     ok.check_host_updates()  # nothing failing, no host news: the commit goes on
+
+
+def test_the_listener_reads_the_liveness_it_is_given_when_the_commit_decides():
+    from horovod.common.exceptions import HostsUpdatedInterrupt
+    tracked, buffers = committed({"step": 0})
+    live = [Liveness()]
+    part = listener(tracked, buffers, CommitRecord(), [], live=live)
+    part.check_host_updates()  # nobody leaves
+    live[0] = Liveness()  # the State's liveness replaced (a rank simulated by a thread has its own)
+    live[0].ask_to_leave(60.0)
+    with pytest.raises(HostsUpdatedInterrupt):
+        part.check_host_updates()  # the leave acts at this commit, on every rank
 
 
 # ------------------------------------------------------------------- durable
