@@ -8,7 +8,7 @@ State; the State exposes ``wait_for_checkpoint``, ``checkpoint_now`` and
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional, Protocol
+from typing import Any, Callable, Dict, Iterable, Optional, Protocol
 
 from elastic_ext.binding import Binding, rank_or_unknown
 from elastic_ext.state.buffers import CommitBuffers
@@ -52,11 +52,12 @@ class DurableCommits:
         buffers: the commit buffers the writer reads.
         tracked: the tracked objects (which entries are synced, their adapters, the samplers' cursors).
         record: where this rank stands (its commit id, generation and commit time, read when a commit is handed over).
-        binding: this rank (only rank 0 writes) and the world's size, written in the checkpoint's manifest.
+        binding: this rank (only rank 0 writes) and the world's size, written in the checkpoint's manifest;
+            asked for when a commit is handed over (the State's, which a test may replace).
     """
 
     def __init__(self, *, writer: Optional[CommitWriter], buffers: CommitBuffers, tracked: Tracked,
-                 record: CommitRecord, binding: Binding) -> None:
+                 record: CommitRecord, binding: Callable[[], Binding]) -> None:
         self._writer, self._buffers, self._tracked, self._record = writer, buffers, tracked, record
         self._binding = binding
 
@@ -85,7 +86,7 @@ class DurableCommits:
         """Rank 0 hands the agreed commit's synced buffers to the background writer, when it is due
         (or ``force``)."""
         writer = self._writer
-        if writer is None or rank_or_unknown(self._binding) != 0:
+        if writer is None or rank_or_unknown(self._binding()) != 0:
             return
         if not force:
             writer.observe_commit()  # checkpoint_every="auto" measures the commits' intervals
@@ -93,7 +94,7 @@ class DurableCommits:
         if not (force or writer.due(record.commit_id)):
             return
         names = self._tracked.synced(self._buffers.entries)
-        info = {"world_size": self._binding.size(), "written_by_rank": 0, "generation": record.generation,
+        info = {"world_size": self._binding().size(), "written_by_rank": 0, "generation": record.generation,
                 "commit_time": record.commit_time, "data_cursor": self._tracked.cursors(self._buffers.entries),
                 "adapters": {name: self._tracked.adapter(name).name for name in names}}
         writer.on_commit(record.commit_id, names, info, force=force)
@@ -106,6 +107,6 @@ class DurableCommits:
     def checkpoints_failing(self) -> Optional[str]:
         """On rank 0, what failed once its writes failed ``checkpoint_failure_limit`` times in a row; else None."""
         writer = self._writer
-        if writer is None or rank_or_unknown(self._binding) != 0:
+        if writer is None or rank_or_unknown(self._binding()) != 0:
             return None
         return writer.failing()

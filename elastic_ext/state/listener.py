@@ -32,9 +32,10 @@ class HorovodListener:
         buffers: the commit buffers (the reset callbacks' changes go into the commit held there).
         record: where this rank stands (its commit id, read when a method runs).
         slots: the policies' contributions to the commit's collective (filled once the State is assembled).
-        binding: the collectives of the commit's decision.
-        liveness: this process's liveness (a leave asked for, its grace), asked for when the commit decides:
-            the State's, which a test that runs ranks as threads replaces by one per rank.
+        binding: the collectives of the commit's decision, asked for when it runs (the State's, which a
+            test may replace: a survivor moved to a new world).
+        liveness: this process's liveness (a leave asked for, its grace), asked for when the commit decides
+            (the State's: a test that runs ranks as threads gives each its own).
         events: this rank's event log.
         term_grace_s: how long a rank told to leave may still train (``ElasticConfig.term_grace_s``).
         settle_restore: waits for a background restore under way (the reset callbacks use the objects).
@@ -43,10 +44,9 @@ class HorovodListener:
     """
 
     def __init__(self, *, hosts: HostUpdates, tracked: Tracked, buffers: CommitBuffers, record: CommitRecord,
-                 slots: CommitSlots, binding: Binding, liveness: Callable[[], Liveness], events: EventLog,
-                 term_grace_s: float,
-                 settle_restore: Callable[[], Any], reset_policies: Callable[[], None],
-                 checkpoints_failing: Callable[[], Optional[str]]) -> None:
+                 slots: CommitSlots, binding: Callable[[], Binding], liveness: Callable[[], Liveness],
+                 events: EventLog, term_grace_s: float, settle_restore: Callable[[], Any],
+                 reset_policies: Callable[[], None], checkpoints_failing: Callable[[], Optional[str]]) -> None:
         self._hosts, self._tracked, self._buffers, self._record = hosts, tracked, buffers, record
         self._slots, self._binding, self._liveness, self._events = slots, binding, liveness, events
         self._term_grace_s = term_grace_s
@@ -128,6 +128,6 @@ class HorovodListener:
             CheckpointError: rank 0's checkpoints keep failing (every rank stops together).
             StateDivergenceError: the replica check found ranks that differ with no strict majority.
         """
-        _decisions.decide_at_commit(self._hosts, self._slots, self._binding, self._tracked.objects.values(),
+        _decisions.decide_at_commit(self._hosts, self._slots, self._binding(), self._tracked.objects.values(),
                                     self._record.commit_id, self._liveness(), self._term_grace_s, self._events,
                                     self._checkpoints_failing())

@@ -119,12 +119,12 @@ class CoreState:
         s(self, "_restorer", Restorer(tracked=tracked, buffers=buffers, digests=self._digests, record=record,
                                       rewind_policies=self._rewind_policies, agreed=lambda: self._replica.agreed))
         s(self, "_durable", DurableCommits(writer=self._checkpointer, buffers=buffers, tracked=tracked,
-                                           record=record, binding=binding))
+                                           record=record, binding=lambda: self._binding))
         s(self, "_listener", HorovodListener(
-            hosts=self._hosts, tracked=tracked, buffers=buffers, record=record, slots=self._slots, binding=binding,
-            liveness=lambda: self._liveness, events=self._events, term_grace_s=self._config.term_grace_s,
-            settle_restore=self._restorer.settle_restore, reset_policies=lambda: self._straggler.reset(),
-            checkpoints_failing=self._durable.checkpoints_failing))
+            hosts=self._hosts, tracked=tracked, buffers=buffers, record=record, slots=self._slots,
+            binding=lambda: self._binding, liveness=lambda: self._liveness, events=self._events,
+            term_grace_s=self._config.term_grace_s, settle_restore=self._restorer.settle_restore,
+            reset_policies=lambda: self._straggler.reset(), checkpoints_failing=self._durable.checkpoints_failing))
         self._plug_commit()
 
     # The assembled State's policies plug in when what they need is there (a policy may track its own objects).

@@ -57,7 +57,7 @@ def listener(tracked, buffers, record, calls, failing=None, hosts=None, live=Non
     live = live or [Liveness()]
     return HorovodListener(
         hosts=hosts or HostUpdates(), tracked=tracked, buffers=buffers, record=record, slots=CommitSlots(),
-        binding=SoloBinding(), liveness=lambda: live[0], events=EventLog(None, lambda: 0, lambda: 1),
+        binding=SoloBinding, liveness=lambda: live[0], events=EventLog(None, lambda: 0, lambda: 1),
         term_grace_s=5.0, settle_restore=lambda: calls.append("restore settled"),
         reset_policies=lambda: calls.append("policies reset"), checkpoints_failing=lambda: failing)
 
@@ -155,7 +155,7 @@ class ShutDown(SoloBinding):
 def durable(writer, binding=None, record=None):
     tracked, buffers = committed({"weights": np.arange(3.0), "step": 2})
     return DurableCommits(writer=writer, buffers=buffers, tracked=tracked, record=record or CommitRecord(),
-                          binding=binding or SoloBinding())
+                          binding=lambda: binding or SoloBinding())
 
 
 def test_the_durable_part_reports_a_failing_writer_on_rank_0_only():
