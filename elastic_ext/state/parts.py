@@ -4,10 +4,15 @@
 plain class built with what it uses and held in a field:
 ``_listener`` (:class:`~elastic_ext.state.listener.HorovodListener`),
 ``_durable`` (:class:`~elastic_ext.state.durable.DurableCommits`) and
-``_restorer`` (:class:`~elastic_ext.state.restoring.Restorer`). A public
-method that a part implements is a :class:`Delegated` in the State's class
-body, so that Horovod's notification manager and the run loop call it on
-the State itself, and its docstring is written once, on the part.
+``_restorer`` (:class:`~elastic_ext.state.restoring.Restorer`). What the
+State may replace after they are built (the policies plugged in later, the
+binding, the liveness) they reach through callables that look it up when
+called; the commit id through the :class:`~elastic_ext.state.records.CommitRecord`
+that owns it.
+
+A public method that a part implements is a :class:`Delegated` in the
+State's class body, so that Horovod's notification manager and the run loop
+call it on the State itself, and its docstring is written once, on the part.
 """
 
 from __future__ import annotations
