@@ -127,6 +127,15 @@ def guess_framework(preferred: Optional[str] = None) -> str:
         "pass framework='torch' or framework='tensorflow' to State")
 
 
+def rank_or_unknown(binding: Binding) -> int:
+    """``binding.rank()``, or -1 while Horovod cannot say (shut down during a reset): for log
+    prefixes, and for what only rank 0 does."""
+    try:
+        return binding.rank()
+    except Exception:  # noqa: BLE001 - a rank that cannot be read is no rank 0, and a log line must not fail
+        return -1
+
+
 def allreduce_max_start(binding: Binding, array: np.ndarray, name: str) -> Callable[[], np.ndarray]:
     """Starts an element-wise max over ranks; the returned call waits for the result.
 

@@ -24,6 +24,7 @@ from elastic_ext.policies.soft_failures import SoftFailures
 from elastic_ext.policies.straggler import StragglerPolicy
 from elastic_ext.state import state as _core
 from elastic_ext.state.adapters import Adapter
+from elastic_ext.state.tracked import reserved_names as _reserved_names
 
 
 class State(SoftFailures, _core.CoreState):
@@ -112,4 +113,4 @@ class State(SoftFailures, _core.CoreState):
 def reserved_names() -> FrozenSet[str]:
     """Names no tracked object may take: every public member of :class:`State`
     (methods, properties, attributes) and its constructor's own keywords."""
-    return _core.reserved_names(State)
+    return _reserved_names(State)

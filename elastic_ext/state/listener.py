@@ -1,38 +1,72 @@
-"""The State as Horovod's host-update listener, and what resets and host changes do to it.
+"""The State's listener part: reset callbacks, Horovod's host-update notifications, the commit's decision.
 
-A mixin of :class:`elastic_ext.State`, which provides ``_hosts`` (its
-:class:`~elastic_ext.state.host_updates.HostUpdates`), ``_straggler``,
-``_tracked``, ``_binding``, ``_liveness``, ``_config``, ``_events``,
-``_reset_callbacks``, ``_slots`` (the policies' part in the commit) and ``commit_id``. The names are Horovod's own
-(``on_reset``, ``on_hosts_updated``, ``check_host_updates``,
-``register_reset_callbacks``), so the State plugs into Horovod's
-notification manager as Horovod's ``State`` does.
+:class:`HorovodListener` is a part of :class:`elastic_ext.state.state.CoreState`,
+built with what it uses (its constructor's arguments) and nothing else of the
+State. The State exposes its methods under Horovod's own names (``on_reset``,
+``on_hosts_updated``, ``check_host_updates``, ``register_reset_callbacks``,
+``reset``), so the State plugs into Horovod's notification manager as
+Horovod's ``State`` does.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, List, Optional
 
-from elastic_ext.events import PRESTART
+from elastic_ext.binding import Binding
+from elastic_ext.events import PRESTART, EventLog
+from elastic_ext.liveness import Liveness
 from elastic_ext.state import decisions as _decisions
-from elastic_ext.state.host_updates import EarlyStart
+from elastic_ext.state.buffers import CommitBuffers
+from elastic_ext.state.commit_slots import CommitSlots
+from elastic_ext.state.host_updates import EarlyStart, HostUpdates
+from elastic_ext.state.records import CommitRecord
+from elastic_ext.state.tracked import Tracked
 
 
 class HorovodListener:
-    """Reset callbacks, host-update notifications and the commit's decision (see the module docstring)."""
+    """Reset callbacks, host-update notifications and the commit's decision (see the module docstring).
+
+    Args:
+        hosts: the host updates and the commit's collective (:class:`~elastic_ext.state.host_updates.HostUpdates`).
+        tracked: the tracked objects (told of a world change, captured again after the reset callbacks).
+        buffers: the commit buffers (the reset callbacks' changes go into the commit held there).
+        record: where this rank stands (its commit id, read when a method runs).
+        slots: the policies' contributions to the commit's collective (filled once the State is assembled).
+        binding: the collectives of the commit's decision, asked for when it runs (the State's, which a
+            test may replace: a survivor moved to a new world).
+        liveness: this process's liveness (a leave asked for, its grace), asked for when the commit decides
+            (the State's: a test that runs ranks as threads gives each its own).
+        events: this rank's event log.
+        term_grace_s: how long a rank told to leave may still train (``ElasticConfig.term_grace_s``).
+        settle_restore: waits for a background restore under way (the reset callbacks use the objects).
+        reset_policies: what a reset does to the policies (the straggler watch measures afresh).
+        checkpoints_failing: on rank 0, what failed once its checkpoint writes kept failing; else None.
+    """
+
+    def __init__(self, *, hosts: HostUpdates, tracked: Tracked, buffers: CommitBuffers, record: CommitRecord,
+                 slots: CommitSlots, binding: Callable[[], Binding], liveness: Callable[[], Liveness],
+                 events: EventLog, term_grace_s: float, settle_restore: Callable[[], Any],
+                 reset_policies: Callable[[], None], checkpoints_failing: Callable[[], Optional[str]]) -> None:
+        self._hosts, self._tracked, self._buffers, self._record = hosts, tracked, buffers, record
+        self._slots, self._binding, self._liveness, self._events = slots, binding, liveness, events
+        self._term_grace_s = term_grace_s
+        self._settle_restore, self._reset_policies = settle_restore, reset_policies
+        self._checkpoints_failing = checkpoints_failing
+        self.reset_callbacks: List[Callable[[], None]] = []
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
         """Callbacks run after every reset (worker added or removed), e.g. to rescale the LR."""
-        self._reset_callbacks.extend(callbacks)
+        self.reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
-        self.settle_restore()  # the callbacks may use the objects a rollback restores
+        """Horovod's reset: the world changed; runs the reset callbacks, in the order registered."""
+        self._settle_restore()  # the callbacks may use the objects a rollback restores
         self._hosts.clear()
-        self._straggler.reset()
+        self._reset_policies()
         self.reset()
-        for callback in self._reset_callbacks:
+        for callback in self.reset_callbacks:
             callback()
-        if self._reset_callbacks and self.committed and not self._buffers.torn:
+        if self.reset_callbacks and self._buffers.entries is not None and not self._buffers.torn:
             # What the callbacks changed (Horovod's documented ``lr * hvd.size()``) is what every
             # rank must hold next: under Horovod the sync after them broadcasts rank 0's live objects.
             # Here the sync ships the commit, so the commit takes their changes, under the same id;
@@ -65,7 +99,7 @@ class HorovodListener:
         """Right after a sync: starts the newcomers early when the round left capacity out (a failed slot),
         rather than at the commit that would agree the driver's notification of it."""
         if self._hosts.start_for_capacity_left_out():
-            self._events.emit(PRESTART, commit_id=self.commit_id, at_sync=True)
+            self._events.emit(PRESTART, commit_id=self._record.commit_id, at_sync=True)
 
     def settle_commits(self) -> None:
         """Waits for this rank's overlapped commit collective, if one is in flight.
@@ -94,6 +128,6 @@ class HorovodListener:
             CheckpointError: rank 0's checkpoints keep failing (every rank stops together).
             StateDivergenceError: the replica check found ranks that differ with no strict majority.
         """
-        _decisions.decide_at_commit(self._hosts, self._slots, self._binding, self._tracked.objects.values(),
-                         self.commit_id, self._liveness, self._config.term_grace_s, self._events,
-                         self._checkpoints_failing())
+        _decisions.decide_at_commit(self._hosts, self._slots, self._binding(), self._tracked.objects.values(),
+                                    self._record.commit_id, self._liveness(), self._term_grace_s, self._events,
+                                    self._checkpoints_failing())

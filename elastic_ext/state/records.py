@@ -1,22 +1,26 @@
 """What a rank counts across commits and resets: its commit id and generation, rollbacks in a row.
 
 Both are agreed by every rank at a sync (:mod:`elastic_ext.state.sync`
-broadcasts them); ``run`` counts rollbacks against ``rollback_limit``.
+broadcasts them; the time of the last commit stays this rank's own); ``run``
+counts rollbacks against ``rollback_limit``. The State's parts are given the
+:class:`CommitRecord` itself, so they read the id as it stands when they act.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict
+from typing import Dict, Optional
 
 
 @dataclasses.dataclass
 class CommitRecord:
-    """Where this rank stands: its last commit id, whether it went through a sync, the generation."""
+    """Where this rank stands: its last commit id, whether it went through a sync, the generation,
+    and when it last committed."""
 
     commit_id: int = 0
     participated: bool = False  # True once this process went through a sync
     generation: int = 0         # +1 per sync, agreed by all ranks
+    commit_time: Optional[float] = None  # time.time() of this rank's last own commit (not agreed)
 
 
 @dataclasses.dataclass

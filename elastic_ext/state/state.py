@@ -1,10 +1,9 @@
 """Committed state: tracked objects, commit, restore, reset callbacks, the host-update listener.
 
-:class:`CoreState` is the State without its policies: the public
-:class:`elastic_ext.State` (:mod:`elastic_ext.runtime.assembly`) adds the
-numeric guard, the straggler policy and the replica check, which plug into
-the commit through :mod:`elastic_ext.state.commit_slots`; nothing here
-imports a policy.
+:class:`CoreState` is the State without its policies: the public :class:`elastic_ext.State`
+(:mod:`elastic_ext.runtime.assembly`) adds the numeric guard, the straggler policy and the
+replica check, which plug into the commit through :mod:`elastic_ext.state.commit_slots`;
+nothing here imports a policy.
 
 The State holds named objects (a model, an optimizer, a sampler, the
 epoch counter...), each handled by the adapter for its type. ``commit()``
@@ -17,6 +16,8 @@ captured N+1, so after a failure the survivors' ids differ by at most one
 and the newest is a consistent state. ``restore()`` brings every object back
 to the last commit bitwise; ``sync()`` makes every rank hold the same commit
 and checks that survivors agree on it (:mod:`elastic_ext.state.sync`).
+Parts, each built with what it uses, carry Horovod's listener, the hand-off
+to the checkpoint writer and the way back to a commit (:mod:`elastic_ext.state.parts`).
 
 What must agree across ranks: parameters, optimizer state, plain values,
 sampler positions; not *buffers* (``buffer_keys``: BatchNorm statistics,
@@ -39,7 +40,7 @@ from typing import Any, ContextManager, Dict, FrozenSet, Iterable, Optional, Tup
 
 from elastic_ext.state import sync as _sync
 from elastic_ext.state.adapters import Adapter
-from elastic_ext.binding import Binding, get_binding, guess_framework
+from elastic_ext.binding import Binding, get_binding, guess_framework, rank_or_unknown
 from elastic_ext.state.buffers import CommitBuffers
 from elastic_ext.state.commit_slots import CommitSlots
 from elastic_ext.state.digests import Digests
@@ -49,38 +50,35 @@ from elastic_ext.events import EventLog
 from elastic_ext.state.durable import DurableCommits
 from elastic_ext.state.host_updates import HostUpdates
 from elastic_ext.state.listener import HorovodListener
+from elastic_ext.state.parts import Delegated
 from elastic_ext.state.records import CommitRecord, RollbackRecord
-from elastic_ext.state.restoring import Restoring
+from elastic_ext.state.restoring import Restorer
 from elastic_ext.data.sampler import ElasticPartitioner
-from elastic_ext.state.tracked import Tracked
+from elastic_ext.state.tracked import Tracked, reserved_names
 from elastic_ext.liveness import LIVENESS
 
 logger = logging.getLogger(__name__)
 
 
-class CoreState(HorovodListener, DurableCommits, Restoring):
+class CoreState:
     """The committed state without its policies; :class:`elastic_ext.State` assembles it with them.
 
-    The public class (:mod:`elastic_ext.runtime.assembly`) documents the
-    arguments. It sets, through the ``_plug_*`` methods called in
-    :meth:`_construct`, what the mixins and the commit use of its policies:
-    ``_guard``, ``_straggler`` (with a ``timer`` and ``reset()``),
-    ``_guarded`` (with ``settle()`` and ``drop()``), ``_replica`` (with
-    ``before_commit()``, ``synced()`` and ``agreed``) and ``_slots``, the
-    :class:`~elastic_ext.state.commit_slots.CommitSlots` whose contributions
-    ride on the commit's collective.
+    The public class (:mod:`elastic_ext.runtime.assembly`) documents the arguments, and sets through
+    the ``_plug_*`` methods its policies: ``_guard``, ``_straggler`` (a ``timer``, ``reset()``),
+    ``_guarded`` (``settle()``, ``drop()``), ``_replica`` (``before_commit()``, ``synced()``,
+    ``agreed``) and the contributions of ``_slots`` (those of the commit's collective). :meth:`_construct`
+    builds the parts (:mod:`elastic_ext.state.parts`); they reach a policy only through a callable.
     """
 
     #: The constructor's own keywords besides the tracked objects, then those of the assembled State's policies.
     _KEYWORDS: Tuple[str, ...] = ("framework", "adapters", "config", "per_rank")
     _POLICY_KEYWORDS: Tuple[str, ...] = ()
-    #: Names no tracked object may take besides the public members (see :func:`reserved_names`).
+    #: Names no tracked object may take besides the public members (:func:`.tracked.reserved_names`).
     _RESERVED_EXTRA: FrozenSet[str] = frozenset({"framework", "binding", "adapters", "config", "per_rank"})
 
     @classmethod
     def _on(cls, binding: Binding, **kwargs: Any) -> "CoreState":
-        """A State whose collectives go through ``binding`` instead of Horovod (the test seam
-        :func:`elastic_ext.testing.state_on`)."""
+        """A State whose collectives go through ``binding`` (the test seam :func:`elastic_ext.testing.state_on`)."""
         state = cls.__new__(cls)
         options = {k: kwargs.pop(k) for k in cls._KEYWORDS + cls._POLICY_KEYWORDS if k in kwargs}
         state._construct(binding, options.get("framework"), options.get("adapters", ()), options.get("config"),
@@ -108,22 +106,28 @@ class CoreState(HorovodListener, DurableCommits, Restoring):
         self._plug_binding([*frameworks, binding.framework])
         s(self, "_buffers", CommitBuffers(self._config.commit_buffers))
         s(self, "_record", CommitRecord())
-        s(self, "_commit_time", None)
         s(self, "_hosts", HostUpdates(overlap=getattr(binding, "allreduce_max_start", None) is not None))
-        s(self, "_reset_callbacks", [])
         s(self, "_rollbacks", RollbackRecord())
         s(self, "_events", EventLog(self._config.events_path, binding.rank, binding.size))
         s(self, "_digests", Digests())
-        s(self, "_restoring", None)  # a BackgroundRestore under way
         s(self, "_checkpointer", None)
         if self._config.checkpoint_dir is not None:
             from elastic_ext.checkpoint import Checkpointer
             s(self, "_checkpointer", Checkpointer(self._config, self._events, self._buffers))
         s(self, "_slots", CommitSlots())
+        tracked, buffers, record = self._tracked, self._buffers, self._record
+        s(self, "_restorer", Restorer(tracked=tracked, buffers=buffers, digests=self._digests, record=record,
+                                      rewind_policies=self._rewind_policies, agreed=lambda: self._replica.agreed))
+        s(self, "_durable", DurableCommits(writer=self._checkpointer, buffers=buffers, tracked=tracked,
+                                           record=record, binding=lambda: self._binding))
+        s(self, "_listener", HorovodListener(
+            hosts=self._hosts, tracked=tracked, buffers=buffers, record=record, slots=self._slots,
+            binding=lambda: self._binding, liveness=lambda: self._liveness, events=self._events,
+            term_grace_s=self._config.term_grace_s, settle_restore=self._restorer.settle_restore,
+            reset_policies=lambda: self._straggler.reset(), checkpoints_failing=self._durable.checkpoints_failing))
         self._plug_commit()
 
-    # What the assembled State adds (its policies), at the moments they need: the tracked objects
-    # are in (a policy may track its own), the binding is known, the commit's parts are built.
+    # The assembled State's policies plug in when what they need is there (a policy may track its own objects).
     def _plug_objects(self, policies: Dict[str, Any]) -> None:
         """After the objects are tracked, before their adapters are found."""
 
@@ -131,7 +135,33 @@ class CoreState(HorovodListener, DurableCommits, Restoring):
         """Once the binding is chosen (``frameworks``: the objects', then the binding's)."""
 
     def _plug_commit(self) -> None:
-        """Once the buffers, the event log and the checkpoint writer are built: ``_slots`` is empty."""
+        """Once the buffers, the event log, the checkpoint writer and the parts are built: ``_slots`` is empty."""
+
+    def _rewind_policies(self) -> None:
+        """The objects went back to a commit (a restore, a replay): what the policies forget."""
+        self._guarded.drop()  # the step in flight is undone
+        self._straggler.reset()  # replayed steps are not measured against the others
+
+    # ------ what the parts implement. Horovod's listener (state/listener.py): Horovod calls these on the State.
+    register_reset_callbacks = Delegated("_listener", HorovodListener.register_reset_callbacks)
+    on_reset = Delegated("_listener", HorovodListener.on_reset)
+    reset = Delegated("_listener", HorovodListener.reset)
+    on_hosts_updated = Delegated("_listener", HorovodListener.on_hosts_updated)
+    check_host_updates = Delegated("_listener", HorovodListener.check_host_updates)
+    host_update_pending = Delegated("_listener", HorovodListener.host_update_pending)
+    set_early_start = Delegated("_listener", HorovodListener.set_early_start)
+    start_early_at_sync = Delegated("_listener", HorovodListener.start_early_at_sync)
+    settle_commits = Delegated("_listener", HorovodListener.settle_commits)
+    early_start_under_way = Delegated("_listener", HorovodListener.early_start_under_way)
+    removed_at_resize = Delegated("_listener", HorovodListener.removed_at_resize)
+    # The hand-off to the checkpoint writer (state/durable.py).
+    wait_for_checkpoint = Delegated("_durable", DurableCommits.wait_for_checkpoint)
+    checkpoint_now = Delegated("_durable", DurableCommits.checkpoint_now)
+    note_failure = Delegated("_durable", DurableCommits.note_failure)
+    # The way back to a commit (state/restoring.py).
+    restore = Delegated("_restorer", Restorer.restore)
+    settle_restore = Delegated("_restorer", Restorer.settle_restore)
+    replay_from_agreed = Delegated("_restorer", Restorer.replay_from_agreed)
 
     # ------------------------------------------------------------ attributes
 
@@ -184,7 +214,8 @@ class CoreState(HorovodListener, DurableCommits, Restoring):
     @property
     def seconds_since_commit(self) -> Optional[float]:
         """Seconds since the last commit (None before the first): the work a rollback loses."""
-        return None if self._commit_time is None else time.time() - self._commit_time
+        commit_time = self._record.commit_time
+        return None if commit_time is None else time.time() - commit_time
 
     def _add_object(self, name: str, obj: Any, per_rank: bool = False) -> None:
         """Tracks one more object from now on, for an integration (``ElasticCallback``'s own entries);
@@ -219,16 +250,16 @@ class CoreState(HorovodListener, DurableCommits, Restoring):
         self._guarded.settle(self._tracked.objects)  # a bad step in flight must not be committed
         self.save()
         try:
-            self.check_host_updates()
+            self._listener.check_host_updates()
         except Exception as exc:
             if type(exc).__name__ == "HostsUpdatedInterrupt":  # the commit is agreed all the same
-                self._checkpoint_commit()
+                self._durable.checkpoint_commit()
             raise
-        self._checkpoint_commit()
+        self._durable.checkpoint_commit()
 
     def save(self) -> None:
         """The local half of :meth:`commit`: snapshot without any collective."""
-        self.settle_restore()
+        self._restorer.settle_restore()
         captures = self._tracked.capture()
         self._replica.before_commit(self.commit_id)  # a synced commit the replica check keeps, before it goes
         try:
@@ -236,16 +267,10 @@ class CoreState(HorovodListener, DurableCommits, Restoring):
         except BaseException:
             if self._buffers.torn:
                 logger.error("[rank %s] commit %d interrupted while copying; the previous commit is torn "
-                             "and will not be restored from", self._safe_rank(), self.commit_id + 1)
+                             "and will not be restored from", rank_or_unknown(self._binding), self.commit_id + 1)
             raise
         self._record.commit_id += 1
-        self._commit_time = time.time()
-
-    def _safe_rank(self) -> int:
-        try:
-            return self._binding.rank()
-        except Exception:  # noqa: BLE001 - only used in log prefixes
-            return -1
+        self._record.commit_time = time.time()
 
     def sync(self) -> None:
         """Makes every rank hold the same commit and the same live synced objects.
@@ -261,7 +286,7 @@ class CoreState(HorovodListener, DurableCommits, Restoring):
                 (the message names the first differing entry).
             CheckpointError: a fresh job cannot resume from its checkpoints.
         """
-        self.settle_restore()
+        self._restorer.settle_restore()
         if self._buffers.entries is None or self._buffers.torn:
             # A newcomer (or a torn survivor) snapshots what it has, so that
             # a fresh job starts from rank 0's initial objects.
@@ -273,14 +298,3 @@ class CoreState(HorovodListener, DurableCommits, Restoring):
                             self._rollbacks, self._events, self._checkpointer, self._digests)
         _sync.sync(party)
         self._replica.synced(self.commit_id)
-
-
-def reserved_names(cls: type = CoreState) -> FrozenSet[str]:
-    """Names no tracked object may take in a ``cls``: every public member (methods, properties,
-    attributes) and its ``_RESERVED_EXTRA`` (its constructor's own keywords, its policies' names);
-    :func:`elastic_ext.runtime.assembly.reserved_names` gives the public State's."""
-    found = cls.__dict__.get("_reserved_found")
-    if found is None:
-        found = frozenset({name for name in dir(cls) if not name.startswith("_")} | cls._RESERVED_EXTRA)
-        setattr(cls, "_reserved_found", found)
-    return found

@@ -19,6 +19,17 @@ from elastic_ext.state.snapshot import Capture, Entry
 from elastic_ext.state.tree import join
 
 
+def reserved_names(cls: type) -> FrozenSet[str]:
+    """Names no tracked object may take in a State class ``cls``: every public member (methods,
+    properties, attributes) and its ``_RESERVED_EXTRA`` (its constructor's own keywords, its policies'
+    names); :func:`elastic_ext.runtime.assembly.reserved_names` gives the public State's."""
+    found = cls.__dict__.get("_reserved_found")
+    if found is None:
+        found = frozenset({name for name in dir(cls) if not name.startswith("_")} | cls._RESERVED_EXTRA)
+        setattr(cls, "_reserved_found", found)
+    return found
+
+
 class Tracked:
     """Named objects, their adapters, and which of them are per rank.
 

@@ -60,11 +60,11 @@ def test_large_objects_are_restored_on_a_thread_that_also_digests_for_the_next_s
         state.restore(background=True)
         # What run reads at once is back before the call returns: the step counter, the small array.
         assert state.step == 5 and state.small.tolist() == [2.0] * 4
-        assert state._restoring is not None
+        assert state._restorer.background is not None
     results = world.run(lambda r: (states[r].sync(), states[r].generation))
     assert not any(isinstance(r, BaseException) for r in results), results
     for rank, state in enumerate(states):
-        assert state._restoring is None
+        assert state._restorer.background is None
         expected = torch.zeros(TABLE)
         expected[:5] = 1.0
         assert torch.equal(tables[rank], expected), rank
@@ -116,4 +116,4 @@ def test_samplers_never_go_to_the_thread():
     """run adds a numeric rollback's skipped ranges to the samplers right after the restore."""
     state = state_on(SoloBinding(), config=ElasticConfig(), sampler=ElasticSampler(64, global_batch_size=8, seed=1),
                      table=torch.zeros(TABLE), step=0)
-    assert not state._may_restore_later("sampler") and state._may_restore_later("table")
+    assert not state._restorer.may_restore_later("sampler") and state._restorer.may_restore_later("table")
