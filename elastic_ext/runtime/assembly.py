@@ -24,10 +24,11 @@ from elastic_ext.policies.soft_failures import SoftFailures
 from elastic_ext.policies.straggler import StragglerPolicy
 from elastic_ext.state import state as _core
 from elastic_ext.state.adapters import Adapter
+from elastic_ext.state.parts import Delegated
 from elastic_ext.state.tracked import reserved_names as _reserved_names
 
 
-class State(SoftFailures, _core.CoreState):
+class State(_core.CoreState):
     """Committed state of a training job, for PyTorch or TensorFlow.
 
     Every keyword argument becomes an attribute (``state.model``,
@@ -99,6 +100,14 @@ class State(SoftFailures, _core.CoreState):
 
     def _plug_binding(self, frameworks: Iterable[str]) -> None:
         object.__setattr__(self, "_guarded", _numeric.GuardedSteps(self._guard, frameworks))
+        object.__setattr__(self, "_soft", SoftFailures(guard=self._guard, guarded=self._guarded,
+                                                       straggler=self._straggler, tracked=self._tracked,
+                                                       binding=lambda: self._binding))
+
+    # ------ the soft-failure part (policies/soft_failures.py)
+    guard = property(lambda self: self._soft.guard, doc=SoftFailures.guard.__doc__)
+    step_timer = property(lambda self: self._soft.step_timer, doc=SoftFailures.step_timer.__doc__)
+    guard_step = Delegated("_soft", SoftFailures.guard_step)
 
     def _plug_commit(self) -> None:
         replica = ReplicaCheck(self._config.replica_check_every, self._tracked, self._buffers, self._events,

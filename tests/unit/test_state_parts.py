@@ -266,3 +266,29 @@ def test_a_delegated_method_is_the_parts_own_on_the_state_and_on_its_class():
     assert host.greet("c") == "shadowed"
     state = state_on(SoloBinding(), step=0)
     assert state.on_reset.__self__ is state._listener and state.restore.__self__ is state._restorer
+
+
+# ------------------------------------------------------------------ soft failures (policies/soft_failures.py)
+
+def test_the_soft_failure_part_checks_a_step_with_the_binding_of_that_moment_and_only_the_samplers():
+    from elastic_ext.policies.soft_failures import SoftFailures
+
+    class Guarded:
+        def step(self, binding, objects, samplers, loss, grads, samples, step):
+            seen.append((binding, sorted(objects), list(samplers), loss, samples, step))
+            return "verdict"
+
+    class Straggler:
+        timer = "the timer"
+
+    seen, bindings = [], [SoloBinding()]
+    tracked = Tracked({"sampler": WorldWatcher([]), "epoch": 0}, (), ())
+    part = SoftFailures(guard="the guard", guarded=Guarded(), straggler=Straggler(), tracked=tracked,
+                        binding=lambda: bindings[0])
+    assert (part.guard, part.step_timer) == ("the guard", "the timer")
+    bindings[0] = SoloBinding()  # a test may move the State to another world after building it
+    assert part.guard_step(1.5, samples=8, step=3) == "verdict"
+    assert seen == [(bindings[0], ["epoch", "sampler"], ["sampler"], 1.5, 8, 3)]
+    state = state_on(SoloBinding(), epoch=0)
+    assert state.guard is None and state.step_timer is state._soft.step_timer
+    assert "guard_step" in dir(state) and "guard_step" in type(state).__dict__
