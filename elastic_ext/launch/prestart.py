@@ -22,8 +22,9 @@ added, :mod:`elastic_ext.launch.driver`):
 2. Horovod starts a newcomer with its rank in the environment; its first
    ``hvd.init()`` would go straight to Gloo's rendezvous, which the
    survivors, still training, would not join, and its script would build
-   its model only after that. So :func:`elastic_ext.launch.newcomer.install`
-   (done by the launcher's entry module before the script runs) wraps ``hvd.init()``: when the survivors' marker is in the
+   its model only after that. So the launcher's entry module wraps
+   ``hvd.init()`` before the script runs (:func:`elastic_ext.launch.newcomer.init`,
+   :mod:`elastic_ext.launch.horovod_changes`): when the survivors' marker is in the
    rendezvous server's key-value store, a newcomer starts Horovod as a world
    of one (:func:`~elastic_ext.launch.newcomer.start_solo`; ``hvd.rank()``, ``hvd.size()`` and
    ``hvd.local_rank()`` still answer what it was launched with) and builds
