@@ -16,12 +16,12 @@ turns into a longer or larger one:
    joins later, while they train, the way a newcomer of an early start
    does (:mod:`elastic_ext.launch.prestart`): before it answers the
    members' rank requests the driver writes
-   :data:`~elastic_ext.launch.round_watch.CAPACITY_LEFT_OUT` in the store,
+   :data:`~elastic_ext.launch.store.CAPACITY_LEFT_OUT` in the store,
    which each member reads at its sync and starts the early start there;
    and it tells the coordinator that hosts were added until a round has
    that capacity (should a member not have read the key). Only
    the round that an early start's rank requests complete
-   (:data:`~elastic_ext.launch.prestart.ASKED` in the store) starts new
+   (:data:`~elastic_ext.launch.store.ASKED` in the store) starts new
    workers, which start in a world of one. Survivors keep their host; on a
    host whose worker of a lower local rank failed, they move down to the
    free local ranks, and the driver translates every name it holds (the
@@ -63,7 +63,7 @@ turns into a longer or larger one:
    newcomers' starts so far (start to first rank request; the job's first
    workers' until a newcomer asked), the wait the median of those seen so
    far. It writes the worker's
-   :func:`~elastic_ext.launch.round_watch.dismissed_key`; the worker, which
+   :func:`~elastic_ext.launch.store.dismissed_key`; the worker, which
    reads it until it announces itself (:mod:`elastic_ext.launch.newcomer`),
    exits with :data:`~elastic_ext.exit_codes.DISMISSED`,
    its host is not blacklisted for it, and the round forms from the members

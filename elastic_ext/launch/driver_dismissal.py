@@ -2,7 +2,7 @@
 
 :func:`worth_dismissing` is the rule; :func:`dismiss_starting` applies it
 after a member's failure and writes each dismissed worker's
-:func:`~elastic_ext.launch.round_watch.dismissed_key`.
+:func:`~elastic_ext.launch.store.dismissed_key`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import statistics
 import time
 from typing import Any, List
 
-from elastic_ext.launch import prestart, store
+from elastic_ext.launch import store
 from elastic_ext.launch.driver_state import state_of, store_write
-from elastic_ext.launch.round_watch import dismissed_key
+from elastic_ext.launch.store import dismissed_key
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def dismiss_starting(driver: Any) -> None:
     with registry._lock:
         recorded = set(registry._states)
         failures = len(registry._workers[FAILURE])
-    announced = set(store.keys_local(driver, prestart.SCOPE))
+    announced = set(store.keys_local(driver, store.READY_SCOPE))
     now = time.monotonic()
     with ext.lock:
         if not (ext.starts or ext.other_starts):

@@ -13,8 +13,8 @@ import dataclasses
 import threading
 from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
-from elastic_ext.launch import prestart, store
-from elastic_ext.launch.round_watch import SCOPE
+from elastic_ext.launch import store
+from elastic_ext.launch.store import ROUND_SCOPE as SCOPE
 
 STARTS_KEPT = 16     # the workers' latest starts (start to first rank request) the typical start is taken from
 
@@ -28,7 +28,7 @@ def store_write(driver: Any, key: str, value: bytes) -> None:
 
 def early_start_asked(driver: Any) -> bool:
     """True when an early start's rank requests complete this round (they are in the store until it forms)."""
-    return store.keys_local(driver, prestart.SCOPE).get(prestart.ASKED) is not None
+    return store.keys_local(driver, store.READY_SCOPE).get(store.ASKED) is not None
 
 
 def state_of(driver: Any) -> "DriverState":
