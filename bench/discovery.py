@@ -72,7 +72,8 @@ def lock_waits(system: str, command: str, seconds: float, takes: int, seed: int)
     from horovod.runner.elastic.discovery import HostDiscoveryScript, HostManager
     from horovod.runner.elastic.driver import ElasticDriver
 
-    loop: Callable[[Any], None] = ElasticDriver._discover_hosts if system == "horovod" else discovery_runs.discover_hosts
+    loop: Callable[[Any], None] = \
+        ElasticDriver._discover_hosts if system == "horovod" else discovery_runs.discover_hosts
     discovery = HostDiscoveryScript(command, 1)
     if system == "launcher":  # the launcher's run of the script too, as its driver builds its discovery
         discovery = discovery_runs.script_discovery(discovery)

@@ -9,16 +9,17 @@ three things there that the launcher changes:
    here 0.3 s and more, in about a third of the failures. Under the
    launcher the script runs first, with no lock held, and only its answer
    is applied under the lock (:func:`discover_hosts`, the launcher's
-   driver's ``_discover_hosts``, :mod:`elastic_ext.launch.driver`; :class:`Prefetched` hands the answer
-   to Horovod's ``HostManager`` unchanged, so blacklists, cooldowns and the
-   notices' filter act on it as before).
+   driver's ``_discover_hosts``, :mod:`elastic_ext.launch.driver`;
+   :class:`Prefetched` hands the answer to Horovod's ``HostManager``
+   unchanged, so blacklists, cooldowns and the notices' filter act on it as
+   before).
 2. **Each run starts a fresh Python interpreter as a middleman**
    (``safe_shell_exec``, multiprocessing's spawn), which then starts the
    script: about 0.3 s of CPU a second on the driver's host, beside the
    workers, before the script's own. Under the launcher the script is a
    plain child of the driver (:func:`run_script`, in the discovery the
-   driver builds from Horovod's, :func:`script_discovery`): the same shell command,
-   environment, exit-status rule and parsing as Horovod's.
+   driver builds from Horovod's, :func:`script_discovery`): the same shell
+   command, environment, exit-status rule and parsing as Horovod's.
 
 3. **Host names are checked before Horovod sees them**, whichever
    discovery listed them (a user's own script included): Horovod puts

@@ -112,7 +112,8 @@ def replace_torch_wait() -> bool:
     if lib is None or not hasattr(lib, torch_wait.WAIT) or not hasattr(lib, torch_wait.POLL):
         return False
     if (lib, torch_wait.WAIT) not in REPLACED:
-        _make([(lib, torch_wait.WAIT, torch_wait.waiting(getattr(lib, torch_wait.POLL), getattr(lib, torch_wait.WAIT)))])
+        wait = torch_wait.waiting(getattr(lib, torch_wait.POLL), getattr(lib, torch_wait.WAIT))
+        _make([(lib, torch_wait.WAIT, wait)])
     return True
 
 

@@ -1,7 +1,8 @@
 """The newcomer's side of an early start: a world of one until ``@elastic_ext.run``, then the real one.
 
 :func:`init` runs around Horovod's ``hvd.init()``, :func:`query` around its
-rank and size queries (:mod:`elastic_ext.launch.horovod_changes` wraps them). At this process's first ``init()``, when the survivors' marker is
+rank and size queries (:mod:`elastic_ext.launch.horovod_changes` wraps
+them). At this process's first ``init()``, when the survivors' marker is
 in the rendezvous server's store (:mod:`elastic_ext.launch.prestart`), the
 newcomer starts Horovod as a world of one (:func:`start_solo`) and builds
 its model; at ``@elastic_ext.run`` it announces itself and joins the

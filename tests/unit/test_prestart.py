@@ -307,7 +307,8 @@ def test_while_solo_horovods_queries_answer_the_launch_values(monkeypatch, solo_
             hvd.rank()  # after joining, Horovod's own answer (here: not initialised)
     finally:
         restore_horovod()
-    assert before == [getattr(owner, name) for owner in (basics.HorovodBasics, hvd) for name in ("init", *newcomer.QUERIES)]
+    names = ("init", *newcomer.QUERIES)
+    assert before == [getattr(owner, name) for owner in (basics.HorovodBasics, hvd) for name in names]
 
 
 def test_outside_an_elastic_horovodrun_the_worker_wraps_only_init_for_the_collective_wait():
@@ -315,7 +316,8 @@ def test_outside_an_elastic_horovodrun_the_worker_wraps_only_init_for_the_collec
     before = {name: getattr(basics.HorovodBasics, name) for name in ("init", *newcomer.QUERIES)}
     try:
         assert horovod_changes.install_worker({"HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1"})
-        assert basics.HorovodBasics.init is not before["init"] and basics.HorovodBasics.init.__wrapped__ is before["init"]
+        wrapped = basics.HorovodBasics.init
+        assert wrapped is not before["init"] and wrapped.__wrapped__ is before["init"]
         assert all(getattr(basics.HorovodBasics, name) is before[name] for name in newcomer.QUERIES)
     finally:
         restore_horovod()
