@@ -66,7 +66,8 @@ class Instrument:
             raise ConfigError(f"step_sleep_s ({step_sleep_s}) must be >= 0")
         self.faults: Optional[Any] = (  # a devkit.faults.FaultSchedule
             _devkit("faults").FaultSchedule.parse(faults, os.path.join(ledger_dir, "faults")) if faults else None)
-        self.ledger: Optional[Any] = _devkit("ledger").Ledger(ledger_dir) if ledger_dir else None  # devkit.ledger.Ledger
+        # a devkit.ledger.Ledger
+        self.ledger: Optional[Any] = _devkit("ledger").Ledger(ledger_dir) if ledger_dir else None
         self.step_sleep_s = step_sleep_s
         self.slow_below = parse_slow_below(slow_below)
         self._rank_fn = rank_fn
