@@ -73,7 +73,7 @@ import psutil
 from bench import compare, harness
 from bench.compare_report import LABELS, WORKERS_PER_JOB, analyze, failure_free
 from bench.workers import compare_common
-from elastic_ext.testing import launch
+from devkit import launch
 
 SYSTEMS = ("torchft", "torchrun", "ext", "torchft_ddp")  # the ones that refill a failed slot by themselves
 MAX_RESTARTS = 1000  # torchrun agents (torchrun, torchft groups): every failure is a restart

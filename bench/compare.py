@@ -69,7 +69,7 @@ over the stretches at 4 workers between failures is kept as a cross-check),
 commit cost (seconds in commit or checkpoint on rank 0, per
 commit and per step), and samples duplicated or skipped over the committed
 history (every worker logs its per-step sample ids in the format of
-``elastic_ext.testing.ledger``; each generation undoes the steps at or after the
+``devkit.ledger``; each generation undoes the steps at or after the
 position it resumed from: for torchrun, the checkpoint the restart loaded).
 
     .venv/bin/python -m bench.compare [--failures 3] [--uptime-s 10] [--overhead-s 12]
@@ -91,7 +91,7 @@ from bench import harness, peer_torchft
 from bench.compare_report import DATASET_SIZE, LABELS, WORKERS_PER_JOB, analyze, failure_free, plot_ratios, \
     plot_timeline, print_table, ratios
 from bench.workers import compare_common
-from elastic_ext.testing import launch
+from devkit import launch
 
 SYSTEMS = ("plain", "torchrun", "ext", "ext_horovodrun", "torchft", "torchft_ddp")
 # Under plain horovodrun a failed worker's host is blacklisted: the job regrows onto a spare host the driver adds.

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 from bench import harness, peer_torchft
 from bench.harness import median
 from bench.workers.compare_common import DATASET_SIZE
-from elastic_ext.testing import ledger
+from devkit import ledger
 
 LABELS = {"plain": "plain Horovod", "torchrun": "torchrun", "ext": "elastic_ext",
           "ext_horovodrun": "elastic_ext, plain horovodrun", "torchft": "torchft", "torchft_ddp": "torchft, DDP"}

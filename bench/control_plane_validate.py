@@ -32,7 +32,7 @@ import time
 from typing import Any, Dict, List
 
 from bench import harness
-from elastic_ext.testing import launch
+from devkit import launch
 
 MARGIN = 0.10  # relative difference allowed between a real and a simulated request count
 STEADY_WINDOW_S = 10.0  # the polls are synchronised after a reset: a window of 10 polls, so one poll is 10 %

@@ -35,7 +35,7 @@ import psutil
 
 from bench import harness
 from bench.workers import compare_common
-from elastic_ext.testing import launch
+from devkit import launch
 
 WORKERS = {"sleep": "compare_ext.py", "spin": "spin_wait.py"}
 CONFIGS = [  # (workers, emulated compute in ms per sample)

@@ -35,7 +35,7 @@ import time
 import tracemalloc
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from elastic_ext.testing import launch
+from devkit import launch
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(REPO_ROOT, "bench", "results")

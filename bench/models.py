@@ -3,7 +3,7 @@
 Used by the drivers (bench/commit.py, bench/checkpoint.py) and by the
 workers horovodrun and torchrun start as scripts (bench/workers/), which
 import it as ``bench.models``: their launches put the repository root on
-``PYTHONPATH`` (``elastic_ext.testing.launch.base_env``). torch is imported
+``PYTHONPATH`` (``devkit.launch.base_env``). torch is imported
 on the first call, so a driver that only launches jobs never loads it.
 """
 

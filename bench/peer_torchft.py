@@ -24,7 +24,7 @@ import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from bench import harness
-from elastic_ext.testing import launch
+from devkit import launch
 
 BENCH_VENV = os.path.join(harness.REPO_ROOT, ".venv-bench")
 GROUPS = 4

@@ -3,7 +3,7 @@
 Run from the repository root, as root (the Slurm part starts a throw-away
 Slurm cluster, as ``tests/discovery`` does): ``.venv/bin/python -m bench.preemption``.
 
-The jobs are :mod:`elastic_ext.testing.notice_job`'s: one ``elastic-horovodrun``
+The jobs are :mod:`devkit.notice_job`'s: one ``elastic-horovodrun``
 job of four workers that gets an AWS, a GCP and an Azure notice in turn
 (from a local server answering as each cloud documents its endpoint), and
 one ``sbatch`` job signalled with ``scancel --batch --signal=USR1``. For each
@@ -27,8 +27,8 @@ from typing import Any, Dict, List
 
 from bench import harness
 from elastic_ext.checkpoint import CheckpointStore
-from elastic_ext.testing import ledger
-from elastic_ext.testing.notice_job import run_cloud_notices, run_slurm_notice, steps
+from devkit import ledger
+from devkit.notice_job import run_cloud_notices, run_slurm_notice, steps
 
 
 def lost_steps(out: str) -> Dict[str, Any]:

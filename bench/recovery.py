@@ -70,7 +70,7 @@ import time
 
 from bench import harness, peer_torchft
 from elastic_ext.events import read_events
-from elastic_ext.testing import launch
+from devkit import launch
 
 PARTS = ("detect_s", "recover_s", "first_step_s", "step_s_after")
 BREAKDOWN = ("detection_s", "abort_s", "restore_s", "shutdown_s", "init_s", "restore_wait_s", "callbacks_s",

@@ -46,7 +46,7 @@ from elastic_ext import ElasticConfig
 from elastic_ext.events import read_events
 from elastic_ext.policies.replica_check import replica_digest
 from elastic_ext.state.snapshot import Entry
-from elastic_ext.testing import ledger
+from devkit import ledger
 
 ENV = "ELASTIC_EXT_REPLICA_CHECK_EVERY"
 

@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional
 import psutil
 
 from bench import harness
-from elastic_ext.testing import analysis, launch, ledger
+from devkit import analysis, launch, ledger
 
 DIGITS = 1797
 STEPS_PER_EPOCH = 29  # 1797 samples, global batch 64, policy "pad"

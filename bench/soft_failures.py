@@ -47,7 +47,7 @@ from typing import Any, Dict, List
 
 from bench import harness
 from elastic_ext.events import read_events
-from elastic_ext.testing import launch, ledger
+from devkit import launch, ledger
 
 DIGITS = 1797
 WORKER = os.path.join(launch.WORKERS, "lifecycle.py")

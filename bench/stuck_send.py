@@ -30,7 +30,7 @@ import time
 
 from bench import harness
 from elastic_ext.events import read_events
-from elastic_ext.testing import launch
+from devkit import launch
 
 WORKER = os.path.join(harness.WORKERS, "stuck_send_worker.py")
 STALLED_S = 30.0

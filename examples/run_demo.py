@@ -38,8 +38,8 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
 from elastic_ext.events import read_events  # noqa: E402
-from elastic_ext.testing import ledger  # noqa: E402
-from elastic_ext.testing.launch import kill_tree, third_host  # noqa: E402
+from devkit import ledger  # noqa: E402
+from devkit.launch import kill_tree, third_host  # noqa: E402
 
 DATASET_SIZE = 1500  # digits minus the 297 test images held out by the example
 

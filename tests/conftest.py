@@ -35,7 +35,7 @@ UNIT_TIER = os.path.join(REPO, "tests", "unit")
 # Jobs under plain Horovod run Horovod's own runner with its build checks answered from the launcher's
 # cache (elastic_ext.launch.plain_horovodrun): about 3 s of a core less per job. Horovod's elastic
 # scenarios (test_horovod_scenarios.py) and the Slurm-driven job run the horovodrun script itself.
-from elastic_ext.testing import launch as _launch  # noqa: E402
+from devkit import launch as _launch  # noqa: E402
 
 _launch.RUNNER = _launch.CACHED_CHECKS
 

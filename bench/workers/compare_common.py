@@ -8,7 +8,7 @@ Adam (lr 0.01), a global batch of 64 and an emulated compute time per sample
 about a millisecond per step).
 
 The step log (``steps-<pid>.jsonl`` under ``--out``) uses the record format
-of :mod:`elastic_ext.testing.ledger` for the sample audit, plus records of its own
+of :mod:`devkit.ledger` for the sample audit, plus records of its own
 for timing:
 
 - a *start* record each time training (re)starts: ``start`` (the generation

@@ -17,7 +17,7 @@ import horovod.torch as hvd
 
 import elastic_ext
 from bench.workers import compare_common as common
-from elastic_ext.testing import FaultSchedule
+from devkit.faults import FaultSchedule
 from elastic_ext.torch import ElasticSampler
 
 args = common.parser(__doc__.splitlines()[0]).parse_args()

@@ -9,7 +9,7 @@ elastic job) or MPI, by importing TensorFlow in a forked process, about 3 s
 of a core for the same answer every time; here
 :mod:`elastic_ext.launch.build_check` gives Horovod's own answer from its
 cache. Tests launch their plain-Horovod jobs through this
-(:data:`elastic_ext.testing.launch.RUNNER`); the tests of Horovod's own
+(:data:`devkit.launch.RUNNER`); the tests of Horovod's own
 elastic scenarios and of the Slurm-driven job run the ``horovodrun`` script
 itself.
 """

@@ -1,30 +1,28 @@
-"""Every test seam of elastic_ext, public so tests and benchmarks share them.
+"""Test helpers for your own State code: collectives without Horovod.
 
 - :mod:`~elastic_ext.testing.solo`: :class:`SoloBinding`, a world of one rank,
   and :func:`state_on`, a :class:`~elastic_ext.State` whose collectives go
   through a given binding instead of Horovod.
-- :mod:`~elastic_ext.testing.faults`: faults declared up front
-  (:class:`FaultSchedule`, :class:`CommitFaultProbe`, :func:`flip_bit`) and
-  scripted resizes (:class:`HostFileSchedule`).
-- :mod:`~elastic_ext.testing.ledger`: the sample ledger that proves
-  exactly-once.
-- :mod:`~elastic_ext.testing.instrument`: :class:`Instrument`, the one hook
-  through which the demo and the tests watch an example (faults, ledger).
-- :mod:`~elastic_ext.testing.launch` and :mod:`~elastic_ext.testing.analysis`:
-  launching real ``horovodrun`` jobs with a hard timeout, and reading what
-  their workers wrote. They need ``psutil`` (the ``test`` extra) and are
-  imported explicitly, not from here.
+- :mod:`~elastic_ext.testing.threads`: :class:`ThreadWorld`, N ranks as N
+  threads, each with a binding that checks every rank entered the same
+  collective (where Horovod would hang).
+- :func:`heartbeat_period`: a faster heartbeat for tests of the stall check.
+- :mod:`~elastic_ext.testing.instrument`: :class:`Instrument`, the hook
+  through which the demo and the tests watch an example (faults, ledger);
+  without its flags it does nothing, and its flags need a checkout of the
+  repository (their faults and ledger live in ``devkit/``, which is not
+  shipped).
 
-Training code never needs these: an example that demonstrates faults builds
-its :class:`Instrument` outside the training loop.
+Job launchers, the fake metadata server, fault schedules and the sample
+ledger are development tools, not part of the package: they live in the
+repository's ``devkit/``.
 """
 
-from elastic_ext.testing.faults import HOW, WHERE, CommitFaultProbe, Fault, FaultSchedule, HostFileSchedule, flip_bit
 from elastic_ext.testing.instrument import Instrument
 from elastic_ext.testing.solo import SoloBinding, state_on
+from elastic_ext.testing.threads import CollectiveMismatch, ThreadWorld
 
-__all__ = ["HOW", "WHERE", "CommitFaultProbe", "Fault", "FaultSchedule", "HostFileSchedule", "Instrument",
-           "SoloBinding", "flip_bit", "heartbeat_period", "state_on"]
+__all__ = ["CollectiveMismatch", "Instrument", "SoloBinding", "ThreadWorld", "heartbeat_period", "state_on"]
 
 
 def heartbeat_period(seconds: float) -> None:

@@ -5,8 +5,15 @@ training loop, and calls it once per (re)start and once per step. Without
 ``--ledger``, ``--faults``, ``--step-sleep-s`` and ``--slow-below`` every call does nothing,
 so a training script of your own simply leaves the instrument out. With
 them, declared faults fire (each once per job), every step's samples go to
-the sample ledger (:mod:`elastic_ext.testing.ledger`), and steps are slowed
-down so that a person can watch the job.
+the sample ledger, and steps are slowed down so that a person can watch the
+job.
+
+The fault schedule and the ledger are development tools, not shipped:
+they live in the repository's ``devkit/`` (:mod:`devkit.faults`,
+:mod:`devkit.ledger`) and are imported only when ``--ledger`` or
+``--faults`` asks for them, so the flags need a checkout on ``PYTHONPATH``
+(the demo and the tests launch their jobs that way) and the example runs
+without one.
 
 Fault markers live under the run's own directory (``<ledger>/faults``),
 never in a shared temporary one: a marker left by an earlier run would
@@ -18,13 +25,12 @@ from __future__ import annotations
 import argparse
 import os
 import time
+import importlib
 from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 
 from elastic_ext.errors import ConfigError
-from elastic_ext.testing.faults import FaultSchedule
-from elastic_ext.testing.ledger import Ledger
 
 
 class Instrument:
@@ -34,7 +40,7 @@ class Instrument:
         ledger_dir: directory of this run's sample ledger ("" for none); the
             fault markers go to its ``faults`` subdirectory.
         faults: ``"RANK:STEP[:HOW[:WHERE]],..."`` (see
-            :meth:`FaultSchedule.parse`); needs ``ledger_dir``.
+            :meth:`devkit.faults.FaultSchedule.parse`); needs ``ledger_dir``.
         step_sleep_s: seconds to sleep in every step.
         slow_below: ``"SIZE:SECONDS"``: while the world has fewer than SIZE
             workers, steps sleep SECONDS instead ("" for never). The demo
@@ -44,7 +50,8 @@ class Instrument:
         size_fn: returns the current world size.
 
     Raises:
-        ConfigError: faults are given without a ledger directory,
+        ConfigError: ``ledger_dir`` or ``faults`` is given where the
+            repository's ``devkit`` cannot be imported, faults are given without a ledger directory,
             ``step_sleep_s`` is negative, or ``slow_below`` is not
             ``"SIZE:SECONDS"`` with SIZE >= 1 and SECONDS >= 0.
     """
@@ -57,9 +64,10 @@ class Instrument:
                               "own directory, <ledger>/faults")
         if step_sleep_s < 0:
             raise ConfigError(f"step_sleep_s ({step_sleep_s}) must be >= 0")
-        self.faults: Optional[FaultSchedule] = (
-            FaultSchedule.parse(faults, os.path.join(ledger_dir, "faults")) if faults else None)
-        self.ledger: Optional[Ledger] = Ledger(ledger_dir) if ledger_dir else None
+        self.faults: Optional[Any] = (  # a devkit.faults.FaultSchedule
+            _devkit("faults").FaultSchedule.parse(faults, os.path.join(ledger_dir, "faults")) if faults else None)
+        # a devkit.ledger.Ledger
+        self.ledger: Optional[Any] = _devkit("ledger").Ledger(ledger_dir) if ledger_dir else None
         self.step_sleep_s = step_sleep_s
         self.slow_below = parse_slow_below(slow_below)
         self._rank_fn = rank_fn
@@ -119,6 +127,15 @@ class Instrument:
         """After training returned: the ledger's end record."""
         if self.ledger is not None:
             self.ledger.end(state.step, self._rank_fn(), self._size_fn())
+
+
+def _devkit(name: str) -> Any:
+    """The checkout's ``devkit.<name>`` (not shipped: the demo's and the tests' flags need a checkout)."""
+    try:
+        return importlib.import_module(f"devkit.{name}")
+    except ImportError as exc:
+        raise ConfigError(f"--ledger and --faults need devkit.{name} from a checkout of the repository on "
+                          f"PYTHONPATH (the demo and the tests set it); it cannot be imported: {exc}") from exc
 
 
 def parse_slow_below(text: str) -> Optional[Tuple[int, float]]:

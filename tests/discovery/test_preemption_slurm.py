@@ -6,7 +6,7 @@ at one commit, rank 0 first makes it durable, and nothing trained is lost."""
 import pytest
 
 from elastic_ext.checkpoint import CheckpointStore
-from elastic_ext.testing.notice_job import run_slurm_notice, steps
+from devkit.notice_job import run_slurm_notice, steps
 from tests.multiprocess import analysis
 
 

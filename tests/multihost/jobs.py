@@ -14,7 +14,7 @@ import time
 
 import psutil
 
-from elastic_ext.testing import ledger
+from devkit import ledger
 from tests.multiprocess import analysis, launch
 
 DIGITS = 1797

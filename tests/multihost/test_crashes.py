@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from elastic_ext.testing import ledger
+from devkit import ledger
 from tests.multihost import jobs
 from tests.multiprocess import analysis, launch
 

@@ -33,7 +33,7 @@ import sys
 import psutil
 import pytest
 
-from elastic_ext.testing.launch import command_line
+from devkit.launch import command_line
 from tests.multihost import jobs
 
 EPOCHS = 2

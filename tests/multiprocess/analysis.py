@@ -1,10 +1,10 @@
-"""Tests read worker output through :mod:`elastic_ext.testing.analysis` (re-exported here),
+"""Tests read worker output through :mod:`devkit.analysis` (re-exported here),
 and through the few readers below that only tests need."""
 
 import os
 
 from elastic_ext.checkpoint import MANIFEST_FILE, CheckpointStore, checkpoint_name
-from elastic_ext.testing.analysis import *  # noqa: F401,F403
+from devkit.analysis import *  # noqa: F401,F403
 
 
 def durable_commit_ids(ckpt_dir):
@@ -18,7 +18,7 @@ def durable_commit_ids(ckpt_dir):
 
 def sizes_by_generation(records):
     """The world sizes rank 0 recorded in each generation's steps, one sorted list per
-    generation, oldest first (``records``: :func:`elastic_ext.testing.ledger.read`)."""
+    generation, oldest first (``records``: :func:`devkit.ledger.read`)."""
     by_gen = {}
     for r in records:
         if "gen" in r and r["rank"] == 0:

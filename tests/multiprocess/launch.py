@@ -1,4 +1,4 @@
-"""Tests launch jobs through :mod:`elastic_ext.testing.launch` (re-exported here),
+"""Tests launch jobs through :mod:`devkit.launch` (re-exported here),
 and through the few launchers below that only tests need."""
 
 import signal
@@ -6,8 +6,8 @@ import time
 
 import psutil
 
-from elastic_ext.testing.launch import *  # noqa: F401,F403
-from elastic_ext.testing.launch import base_env, elastic_cmd, run, under_elastic_ext_driver, write_hosts
+from devkit.launch import *  # noqa: F401,F403
+from devkit.launch import base_env, elastic_cmd, run, under_elastic_ext_driver, write_hosts
 
 HOSTS = ("localhost:2", "127.0.0.1:2")  # two pseudo-hosts of two slots
 

@@ -83,7 +83,7 @@ import sys
 import numpy as np
 import pytest
 
-from elastic_ext.testing import ledger
+from devkit import ledger
 from tests.multiprocess import analysis, launch
 
 CORPUS = os.path.join(launch.REPO, "tests", "multiprocess", "corpus")

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from elastic_ext.events import read_events
-from elastic_ext.testing import ledger
+from devkit import ledger
 from tests.multiprocess import launch
 
 USER_DEFAULTS = True  # what users run: the guardian on, as by default (see tests/conftest.py)

@@ -49,7 +49,7 @@ import time
 import psutil
 import pytest
 
-from elastic_ext.testing import ledger
+from devkit import ledger
 from tests.multiprocess import analysis, launch
 from tests.multiprocess.references import references  # noqa: F401  (the session's shared runs)
 

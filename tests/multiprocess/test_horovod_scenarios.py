@@ -28,7 +28,7 @@ import sys
 
 import pytest
 
-from elastic_ext.testing import ledger
+from devkit import ledger
 from tests.multiprocess import analysis, launch
 
 DISCOVERY = os.path.join(launch.WORKERS, "schedule_discovery.py")

@@ -19,7 +19,7 @@ import socket
 
 import pytest
 
-from elastic_ext.testing import ledger
+from devkit import ledger
 from tests.multiprocess import analysis, launch
 
 DIGITS = 1797

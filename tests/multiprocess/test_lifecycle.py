@@ -17,7 +17,7 @@ import time
 import psutil
 import pytest
 
-from elastic_ext.testing import ledger
+from devkit import ledger
 from elastic_ext.checkpoint import CheckpointStore
 from tests.multiprocess import analysis, launch
 

@@ -7,7 +7,7 @@ input batch at a chosen global step, once.
 
 import pytest
 
-from elastic_ext.testing import ledger
+from devkit import ledger
 from tests.multiprocess import analysis, launch
 
 SAMPLES = 1792  # 28 steps of 64 per epoch, no remainder

@@ -2,7 +2,7 @@
 
 Four workers on three pseudo-hosts; every worker watches AWS, GCP and Azure
 at a local server that answers as each cloud documents its endpoint
-(:mod:`elastic_ext.testing.notice_job` has the script). Phases, each checked
+(:mod:`devkit.notice_job` has the script). Phases, each checked
 and named in its assertions:
 
 - ``aws``: the third host's spot instance-action; its worker leaves (4 -> 3);
@@ -20,8 +20,8 @@ and every sample of the epochs done was seen once.
 import pytest
 
 from elastic_ext.checkpoint import CheckpointStore
-from elastic_ext.testing import ledger
-from elastic_ext.testing.notice_job import COMMIT_EVERY, run_cloud_notices, steps
+from devkit import ledger
+from devkit.notice_job import COMMIT_EVERY, run_cloud_notices, steps
 from tests.multiprocess import analysis
 
 DIGITS = 1797

@@ -8,7 +8,7 @@ the survivors' sync."""
 
 import pytest
 
-from elastic_ext.testing import ledger
+from devkit import ledger
 from tests.multiprocess import analysis, launch
 
 DIGITS = 1797

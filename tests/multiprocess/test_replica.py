@@ -19,7 +19,7 @@ again, and every rank stops with StateDivergenceError; no host is struck, nothin
 
 import pytest
 
-from elastic_ext.testing import FaultSchedule
+from devkit.faults import FaultSchedule
 from tests.multiprocess import analysis, launch
 from tests.multiprocess.references import references  # noqa: F401  (the fixture)
 

@@ -1,11 +1,11 @@
 """2 -> 4 -> 2 -> 4 workers through the discovery script, then a SIGKILL back
 to 2: every sample exactly once over the committed history, for PyTorch and
 TensorFlow. Resizes are deterministic: rank 0 rewrites the host file at a
-given step and waits for Horovod's notice (elastic_ext.testing.HostFileSchedule)."""
+given step and waits for Horovod's notice (devkit.faults.HostFileSchedule)."""
 
 import pytest
 
-from elastic_ext.testing import ledger
+from devkit import ledger
 from tests.multiprocess import analysis, launch
 
 DIGITS = 1797

@@ -13,7 +13,7 @@ overlaps that allreduce with the next steps: the table of the commit of step
 
 import pytest
 
-from elastic_ext.testing import ledger
+from devkit import ledger
 from tests.multiprocess import analysis, launch
 
 DIGITS = 1797

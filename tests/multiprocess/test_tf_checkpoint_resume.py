@@ -14,7 +14,7 @@ in memory gives.
 import pytest
 
 from elastic_ext.checkpoint import CheckpointStore
-from elastic_ext.testing import ledger
+from devkit import ledger
 from tests.multiprocess import analysis, launch
 from tests.multiprocess import test_checkpoint_resume as torch_job
 

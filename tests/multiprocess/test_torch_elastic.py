@@ -11,7 +11,7 @@ job resumes at, so tests that resume at the same commit share one launch
 
 import pytest
 
-from elastic_ext.testing import ledger
+from devkit import ledger
 from tests.multiprocess import analysis, launch
 from tests.multiprocess.references import references  # noqa: F401  (the session's shared runs)
 

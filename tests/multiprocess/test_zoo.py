@@ -23,7 +23,7 @@ import os
 
 import pytest
 
-from elastic_ext.testing import ledger
+from devkit import ledger
 from tests.multiprocess import analysis, launch
 
 DIGITS = 1797

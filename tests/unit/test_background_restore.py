@@ -1,6 +1,6 @@
 """A rollback's restore on a thread beside Horovod's re-forming (elastic_ext.state.restore).
 
-Ranks are threads over test_state_agreement's ThreadWorld, as there.
+Ranks are threads over :class:`elastic_ext.testing.ThreadWorld`.
 """
 
 import threading
@@ -15,7 +15,7 @@ from elastic_ext.state import digests as digests_module
 from elastic_ext.state.restore import LARGE_BYTES
 from elastic_ext.testing import SoloBinding, state_on
 from elastic_ext.torch import ElasticSampler
-from tests.unit.test_state_agreement import ThreadWorld
+from elastic_ext.testing import ThreadWorld
 
 TABLE = LARGE_BYTES // 4 * 2  # float32 elements: 2x the size that goes to the thread
 

@@ -3,7 +3,7 @@
 import importlib.util
 import os
 
-from elastic_ext.testing import launch
+from devkit import launch
 
 spec = importlib.util.spec_from_file_location("run_demo", os.path.join(launch.REPO, "examples", "run_demo.py"))
 run_demo = importlib.util.module_from_spec(spec)

@@ -14,7 +14,7 @@ from elastic_ext.discovery import Deadline, DiscoveryTimeoutError, DiscoveryUnav
 from elastic_ext.discovery.cli import (EXIT_INPUT, EXIT_INTERNAL, EXIT_OK, EXIT_TIMEOUT,
                                        EXIT_UNAVAILABLE)
 from elastic_ext.discovery.deadline import run_command
-from elastic_ext.testing.notice_job import wait_gone
+from devkit.notice_job import wait_gone
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "host_discovery"

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from elastic_ext.errors import ConfigError
-from elastic_ext.testing import Instrument, ledger
+from elastic_ext.testing import Instrument
+from devkit import ledger
 
 
 def fake_state(step=0, generation=1):
@@ -83,3 +84,15 @@ def test_a_bad_slow_below_is_refused_with_its_value(text):
     with pytest.raises(ConfigError, match=r"slow_below \(.*\) must be SIZE:SECONDS") as caught:
         Instrument(slow_below=text)
     assert repr(text) in str(caught.value)
+
+
+def test_its_flags_without_the_checkouts_devkit_are_a_clear_error(tmp_path, monkeypatch):
+    """The fault schedule and the ledger are not shipped: outside a checkout the flags say what they need."""
+    from elastic_ext.testing import instrument as module
+
+    def no_devkit(name):
+        raise ImportError(f"No module named {name!r}")
+    monkeypatch.setattr(module.importlib, "import_module", no_devkit)
+    with pytest.raises(ConfigError, match=r"need devkit\.ledger from a checkout .* No module named 'devkit.ledger'"):
+        Instrument(str(tmp_path))
+    assert Instrument(step_sleep_s=0.01).ledger is None  # without those flags nothing is imported

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from elastic_ext.launch.command_line import WORKER_MODULE, worker_command
-from elastic_ext.testing.launch import Job, base_env
+from devkit.launch import Job, base_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -73,7 +73,7 @@ def test_the_entry_has_pytorch_put_large_tensors_in_huge_pages_unless_told_other
 
 @pytest.mark.parametrize("runner", ["script", "cached checks"])
 def test_a_test_jobs_horovodrun_line_moves_to_the_launcher_and_takes_options_with_its_arguments(runner, monkeypatch):
-    from elastic_ext.testing import launch
+    from devkit import launch
     monkeypatch.setattr(launch, "RUNNER", launch.HOROVODRUN_SCRIPT if runner == "script" else launch.CACHED_CHECKS)
     cmd = launch.elastic_cmd(4, 2, 4, "/tmp/hosts", "train.py", "--epochs", "1")
     args = launch.horovodrun_args(cmd)

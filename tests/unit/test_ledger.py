@@ -1,4 +1,4 @@
-"""elastic_ext.testing.ledger: the committed history when a generation is begun twice.
+"""devkit.ledger: the committed history when a generation is begun twice.
 
 Every worker holding the commit dies; the next round (workers restarted in
 place, new workers in the dead ones' slots) resumes from the checkpoint and
@@ -9,7 +9,7 @@ training had duplicated nothing.
 
 import json
 
-from elastic_ext.testing import ledger
+from devkit import ledger
 
 SIZE = 8  # one sample per cursor, two ranks: rank r processes sample 2 * cursor + r
 

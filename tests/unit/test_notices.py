@@ -1,7 +1,7 @@
 """Preemption notices: each cloud's client against a server that answers as the cloud documents it,
 the detection of the cloud, the worker's leave, and the driver's side (Horovod's real driver and store).
 
-The server (elastic_ext.testing.metadata_server) checks what each cloud
+The server (devkit.metadata_server) checks what each cloud
 checks: IMDSv2's token, GCP's Metadata-Flavor, Azure's Metadata header and
 api-version; the clients are asserted to pass those checks (no 401, 403 or
 400 in the server's log) and to turn the documented bodies into notices.
@@ -18,7 +18,7 @@ from elastic_ext.config import ElasticConfig, notice_endpoints
 from elastic_ext.errors import ConfigError
 from elastic_ext.launch import metadata, noticed_hosts, notices
 from elastic_ext.liveness import Liveness
-from elastic_ext.testing.metadata_server import ENV, MetadataServer
+from devkit.metadata_server import ENV, MetadataServer
 from tests.unit.horovod_restore import changes  # noqa: F401 - a fixture
 from tests.unit.test_horovodrun import Job
 from tests.unit.test_prestart import wait_for

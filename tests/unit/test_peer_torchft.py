@@ -7,7 +7,7 @@ its outcome) and decide the duplicated/skipped figures it reports.
 """
 
 from bench import peer_torchft
-from elastic_ext.testing import ledger
+from devkit import ledger
 
 
 def step(rank, quorum, number, indices, part=True, epoch=0):

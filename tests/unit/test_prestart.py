@@ -19,7 +19,7 @@ from elastic_ext.state.host_updates import HOSTS_ADDED, HOSTS_REMOVED, HostUpdat
 from elastic_ext.launch.prestart import Prestart, parse_slot
 
 from tests.unit.horovod_restore import restore_horovod
-from tests.unit.test_state_agreement import ThreadWorld
+from elastic_ext.testing import ThreadWorld
 
 
 # ------------------------------------------------------- Horovod's driver

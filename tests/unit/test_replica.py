@@ -19,7 +19,8 @@ from elastic_ext.config import ElasticConfig
 from elastic_ext.errors import ConfigError, ReplicaMismatchError, StateDivergenceError
 from elastic_ext.liveness import Liveness
 from elastic_ext.policies.replica import NOT_MINE, RepeatOffenders, judge, pack_digest
-from elastic_ext.testing import flip_bit, state_on
+from elastic_ext.testing import state_on
+from devkit.faults import flip_bit
 
 from tests.unit.test_state_agreement import ThreadWorld
 

@@ -5,7 +5,7 @@ import pytest
 
 from elastic_ext.errors import PartitionError
 from elastic_ext.data.sampler import ElasticPartitioner
-from elastic_ext.testing import ledger
+from devkit import ledger
 
 
 def partitioner(size=100, rank=0, world=1, **kwargs):

@@ -2,14 +2,13 @@
 reserved names, device-neutral entries, one first collective for every rank
 at sync, and commit ids checked at every commit.
 
-Several ranks are simulated by threads over :class:`ThreadWorld`, an
+Several ranks are simulated by threads over :class:`elastic_ext.testing.ThreadWorld`, an
 in-memory binding with the exact semantics of the three collectives (and a
 check that every rank calls the same collective, which Horovod would answer
 with a hang); the multi-process tier runs the same paths under horovodrun.
 """
 
 import json
-import threading
 
 import numpy as np
 import pytest
@@ -25,82 +24,7 @@ from elastic_ext.errors import StateDivergenceError, StateError
 from elastic_ext.runtime.assembly import reserved_names
 from elastic_ext.testing import SoloBinding
 from elastic_ext.testing import state_on
-
-
-class CollectiveMismatch(AssertionError):
-    """Ranks entered different collectives: Horovod would wait forever."""
-
-
-class ThreadWorld:
-    """N ranks as N threads; each collective meets at a barrier and checks its name and shape."""
-
-    def __init__(self, size):
-        self.size = size
-        self.barrier = threading.Barrier(size, timeout=20)
-        self.slots = [None] * size
-
-    def binding(self, rank):
-        return _ThreadBinding(self, rank)
-
-    def run(self, fn):
-        """Runs fn(rank) on every rank; returns results or exceptions by rank."""
-        results = [None] * self.size
-
-        def body(rank):
-            try:
-                results[rank] = fn(rank)
-            except BaseException as exc:  # noqa: BLE001 - reported to the test
-                results[rank] = exc  # a rank left waiting fails on the barrier's timeout
-
-        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.size)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
-        return results
-
-
-class _ThreadBinding:
-    framework = "threads"
-
-    def __init__(self, world, rank):
-        self.world, self._rank = world, rank
-        self.resets = 0
-
-    def rank(self):
-        return self._rank
-
-    def size(self):
-        return self.world.size
-
-    def _meet(self, kind, name, array):
-        world = self.world
-        world.slots[self._rank] = (kind, name, np.array(array, copy=True))
-        world.barrier.wait()
-        calls = list(world.slots)
-        world.barrier.wait()
-        kinds = {(k, n) for k, n, _ in calls}
-        if len(kinds) != 1:
-            raise CollectiveMismatch(f"ranks called different collectives: {sorted(kinds)}")
-        return [a for _, _, a in calls]
-
-    def broadcast(self, array, root_rank, name):
-        return self._meet("broadcast", name, array)[root_rank].copy()
-
-    def allgather(self, array, name):
-        arrays = self._meet("allgather", name, array)
-        if len({a.shape[1:] for a in arrays}) != 1:
-            raise CollectiveMismatch(f"allgather {name}: shapes {[a.shape for a in arrays]}")
-        return np.concatenate(arrays)
-
-    def allreduce_max(self, array, name):
-        return np.maximum.reduce(self._meet("allreduce", name, array))
-
-    def reset(self):
-        self.resets += 1
-
-    def as_internal_error(self, exc):
-        return None
+from elastic_ext.testing import CollectiveMismatch, ThreadWorld
 
 
 def bn_model(seed=0):
@@ -393,3 +317,17 @@ def test_a_checkpoint_written_on_gpu_rank_3_resumes_on_cpu(tmp_path):
     momentum = fresh_opt.state_dict()["state"][0]["momentum_buffer"]
     assert momentum.device.type == "cpu"
     assert torch.equal(momentum, optimizer.state_dict()["state"][0]["momentum_buffer"])
+
+
+def test_the_thread_world_meets_in_collectives_and_names_a_mismatch():
+    """The public seam itself: exact collectives across threads; ranks in different collectives fail, not hang."""
+    world = ThreadWorld(3, barrier_timeout_s=5)
+    gathered = world.run(lambda r: world.binding(r).allgather(np.array([r, 10 * r]).reshape(1, 2), "g"))
+    assert [g.tolist() for g in gathered] == [[[0, 0], [1, 10], [2, 20]]] * 3
+    assert world.run(lambda r: world.binding(r).broadcast(np.array([r]), 2, "b").tolist()) == [[2]] * 3
+    mismatched = world.run(lambda r: world.binding(r).allreduce_max(np.array([r]), "m" if r else "other"))
+    assert all(isinstance(result, CollectiveMismatch) for result in mismatched), mismatched
+    with pytest.raises(ValueError, match=r"size \(0\) must be >= 1"):
+        ThreadWorld(0)
+    with pytest.raises(ValueError, match=r"rank \(3\) must be in \[0, 3\)"):
+        world.binding(3)

@@ -9,7 +9,8 @@ from elastic_ext.binding import gather_striped, layout_sizes, stripe_bounds
 from elastic_ext.config import ElasticConfig
 from elastic_ext.testing import state_on
 
-from tests.unit.test_state_agreement import ThreadWorld, bn_model, train_on_own_batch
+from elastic_ext.testing import ThreadWorld
+from tests.unit.test_state_agreement import bn_model, train_on_own_batch
 
 
 def layout_of(arrays):

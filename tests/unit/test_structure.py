@@ -15,9 +15,11 @@ The layer rule (``docs/architecture.md`` draws it): the leaves (``config`` with 
 ``state/`` (they plug into the commit, :mod:`elastic_ext.state.commit_slots`); ``state/`` never
 ``policies/`` (the public State is assembled with them in ``runtime/``); ``state/`` and
 ``checkpoint/`` never ``runtime/`` nor ``launch/``; ``launch/`` nothing of the worker's training side (below it,
-only ``discovery/``, for its host rules); no module imports the public face (``elastic_ext`` itself) or ``testing/``, except
-``testing/``; and only ``launch/`` touches Horovod's private modules. No module is over
-300 lines.
+only ``discovery/``, for its host rules); ``testing/`` (the public test helpers: one-rank and threaded
+bindings) only ``state/`` and ``runtime/``; no module imports the public face (``elastic_ext`` itself) or
+``testing/``; no module of the package imports the repository's ``devkit/`` or ``tests/``, which are not
+shipped (the wheel holds ``elastic_ext`` alone); and only ``launch/`` touches Horovod's private modules. No
+module is over 300 lines.
 """
 
 import ast
@@ -168,7 +170,7 @@ MAY_IMPORT = {
     "runtime": {"data", "discovery", "policies", "state", "checkpoint", "launch"},
     "torch": {"data", "policies", "state"},
     "tensorflow": {"data", "policies", "state"},
-    "testing": {"data", "policies", "state", "checkpoint", "launch", "runtime", "public"},
+    "testing": {"state", "runtime"},  # state_on builds the State that runtime/ assembles
     "public": {"data", "discovery", "policies", "state", "checkpoint", "launch", "runtime"},
 }
 
@@ -208,6 +210,28 @@ def test_every_module_of_the_package_is_in_a_room_and_at_most_8_stay_at_the_top(
 def test_the_layer_rule_holds():
     violations = layer_violations(import_graph())
     assert not violations, "edges against the layer rule:\n" + "\n".join(violations)
+
+
+def unshipped_imports() -> List[str]:
+    """``module imports name`` for every import of the package (any depth) of ``devkit`` or ``tests``."""
+    found = []
+    for module, path in sorted(module_files().items()):
+        with open(path, encoding="utf-8") as handle:
+            tree = ast.parse(handle.read(), path)
+        for node in _import_nodes(tree):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found += [f"{module} imports {name}" for name in names
+                      if not getattr(node, "level", 0) and name.split(".")[0] in ("devkit", "tests")]
+    return found
+
+
+def test_the_package_imports_nothing_that_is_not_shipped():
+    """``devkit/`` (launchers, fake servers, faults, ledger) and ``tests/`` stay out of the wheel and of the package."""
+    from setuptools import find_packages
+    shipped = find_packages(REPO, include=["elastic_ext", "elastic_ext.*"])
+    assert "elastic_ext.testing" in shipped and not [p for p in shipped if not p.startswith(PACKAGE)], shipped
+    assert os.path.isfile(os.path.join(REPO, "devkit", "launch.py")), "devkit/ moved: update this test"
+    assert not unshipped_imports(), unshipped_imports()
 
 
 def test_state_imports_no_policy():

@@ -60,7 +60,7 @@ def test_the_job_is_told_which_restart_it_is(tmp_path):
 
 
 def test_the_ledger_reads_a_restarted_job_after_the_dead_one(tmp_path):
-    from elastic_ext.testing import ledger
+    from devkit import ledger
 
     def lines(name, records):
         with open(tmp_path / f"steps-{name}.jsonl", "w") as handle:

@@ -28,7 +28,7 @@ from horovod.common.exceptions import HorovodInternalError  # noqa: E402
 
 import elastic_ext  # noqa: E402
 import elastic_ext.tensorflow as etf  # noqa: E402
-from elastic_ext.testing import ledger  # noqa: E402
+from devkit import ledger  # noqa: E402
 from elastic_ext.errors import ConfigError, StateError  # noqa: E402
 from elastic_ext.testing import SoloBinding, state_on  # noqa: E402
 

@@ -50,7 +50,7 @@ def arguments(description, epochs=2, global_batch=60, commit_every=4):
     parser.add_argument("--commit-every", type=int, default=commit_every)
     parser.add_argument("--seed", type=int, default=0)
     # The test's hooks.
-    parser.add_argument("--faults", default="", help="RANK:STEP[:HOW],... (elastic_ext.testing.FaultSchedule)")
+    parser.add_argument("--faults", default="", help="RANK:STEP[:HOW],... (devkit.faults.FaultSchedule)")
     parser.add_argument("--resize-at", default="", help="STEP:HOSTFILE:HOST,... (HostFileSchedule)")
     parser.add_argument("--dump-at", type=int, default=-1, help="dump the weights at the commit of this step")
     parser.add_argument("--sizes", default="", help="reference: JSON file {step: world size} of an elastic run")
@@ -108,11 +108,11 @@ class Hooks:
         os.makedirs(args.out, exist_ok=True)
         self.faults = self.resizes = self.ledger = None
         if self.mode != "reference":
-            from elastic_ext.testing import FaultSchedule, HostFileSchedule
+            from devkit.faults import FaultSchedule, HostFileSchedule
             self.faults = FaultSchedule.parse(args.faults, os.path.join(args.out, "faults"))
             self.resizes = HostFileSchedule(args.resize_at)
         if self.mode == "elastic":
-            from elastic_ext.testing.ledger import Ledger
+            from devkit.ledger import Ledger
             self.ledger = Ledger(args.out)
         self._trace = open(os.path.join(args.out, f"trace-{os.getpid()}.jsonl"), "a", buffering=1)
         self._sizes = {}

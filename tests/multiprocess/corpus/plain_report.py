@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(HERE))))
 
 import numpy as np  # noqa: E402
 
-from elastic_ext.testing import analysis, launch  # noqa: E402
+from devkit import analysis, launch  # noqa: E402
 
 
 def deviation(got, want):

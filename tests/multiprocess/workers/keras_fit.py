@@ -55,8 +55,8 @@ import horovod.tensorflow as hvd  # noqa: E402
 
 import elastic_ext  # noqa: E402
 import elastic_ext.tensorflow as etf  # noqa: E402
-from elastic_ext.testing.ledger import Ledger  # noqa: E402
-from elastic_ext.testing import FaultSchedule, HostFileSchedule  # noqa: E402
+from devkit.ledger import Ledger  # noqa: E402
+from devkit.faults import FaultSchedule, HostFileSchedule  # noqa: E402
 
 assert keras.__version__.startswith(args.keras), keras.__version__
 tf.config.threading.set_inter_op_parallelism_threads(1)

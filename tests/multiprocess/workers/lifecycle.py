@@ -3,7 +3,7 @@
 Like train_torch.py (ledger steps-<pid>.jsonl, final-<rank>.npz, events via
 ELASTIC_EXT_EVENTS_PATH, checkpoints via ELASTIC_EXT_CHECKPOINT_*), plus:
 
---faults "RANK:STEP:HOW[:WHERE[:TARGET]]"  injected faults (elastic_ext.testing), once each; a bit flip
+--faults "RANK:STEP:HOW[:WHERE[:TARGET]]"  injected faults (devkit.faults), once each; a bit flip
                                    ("flip", WHERE step: before the step's forward, or before_commit)
                                    corrupts TARGET: param (the first layer's weight) or moment (its
                                    Adam exp_avg), on that rank only
@@ -13,7 +13,7 @@ ELASTIC_EXT_EVENTS_PATH, checkpoints via ELASTIC_EXT_CHECKPOINT_*), plus:
 --bare-phase                       the same time without opening a phase (the old behaviour)
 --side "HOST:PORT"                 after hvd.init, open a TCP connection to an echo server and
                                    use it after training: side-<pid>.json says if it still works
---resize-at                        as in train_torch.py (elastic_ext.testing.HostFileSchedule)
+--resize-at                        as in train_torch.py (devkit.faults.HostFileSchedule)
 --stop-file PATH                   end after the first epoch at whose end PATH exists (all ranks agree)
 --straggler "FACTOR:WINDOW:WARMUP"  StragglerPolicy(...), exclude file OUT/exclude
 --compute-s S                      simulated compute per step (in state.step_timer): S seconds per 16 local samples
@@ -44,8 +44,9 @@ from examples.digits import load_digits
 
 import horovod.torch as hvd
 
-from elastic_ext.testing.ledger import Ledger
-from elastic_ext.testing import CommitFaultProbe, FaultSchedule, HostFileSchedule, heartbeat_period
+from devkit.ledger import Ledger
+from elastic_ext.testing import heartbeat_period
+from devkit.faults import CommitFaultProbe, FaultSchedule, HostFileSchedule
 from elastic_ext.torch import ElasticSampler
 
 p = argparse.ArgumentParser()

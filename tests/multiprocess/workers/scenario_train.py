@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 from examples.digits import load_digits  # noqa: E402
 
 import elastic_ext  # noqa: E402
-from elastic_ext.testing.ledger import Ledger  # noqa: E402
+from devkit.ledger import Ledger  # noqa: E402
 
 GLOBAL_BATCH = 32
 digits = load_digits()

@@ -7,7 +7,7 @@ from the newest valid checkpoint there; under --out it writes the sample
 ledger, final-<rank>.npz (model and optimizer variables at the end) and
 final-<rank>.json. --stop-after-commit K ends the job cleanly once the
 checkpoint of commit K is durable; --resize-at rewrites a host file at a
-commit (elastic_ext.testing.HostFileSchedule), for a reference run that
+commit (devkit.faults.HostFileSchedule), for a reference run that
 changes its world size where a failed job restarted from storage.
 
 The step is one traced function for the whole job: it reduces with
@@ -30,7 +30,7 @@ p.add_argument("--global-batch", type=int, default=64)
 p.add_argument("--commit-every", type=int, default=4)
 p.add_argument("--step-sleep-s", type=float, default=0.0)
 p.add_argument("--stop-after-commit", type=int, default=-1)
-p.add_argument("--resize-at", default="", help="STEP:HOSTFILE:HOST,HOST[;...] (see elastic_ext.testing.HostFileSchedule)")
+p.add_argument("--resize-at", default="", help="STEP:HOSTFILE:HOST,HOST[;...] (see devkit.faults.HostFileSchedule)")
 args = p.parse_args()
 if args.keras == "2":
     os.environ["TF_USE_LEGACY_KERAS"] = "1"
@@ -48,8 +48,8 @@ import horovod.tensorflow as hvd  # noqa: E402
 
 import elastic_ext  # noqa: E402
 import elastic_ext.tensorflow as etf  # noqa: E402
-from elastic_ext.testing import HostFileSchedule  # noqa: E402
-from elastic_ext.testing.ledger import Ledger  # noqa: E402
+from devkit.faults import HostFileSchedule  # noqa: E402
+from devkit.ledger import Ledger  # noqa: E402
 
 assert keras.__version__.startswith(args.keras), keras.__version__
 tf.config.threading.set_inter_op_parallelism_threads(1)

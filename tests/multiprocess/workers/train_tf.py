@@ -40,10 +40,10 @@ else:
 import horovod.tensorflow as hvd  # noqa: E402
 
 import elastic_ext  # noqa: E402
-from elastic_ext.testing.ledger import Ledger  # noqa: E402
+from devkit.ledger import Ledger  # noqa: E402
 import elastic_ext.tensorflow as etf  # noqa: E402
 from elastic_ext.tensorflow import ElasticSampler, index_dataset  # noqa: E402
-from elastic_ext.testing import CommitFaultProbe, FaultSchedule, HostFileSchedule  # noqa: E402
+from devkit.faults import CommitFaultProbe, FaultSchedule, HostFileSchedule  # noqa: E402
 
 assert keras.__version__.startswith(args.keras), keras.__version__
 tf.config.threading.set_inter_op_parallelism_threads(1)

@@ -24,7 +24,7 @@ import horovod.tensorflow as hvd
 
 import elastic_ext
 from elastic_ext.tensorflow import DistributedGradientTape, ElasticSampler, index_dataset
-from elastic_ext.testing.ledger import Ledger
+from devkit.ledger import Ledger
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)

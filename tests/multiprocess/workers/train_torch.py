@@ -19,8 +19,8 @@ from examples.digits import load_digits
 import horovod.torch as hvd
 
 import elastic_ext
-from elastic_ext.testing.ledger import Ledger
-from elastic_ext.testing import CommitFaultProbe, FaultSchedule, HostFileSchedule
+from devkit.ledger import Ledger
+from devkit.faults import CommitFaultProbe, FaultSchedule, HostFileSchedule
 from elastic_ext.torch import ElasticSampler
 
 p = argparse.ArgumentParser()
@@ -35,7 +35,7 @@ p.add_argument("--step-sleep-s", type=float, default=0.0)
 p.add_argument("--sleep-below", type=int, default=0,
                help="SIZE: --step-sleep-s only while the world has fewer than SIZE workers (0: always)")
 p.add_argument("--slow", default="", help="RANK:FROM:TO:FACTOR slows one rank's steps")
-p.add_argument("--resize-at", default="", help="STEP:HOSTFILE:HOST,HOST[;...] (see elastic_ext.testing.HostFileSchedule)")
+p.add_argument("--resize-at", default="", help="STEP:HOSTFILE:HOST,HOST[;...] (see devkit.faults.HostFileSchedule)")
 args = p.parse_args()
 
 torch.set_num_threads(1)

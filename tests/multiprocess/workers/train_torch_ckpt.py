@@ -21,7 +21,7 @@ from examples.digits import load_digits
 import horovod.torch as hvd
 
 import elastic_ext
-from elastic_ext.testing.ledger import Ledger
+from devkit.ledger import Ledger
 from elastic_ext.torch import ElasticSampler
 
 p = argparse.ArgumentParser()

@@ -46,8 +46,8 @@ from examples.digits import load_digits  # noqa: E402
 
 import elastic_ext  # noqa: E402
 from elastic_ext import liveness  # noqa: E402
-from elastic_ext.testing.ledger import Ledger  # noqa: E402
-from elastic_ext.testing import CommitFaultProbe, FaultSchedule, HostFileSchedule  # noqa: E402
+from devkit.ledger import Ledger  # noqa: E402
+from devkit.faults import CommitFaultProbe, FaultSchedule, HostFileSchedule  # noqa: E402
 
 digits = load_digits()
 IMAGES = (digits.data / 16.0).astype(np.float32).reshape(-1, 8, 8)

@@ -12,7 +12,7 @@ from typing import Dict
 import numpy as np
 
 from elastic_ext.events import read_events
-from elastic_ext.testing import ledger
+from devkit import ledger
 
 
 def assert_exactly_once(out_dir: str, dataset_size: int, epochs: int) -> dict:

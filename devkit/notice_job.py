@@ -1,9 +1,9 @@
 """Scripted preemption notices against real ``elastic-horovodrun`` jobs, for the tests and ``bench.preemption``.
 
 :func:`run_cloud_notices`: one job of four workers on three pseudo-hosts
-(``localhost:2``, ``127.0.0.1:1`` and :func:`~elastic_ext.testing.launch.third_host`
+(``localhost:2``, ``127.0.0.1:1`` and :func:`~devkit.launch.third_host`
 ``:1``); every worker watches AWS, GCP and Azure at one
-:class:`~elastic_ext.testing.metadata_server.MetadataServer`, where each
+:class:`~devkit.metadata_server.MetadataServer`, where each
 pseudo-host is a machine of its own. One notice per cloud, in turn
 (:data:`CLOUD_PLAN`): the third host's spot instance-action, 127.0.0.1's
 preemption, then an Azure ``Preempt`` of localhost, which holds ranks 0 and
@@ -30,10 +30,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import psutil
 
-from elastic_ext.testing import ledger
-from elastic_ext.testing.launch import (REPO, STATIC, WORKERS, Job, base_env, command_line, elastic_cmd,
+from devkit import ledger
+from devkit.launch import (REPO, STATIC, WORKERS, Job, base_env, command_line, elastic_cmd,
                                         third_host, under_elastic_ext_driver, write_hosts)
-from elastic_ext.testing.metadata_server import ENV, MetadataServer
+from devkit.metadata_server import ENV, MetadataServer
 
 WORKER = "train_torch.py"
 COMMIT_EVERY = 4

@@ -21,7 +21,7 @@ import psutil
 
 from elastic_ext.launch import horovod_seam
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_BIN = os.path.dirname(sys.executable)
 WORKERS = os.path.join(REPO, "tests", "multiprocess", "workers")
 STATIC = os.path.join(REPO, "host_discovery", "static.py")
