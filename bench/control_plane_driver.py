@@ -106,7 +106,8 @@ def serve(args: argparse.Namespace) -> None:
     from horovod.runner.elastic.rendezvous import create_rendezvous_handler
     from horovod.runner.http.http_server import RendezvousServer
 
-    from elastic_ext.launch import driver, store
+    from elastic_ext.control import store
+    from elastic_ext.launch import driver
 
     store.set_job_secret(args.secret)
     # As elastic-horovodrun's main() (the parts that shape the store and the rounds); every simulated

@@ -13,7 +13,7 @@ import collections
 import time
 from typing import Dict, List, Optional, Set, Tuple
 
-from elastic_ext.launch import store
+from elastic_ext.control import store
 
 
 class Unreachable(Exception):
@@ -91,7 +91,7 @@ class Store:
 
     async def value(self, scope: str, key: str, timeout_s: Optional[float] = store.REQUEST_TIMEOUT_S,
                     kind: str = "other", connect_timeout_s: Optional[float] = None) -> Optional[bytes]:
-        """As :func:`elastic_ext.launch.store.get`: the value, None on 404, Unreachable or HTTPError."""
+        """As :func:`elastic_ext.control.store.get`: the value, None on 404, Unreachable or HTTPError."""
         status, body = await self.request("GET", scope, key, timeout_s=timeout_s, kind=kind,
                                           connect_timeout_s=connect_timeout_s)
         if status == 404:

@@ -13,9 +13,9 @@ them; the store answers HTTP/1.0 and closes), at the real intervals:
   handshake, 2 s for the answer, only a handshake not completed counts); a
   worker that would fence is counted and polls on, so the load stays the
   same;
-- ``hvd.init()`` as the launcher wraps it (:mod:`elastic_ext.launch.newcomer`):
+- ``hvd.init()`` as the launcher wraps it (:mod:`elastic_ext.worker.newcomer`):
   the early-start marker at a first init, the keeper's round watch
-  (:mod:`elastic_ext.launch.round_watch`: ``current``, then ``failed_<r>``
+  (:mod:`elastic_ext.worker.round_watch`: ``current``, then ``failed_<r>``
   every 0.25 s while init runs), a reset's ``rank_and_size`` (answered when
   the driver's round forms), then Horovod 0.28.1's six Gloo rendezvous
   (``gloo_context.cc``: global, local, cross, then the same for the global
@@ -23,7 +23,7 @@ them; the store answers HTTP/1.0 and closes), at the real intervals:
   (:meth:`Worker.gloo_context`), then the store's ``DELETE`` of its key;
 - the sync after it: ``current``, ``assigned``, ``capacity_left_out``,
   and an early start when the round left capacity out or hosts were added
-  (:mod:`elastic_ext.launch.prestart`; rank 0 polls the newcomers), the
+  (:mod:`elastic_ext.worker.prestart`; rank 0 polls the newcomers), the
   newcomers' side (the marker, the dismissal watch every 0.1 s, the
   announcement), Horovod's ``worker_addresses`` registration at a worker's
   first ``run`` (one real Horovod notification service in this process
@@ -38,7 +38,8 @@ import time
 from typing import Any, List, Optional, Set, Tuple
 
 from bench.control_plane_http import HTTPError, Unanswered, Unreachable
-from elastic_ext.launch import prestart, round_watch, store
+from elastic_ext.control import store
+from elastic_ext.worker import prestart, round_watch
 from elastic_ext.runtime import driver_watch
 
 ADDRESS_BYTES = 136   # gloo::transport::tcp::Address::bytes(): sockaddr_storage + sequence number
@@ -253,7 +254,7 @@ class Worker:
         self.job.trained(self)
 
     async def early_start(self) -> None:
-        """:class:`elastic_ext.launch.prestart.Prestart` of this rank; rank 0 polls and tells the job.
+        """:class:`elastic_ext.worker.prestart.Prestart` of this rank; rank 0 polls and tells the job.
 
         A failed request ends it ("error"), which resets the job at the next commit, as there."""
         try:

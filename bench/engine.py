@@ -6,7 +6,7 @@ The bench.compare elastic_ext worker (the digits MLP, Adam, global batch
 in two modes that differ in one thing:
 
 - ``sleep``: the worker as the launcher starts it, whose ``hvd.init()``
-  replaces the extension's wait (:mod:`elastic_ext.launch.torch_wait`);
+  replaces the extension's wait (:mod:`elastic_ext.worker.torch_wait`);
 - ``spin``: bench/workers/spin_wait.py takes that replacement back, so each
   wait spins in Horovod's ``horovod_torch_wait_and_clear``.
 

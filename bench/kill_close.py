@@ -8,7 +8,7 @@ after it freed the process's memory. This process plays a survivor: it
 starts ``bench/workers/held_memory_worker.py`` (a 432 MB tensor, written,
 committed into its buffer and written again), with PyTorch's
 ``THP_MEM_ALLOC_ENABLE`` unset and set to 1 as the launcher's worker entry
-sets it (``elastic_ext/launch/torch_pages.py``), alternating, ``--rounds``
+sets it (``elastic_ext/worker/torch_pages.py``), alternating, ``--rounds``
 times each, SIGKILLs the worker and measures until its connection here
 closes.
 
@@ -27,7 +27,7 @@ import time
 from typing import Dict, List
 
 from bench import harness
-from elastic_ext.launch.torch_pages import VARIABLE
+from elastic_ext.worker.torch_pages import VARIABLE
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "held_memory_worker.py")
 SYSTEMS = {"4 KiB pages": None, "huge pages": "1"}

@@ -268,7 +268,7 @@ def report(out: str, injected: List[dict], code: Optional[int], output: str, tim
         "exactly_once": audit["exactly_once"], "final_ranks": sorted(finals),
         "final_parameters_identical": identical, "identical_detail": log_identical,
         "guardian_kills": output.count("sent no heartbeat"),
-        "restarts_in_place": output.count("restarting it in place"),  # elastic_ext.launch.keeper
+        "restarts_in_place": output.count("restarting it in place"),  # elastic_ext.worker.keeper
         "keepers_gave_up": output.count("not restarting it"),
         # Every worker holding the commit lost, the job going on from its checkpoint: at a
         # job restart, and inside one job when the next round had only fresh workers.

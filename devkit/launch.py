@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import psutil
 
-from elastic_ext.launch import horovod_seam
+from elastic_ext.control import horovod_seam
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_BIN = os.path.dirname(sys.executable)
@@ -94,7 +94,7 @@ def script_process(worker: psutil.Process) -> psutil.Process:
     """The process running a worker's script: ``worker`` itself, or its child when ``worker`` is its keeper.
 
     When the job restarts workers in place the process Horovod's driver
-    started (the keeper, :mod:`elastic_ext.launch.keeper`) forks the script's
+    started (the keeper, :mod:`elastic_ext.worker.keeper`) forks the script's
     process, with the same command line.
     """
     try:

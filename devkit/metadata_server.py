@@ -2,7 +2,7 @@
 
 No package emulates these (moto's server answers a fixed ``instance-action:
 none`` and has no ``spot/instance-action`` to schedule), so the tests of
-:mod:`elastic_ext.launch.notices` use this one. It plays several machines at
+:mod:`elastic_ext.worker.notices` use this one. It plays several machines at
 once: the path's first segment names the machine (the base URL workers get
 is ``http://127.0.0.1:PORT/{host}``, :data:`ENV` fills in their host name),
 and what follows is exactly a documented path, answered as documented:

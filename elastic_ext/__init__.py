@@ -3,7 +3,7 @@
 Importing the package changes nothing in the process: it forks nothing,
 patches nothing of Horovod, writes no environment variable and installs no
 signal handler. What a worker needs before the user's code runs is done by
-the launcher, ``elastic-horovodrun`` (:mod:`elastic_ext.launch.worker`).
+the launcher, ``elastic-horovodrun`` (:mod:`elastic_ext.worker.entry`).
 The core imports no framework: ``elastic_ext.torch`` and
 ``elastic_ext.tensorflow`` are loaded only when the objects handed to
 :class:`State` (or the user) need them.

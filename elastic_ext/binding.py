@@ -80,7 +80,7 @@ class HorovodBasics:
         self.hvd.init()
 
     def local_rank(self) -> int:
-        """This rank's slot on its host: Horovod's rank request after a reset names it (elastic_ext.launch.prestart)."""
+        """This rank's slot on its host: Horovod's rank request after a reset names it (elastic_ext.worker.prestart)."""
         return self.hvd.local_rank()
 
     def local_size(self) -> int:

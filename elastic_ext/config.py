@@ -23,7 +23,7 @@ ENV_EVENTS_PATH = "ELASTIC_EXT_EVENTS_PATH"
 ENV_CHECKPOINT_DIR = "ELASTIC_EXT_CHECKPOINT_DIR"
 ENV_HOROVOD_GLOO_TIMEOUT = "HOROVOD_GLOO_TIMEOUT_SECONDS"
 # Set by the launcher for its workers, read before any ElasticConfig exists (not settings):
-# whether they restart in place (elastic_ext.launch.keeper), and horovodrun's --min-np.
+# whether they restart in place (elastic_ext.worker.keeper), and horovodrun's --min-np.
 ENV_RESTART_IN_PLACE = "ELASTIC_EXT_RESTART_IN_PLACE"
 ENV_MIN_NP = "ELASTIC_EXT_MIN_NP"
 ENV_RESTARTED_IN_PLACE = "ELASTIC_EXT_RESTARTED_IN_PLACE"  # set by the keeper: 0 for its first child, k after k restarts
@@ -233,7 +233,7 @@ def elastic_horovodrun(environ: Optional[Mapping[str, str]] = None) -> bool:
 
 def launched(environ: Optional[Mapping[str, str]] = None) -> bool:
     """True in a worker that ``elastic-horovodrun`` started through its entry module
-    (:mod:`elastic_ext.launch.worker`), which installs what must run before the user's code."""
+    (:mod:`elastic_ext.worker.entry`), which installs what must run before the user's code."""
     env = os.environ if environ is None else environ
     return env.get(ENV_LAUNCHER) == "1"
 

@@ -68,7 +68,7 @@ The run loop (``run.py``):
 - ``leave`` (:data:`LEAVE`): a SIGTERMed worker, or every rank under MPI,
   leaves at a commit; ``commit_id``, ``cause``, ``durable_commit_id`` (the
   newest checkpoint rank 0 made durable first); after a preemption notice
-  (``cause`` ``"preemption"``, :mod:`elastic_ext.launch.notices`) also
+  (``cause`` ``"preemption"``, :mod:`elastic_ext.worker.notices`) also
   ``notice``: its ``source``, ``kind``, ``detail`` and ``seen`` (Unix time).
 - ``straggler`` (:data:`STRAGGLER`): every rank, when the commit's table
   shows one rank slow for long enough (:mod:`elastic_ext.policies.eviction`);
@@ -91,7 +91,7 @@ The run loop (``run.py``):
   strike) or ``"unexplained"`` (nothing to replay from, or the mismatch kept
   moving: the job stops); ``replayed_from``, ``replays``.
 - ``restarted_in_place`` (:data:`RESTARTED_IN_PLACE`, at ``@elastic_ext.run``
-  of a worker its keeper restarted, see :mod:`elastic_ext.launch.keeper`): Gloo
+  of a worker its keeper restarted, see :mod:`elastic_ext.worker.keeper`): Gloo
   aborted the previous process of this slot inside ``hvd.init()``;
   ``restarts`` (how many times this slot's keeper restarted it).
 - ``member_failed`` (:data:`MEMBER_FAILED`, from the driver watch,

@@ -28,12 +28,12 @@ FENCED = 75
 PEERS_FAILED = 76
 
 #: A starting worker the launcher's driver dismissed (its ``dismissed_key`` in the
-#: store, read by :mod:`elastic_ext.launch.newcomer`): its slot comes back later, its
+#: store, read by :mod:`elastic_ext.worker.newcomer`): its slot comes back later, its
 #: host is not blacklisted for it.
 DISMISSED = 77
 
 #: A worker that leaves at a commit (SIGTERM, a preemption notice, a straggler
-#: eviction, a rank left out of the next world; :mod:`elastic_ext.launch.sigterm`,
+#: eviction, a rank left out of the next world; :mod:`elastic_ext.worker.sigterm`,
 #: :mod:`elastic_ext.runtime.recovery`). 128 + SIGTERM: non-zero, so Horovod's driver
 #: shrinks the job instead of ending it.
 LEAVE = 143

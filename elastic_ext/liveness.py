@@ -3,7 +3,7 @@
 The commit marks progress and carries the leaving flag in its collective
 (:mod:`elastic_ext.state.host_updates`); the stall check
 (:mod:`elastic_ext.runtime.watchdog`) and the SIGTERM handler
-(:mod:`elastic_ext.launch.sigterm`) read and write it. One process-wide
+(:mod:`elastic_ext.worker.sigterm`) read and write it. One process-wide
 instance, :data:`LIVENESS`, serves the public :func:`progress` and
 :func:`phase`.
 """

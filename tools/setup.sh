@@ -198,7 +198,7 @@ else
                     || fail "patch $p does not apply to the Horovod $HOROVOD_VERSION sdist" "see $CACHE/horovod-build.log"
             done
             # What the build carries, for this script's check above and for elastic_ext's launcher
-            # (elastic_ext.launch.horovod_seam.build_patches).
+            # (elastic_ext.control.horovod_seam.build_patches).
             { echo "# Written by elastic_ext's tools/setup.sh: the patches this Horovod was built with."
               printf 'PATCHES = ('; for n in $PATCH_NAMES; do printf '"%s", ' "$n"; done; echo ')'
             } >"$src/horovod/elastic_ext_patches.py"

@@ -19,7 +19,7 @@ import logging
 import os
 from typing import Any, Callable, Dict, List, Optional
 
-from elastic_ext.launch.horovod_seam import Change
+from elastic_ext.control.horovod_seam import Change
 
 logger = logging.getLogger(__name__)
 

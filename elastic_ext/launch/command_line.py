@@ -3,7 +3,7 @@
 :func:`worker_entry_changes` (made by
 :func:`elastic_ext.launch.horovod_changes.install_launcher`) makes Horovod's
 ``parse_args`` rewrite the workers' command (:func:`worker_command`: ``python
-train.py`` becomes ``python -m elastic_ext.launch.worker train.py``), tell the
+train.py`` becomes ``python -m elastic_ext.worker.entry train.py``), tell the
 workers the job's ``--min-np``, and refuse a pair of tuning settings that
 crashes an elastic job's workers (:func:`crashing_tuning`).
 """
@@ -16,8 +16,9 @@ import sys
 from typing import Any, List, MutableMapping, Optional, Sequence
 
 from elastic_ext.config import ENV_LAUNCHER, ENV_MIN_NP
-from elastic_ext.launch import horovod_seam, worker_runs
-from elastic_ext.launch.horovod_seam import Change
+from elastic_ext.control import horovod_seam
+from elastic_ext.launch import worker_runs
+from elastic_ext.control.horovod_seam import Change
 
 
 # Horovod 0.28.1's tuning parameters (fusion threshold, cycle time) live in one vector, and a value set
@@ -35,7 +36,7 @@ def crashing_tuning(args: Any, environ: MutableMapping[str, str],
 
     ``args``: horovodrun's parsed arguments; ``environ``: the environment the workers inherit;
     ``patches``: the build patches of the workers' Horovod (default: the installed one's,
-    :func:`elastic_ext.launch.horovod_seam.build_patches`).
+    :func:`elastic_ext.control.horovod_seam.build_patches`).
     """
     fixed = [flag if getattr(args, dest, None) is not None else name
              for name, dest, flag in _TUNING if getattr(args, dest, None) is not None or environ.get(name)]
@@ -55,10 +56,10 @@ _FLAGS_WITH_VALUE = {"-W", "-X"}
 
 
 def worker_command(command: List[str]) -> List[str]:
-    """``command`` with its Python started through :mod:`elastic_ext.launch.worker`.
+    """``command`` with its Python started through :mod:`elastic_ext.worker.entry`.
 
     ``python [flags] SCRIPT ...`` and ``python [flags] -m MODULE ...`` gain
-    ``-m elastic_ext.launch.worker`` after the flags; anything else (a shell
+    ``-m elastic_ext.worker.entry`` after the flags; anything else (a shell
     script, ``python -c``, a command already through the worker) is returned as it is.
     """
     if not command or not os.path.basename(command[0]).startswith("python"):

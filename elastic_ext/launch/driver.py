@@ -14,14 +14,14 @@ turns into a longer or larger one:
    and more). Here such a round is exactly the workers that asked, so they
    go on at once, and capacity beyond them (the failed slot, a new host)
    joins later, while they train, the way a newcomer of an early start
-   does (:mod:`elastic_ext.launch.prestart`): before it answers the
+   does (:mod:`elastic_ext.worker.prestart`): before it answers the
    members' rank requests the driver writes
-   :data:`~elastic_ext.launch.store.CAPACITY_LEFT_OUT` in the store,
+   :data:`~elastic_ext.control.store.CAPACITY_LEFT_OUT` in the store,
    which each member reads at its sync and starts the early start there;
    and it tells the coordinator that hosts were added until a round has
    that capacity (should a member not have read the key). Only
    the round that an early start's rank requests complete
-   (:data:`~elastic_ext.launch.store.ASKED` in the store) starts new
+   (:data:`~elastic_ext.control.store.ASKED` in the store) starts new
    workers, which start in a world of one. Survivors keep their host; on a
    host whose worker of a lower local rank failed, they move down to the
    free local ranks, and the driver translates every name it holds (the
@@ -44,7 +44,7 @@ turns into a longer or larger one:
    worker was SIGKILLed and its host mate, stuck on a send to it, ended
    itself 10 s later; the host counted as lost left the job below
    ``--min-np``.
-3. **Workers learn that their round is lost** (:mod:`elastic_ext.launch.round_watch`):
+3. **Workers learn that their round is lost** (:mod:`elastic_ext.worker.round_watch`):
    the rendezvous server's store holds the current round's number and
    slots, and a key per round in which a member failed.
 4. **A failure does not wait for workers that are still starting.** When a
@@ -63,8 +63,8 @@ turns into a longer or larger one:
    newcomers' starts so far (start to first rank request; the job's first
    workers' until a newcomer asked), the wait the median of those seen so
    far. It writes the worker's
-   :func:`~elastic_ext.launch.store.dismissed_key`; the worker, which
-   reads it until it announces itself (:mod:`elastic_ext.launch.newcomer`),
+   :func:`~elastic_ext.control.store.dismissed_key`; the worker, which
+   reads it until it announces itself (:mod:`elastic_ext.worker.newcomer`),
    exits with :data:`~elastic_ext.exit_codes.DISMISSED`,
    its host is not blacklisted for it, and the round forms from the members
    that asked; its slot comes back with the failed one, while they train.
@@ -106,7 +106,7 @@ def driver_class() -> type:
     """Horovod's ``ElasticDriver`` with the changes of the module docstring, as one subclass.
 
     ``elastic-horovodrun`` binds it where Horovod builds its driver
-    (:func:`elastic_ext.launch.horovod_seam.install_launcher`); a test
+    (:func:`elastic_ext.control.horovod_seam.install_launcher`); a test
     builds it or Horovod's own side by side. The changes live by what they
     change: :mod:`~elastic_ext.launch.driver_registry` (a round's recording,
     in a subclass of Horovod's ``WorkerStateRegistry`` that the driver

@@ -2,7 +2,7 @@
 
 :func:`worth_dismissing` is the rule; :func:`dismiss_starting` applies it
 after a member's failure and writes each dismissed worker's
-:func:`~elastic_ext.launch.store.dismissed_key`.
+:func:`~elastic_ext.control.store.dismissed_key`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import statistics
 import time
 from typing import Any, List
 
-from elastic_ext.launch import store
+from elastic_ext.control import store
 from elastic_ext.launch.driver_state import state_of, store_write
-from elastic_ext.launch.store import dismissed_key
+from elastic_ext.control.store import dismissed_key
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Horovod's ``WorkerStateRegistry`` as the launcher changes it: a new round
 publishes its number and slots in the store (and, when it left capacity
-out, :data:`~elastic_ext.launch.store.CAPACITY_LEFT_OUT` with the
+out, :data:`~elastic_ext.control.store.CAPACITY_LEFT_OUT` with the
 coordinator told until a round takes it back); a recorded round keeps its
 workers that asked as the next round's survivors and blacklists only a
 host that lost the whole machine.
@@ -16,7 +16,7 @@ from typing import Any, Callable, Tuple
 
 from elastic_ext.launch.driver_state import early_start_asked, state_of, store_write, survivors_by_host
 from elastic_ext.exit_codes import PEERS_FAILED
-from elastic_ext.launch.store import ASSIGNED, CAPACITY_LEFT_OUT, CURRENT
+from elastic_ext.control.store import ASSIGNED, CAPACITY_LEFT_OUT, CURRENT
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def start_regrow(driver: Any) -> None:
     rest of its pending updates, so one is not enough; the coordinator acts
     on the first that arrives after its reset, at its next commit. The
     members start the early start at their sync already
-    (:data:`~elastic_ext.launch.store.CAPACITY_LEFT_OUT`): this is
+    (:data:`~elastic_ext.control.store.CAPACITY_LEFT_OUT`): this is
     the way back for a round whose members could not read the store then.
     """
     ext = state_of(driver)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict
 from elastic_ext.launch.driver_dismissal import dismiss_starting
 from elastic_ext.launch.driver_state import DriverState, Slot, early_start_asked, moves, state_of, store_write
 from elastic_ext.exit_codes import DISMISSED, PEERS_FAILED
-from elastic_ext.launch.store import failed_key
+from elastic_ext.control.store import failed_key
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import dataclasses
 import threading
 from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
-from elastic_ext.launch import store
-from elastic_ext.launch.store import ROUND_SCOPE as SCOPE
+from elastic_ext.control import store
+from elastic_ext.control.store import ROUND_SCOPE as SCOPE
 
 STARTS_KEPT = 16     # the workers' latest starts (start to first rank request) the typical start is taken from
 

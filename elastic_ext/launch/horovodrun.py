@@ -1,10 +1,10 @@
 """``elastic-horovodrun ARGS`` (``python -m elastic_ext.launch.horovodrun ARGS``): the way to launch a job.
 
 The arguments are ``horovodrun``'s. Each worker's Python is started through
-:mod:`elastic_ext.launch.worker`, which does in the worker what must happen
+:mod:`elastic_ext.worker.entry`, which does in the worker what must happen
 before the user's code (restart in place, the newcomer's side of an early
 start, Gloo's first timeout, SIGTERM as "leave") and then runs the script:
-``python train.py`` becomes ``python -m elastic_ext.launch.worker train.py``
+``python train.py`` becomes ``python -m elastic_ext.worker.entry train.py``
 (a command that is not a Python script or module runs as given, without
 those). Outside elastic mode the driver is plain ``horovodrun``'s; in
 elastic mode it is Horovod's ``ElasticDriver`` with the changes of
@@ -30,7 +30,7 @@ at once). Horovod's build checks (was it built with Gloo? with MPI?), which impo
 TensorFlow before the first worker starts, are answered from a cache
 (:mod:`elastic_ext.launch.build_check`).
 
-The workers restart in place (:mod:`elastic_ext.launch.keeper`) when the
+The workers restart in place (:mod:`elastic_ext.worker.keeper`) when the
 job has durable checkpoints (``ELASTIC_EXT_CHECKPOINT_DIR``): a restarted
 worker holds no commit.
 """
@@ -43,7 +43,8 @@ from typing import List, MutableMapping, Optional
 
 from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_RESTART_IN_PLACE
 from elastic_ext.errors import ConfigError
-from elastic_ext.launch import horovod_changes, horovod_seam, store
+from elastic_ext.control import horovod_seam, store
+from elastic_ext.launch import horovod_changes
 
 
 def restart_in_place_when_checkpointing(environ: MutableMapping[str, str]) -> bool:
@@ -62,7 +63,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     """The console script ``elastic-horovodrun``: ``horovodrun``'s arguments, the launcher's behaviour.
 
     Stops (exit status 1, one message naming each difference) before anything of Horovod is changed when
-    the installed Horovod is not the one the launcher changes (:mod:`elastic_ext.launch.horovod_seam`).
+    the installed Horovod is not the one the launcher changes (:mod:`elastic_ext.control.horovod_seam`).
     """
     try:
         horovod_seam.check_launcher()

@@ -4,9 +4,9 @@
 :mod:`elastic_ext.launch.driver`):
 
 1. **A host with a notice is dropped from discovery for good.** A worker
-   whose host has a notice (:mod:`elastic_ext.launch.notices`) writes the
+   whose host has a notice (:mod:`elastic_ext.worker.notices`) writes the
    host's name into the driver's rendezvous store (scope
-   :data:`~elastic_ext.launch.notices.NOTICE_SCOPE`, with the job's secret
+   :data:`~elastic_ext.worker.notices.NOTICE_SCOPE`, with the job's secret
    or from the host's own address, :mod:`elastic_ext.launch.store_guard`);
    the driver records it (for a host its discovery has listed) and
    leaves it out of every host list its discovery returns, whichever
@@ -19,8 +19,8 @@
 2. **Slurm's signal for the whole job.** ``sbatch --signal=B:USR1@SECONDS``
    signals the batch script, which ``exec elastic-horovodrun ...`` makes this
    driver; its workers on other nodes, started over ssh, are in no job step.
-   On :data:`~elastic_ext.launch.notices.NOTICE_SIGNAL` the driver sends a
-   :class:`~elastic_ext.launch.notices.JobNotice` to every worker through
+   On :data:`~elastic_ext.control.notice.NOTICE_SIGNAL` the driver sends a
+   :class:`~elastic_ext.control.notice.JobNotice` to every worker through
    Horovod's notification service (authenticated with each worker's key),
    and to each worker that registers its service later (one that was
    still starting): every worker leaves at the next commit, rank 0 first
@@ -37,8 +37,9 @@ import urllib.parse
 from typing import Any, Dict, List, Set
 
 from elastic_ext.launch import job_hosts
-from elastic_ext.launch.notices import NOTICE_SCOPE, NOTICE_SIGNAL, JobNotice, signal_notice
-from elastic_ext.launch.horovod_seam import Change
+from elastic_ext.control.notice import NOTICE_SIGNAL, JobNotice, signal_notice
+from elastic_ext.control.store import NOTICE_SCOPE
+from elastic_ext.control.horovod_seam import Change
 
 logger = logging.getLogger(__name__)
 

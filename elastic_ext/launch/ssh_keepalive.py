@@ -10,7 +10,7 @@ nor re-form the job for that long. With ``ServerAliveInterval`` and ``ServerAliv
 asks the host for an answer after :data:`ALIVE_INTERVAL_S` of silence and
 gives up (exit 255) after :data:`ALIVE_COUNT_MAX` unanswered asks: the
 driver sees the worker fail :data:`DETECTION_S` at most after its host went
-silent, publishes the failure (:mod:`elastic_ext.launch.round_watch`), and
+silent, publishes the failure (:mod:`elastic_ext.worker.round_watch`), and
 the survivors go on without it (:mod:`elastic_ext.runtime.driver_watch`).
 
 A healthy host answers at once (sshd answers, not the worker), so a busy
@@ -30,7 +30,7 @@ import re
 from typing import List, Optional
 
 from elastic_ext.config import SSH_HOST_KEYS, ElasticConfig
-from elastic_ext.launch.horovod_seam import Change
+from elastic_ext.control.horovod_seam import Change
 
 ALIVE_INTERVAL_S = 5
 ALIVE_COUNT_MAX = 3

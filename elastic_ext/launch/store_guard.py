@@ -29,11 +29,11 @@ change that, in this process:
    a GET of that scope is answered 404: the workers' keys are never
    readable.
 3. **The launcher's keys**: an HTTP PUT or DELETE of
-   :data:`~elastic_ext.launch.store.ROUND_SCOPE` is refused (403; only the
+   :data:`~elastic_ext.control.store.ROUND_SCOPE` is refused (403; only the
    driver writes it, in process); one of
-   :data:`~elastic_ext.launch.store.READY_SCOPE` needs the job's secret
-   (:data:`~elastic_ext.launch.store.SECRET_HEADER`), one of
-   :data:`~elastic_ext.launch.store.NOTICE_SCOPE` the secret or to come
+   :data:`~elastic_ext.control.store.READY_SCOPE` needs the job's secret
+   (:data:`~elastic_ext.control.store.SECRET_HEADER`), one of
+   :data:`~elastic_ext.control.store.NOTICE_SCOPE` the secret or to come
    from an address of the host it names.
 4. **Bodies** are at most :data:`MAX_BODY_BYTES` (413 above; Gloo's largest
    value, every pair address of a rank, is about 140 bytes per rank).
@@ -53,9 +53,9 @@ import pickle
 import urllib.parse
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
-from elastic_ext.launch import store
+from elastic_ext.control import store
 from elastic_ext.launch.job_hosts import hosts, normal
-from elastic_ext.launch.horovod_seam import Change
+from elastic_ext.control.horovod_seam import Change
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ def changes(resolver: Optional[Callable[[str], FrozenSet[str]]] = None) -> List[
     """What guards this (the driver's) process's rendezvous servers as the module docstring says, for
     :func:`elastic_ext.launch.horovod_changes.install_launcher` to make.
 
-    Makes the job's secret (:func:`elastic_ext.launch.store.new_job_secret`) if this process has none,
+    Makes the job's secret (:func:`elastic_ext.control.store.new_job_secret`) if this process has none,
     and starts following the job's hosts.
     ``resolver``: host name -> addresses (tests; default :func:`elastic_ext.launch.job_hosts.resolve`).
     """

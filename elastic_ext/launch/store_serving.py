@@ -36,7 +36,7 @@ import socket
 import threading
 from typing import Any, List, Tuple
 
-from elastic_ext.launch.horovod_seam import Change
+from elastic_ext.control.horovod_seam import Change
 
 BACKLOG = max(4096, socket.SOMAXCONN)  # a burst of every worker's requests of a thousand-worker job
 IDLE_S = 30.0  # a reused thread waits this long for another request, then ends

@@ -28,7 +28,7 @@ children, SIGKILL to those alive after 5 s). When the worker ends first,
 the driver kills the guard before closing its end of the pipe.
 
 A command of an elastic job that starts the workers' entry module
-(:data:`WORKER_MODULE`) gets the job's secret on its stdin (:mod:`elastic_ext.launch.store`), then
+(:data:`WORKER_MODULE`) gets the job's secret on its stdin (:mod:`elastic_ext.control.store`), then
 end of file; ssh carries it to a remote worker. Not its command line nor
 its environment: Horovod writes the workers' environment into their
 command lines, which ``ps`` shows every user of the machine, while a pipe
@@ -45,12 +45,12 @@ import sys
 import threading
 from typing import Iterable, List, Optional, TextIO, Tuple
 
-from elastic_ext.launch import store
-from elastic_ext.launch.horovod_seam import Change
+from elastic_ext.control import store
+from elastic_ext.control.horovod_seam import Change
 
 logger = logging.getLogger(__name__)
 
-WORKER_MODULE = "elastic_ext.launch.worker"  # the workers' entry module (elastic_ext.launch.horovodrun)
+WORKER_MODULE = "elastic_ext.worker.entry"  # the workers' entry module (elastic_ext.launch.horovodrun)
 GRACE_S = 5  # Horovod's GRACEFUL_TERMINATION_TIME_S
 # $1: the worker's process group. `read` returns when the driver's end of stdin closes (its death).
 # The group comes first on the pipe (no group: the driver died before it started one, nothing to end),

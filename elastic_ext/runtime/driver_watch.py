@@ -10,7 +10,7 @@ long time, because no TCP reset ever arrives:
    sooner: the ssh running the member ends once its keepalives go
    unanswered (:mod:`elastic_ext.launch.ssh_keepalive`), and the driver
    publishes a failed member for the round
-   (:func:`elastic_ext.launch.round_watch.failed_key`). While this worker
+   (:func:`elastic_ext.worker.round_watch.failed_key`). While this worker
    trains in a round, a thread of :class:`DriverWatch` reads that key every
    :data:`POLL_S`; when it appears, it cuts this worker's collective links
    (:meth:`~elastic_ext.runtime.connections.CollectiveConnections.abort`).
@@ -66,8 +66,9 @@ from typing import Any, Callable, Optional
 
 import elastic_ext.exit_codes as exit_codes
 from elastic_ext.events import FENCED, MEMBER_FAILED
-from elastic_ext.launch import round_watch, store
-from elastic_ext.launch.round_watch import CURRENT, SCOPE, failed_key
+from elastic_ext.control import store
+from elastic_ext.worker import round_watch
+from elastic_ext.worker.round_watch import CURRENT, SCOPE, failed_key
 
 logger = logging.getLogger(__name__)
 

@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     # Ignore SIGINT (a terminal's Ctrl-C reaches the worker's whole group): the guardian leaves when its
     # pipe closes, i.e. when the worker is gone. SIGTERM is not ignored: it ends the guardian (the default
-    # action), and the worker, in the same group, got it too (launch/sigterm.py: leave, bounded by term_grace_s).
+    # action), and the worker, in the same group, got it too (worker/sigterm.py: leave, bounded by term_grace_s).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     kill = _parent_killer(args.pid)
     if kill is None:

@@ -32,7 +32,7 @@ import numpy as np
 from elastic_ext.config import launched
 from elastic_ext.errors import NumericFaultError, ReplicaMismatchError, RollbackLimitError, error_detail
 from elastic_ext.events import LEAVE, LINKS_CLOSED, RECOVERED, RESET, RESIZE, ROLLBACK, ROLLBACK_LIMIT
-from elastic_ext.launch.gloo_timeout import reset_timeout
+from elastic_ext.worker.gloo_timeout import reset_timeout
 from elastic_ext.runtime.closed_links import ClosedLinksWatch
 from elastic_ext.runtime.connections import CollectiveConnections
 from elastic_ext.runtime.driver_watch import DriverWatch

@@ -57,10 +57,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
 from elastic_ext.config import ENV_CHECKPOINT_DIR, ENV_RESTART_IN_PLACE, launched
 from elastic_ext.errors import ConfigError, NumericFaultError, ReplicaMismatchError
 from elastic_ext.events import FINISH, GUARDIAN_LOST, RESTARTED_IN_PLACE, STALL, SUSPENDED
-from elastic_ext.launch import keeper, newcomer, prestart, round_watch
-from elastic_ext.launch.gloo_timeout import reset_timeout
+from elastic_ext.worker import keeper, newcomer, prestart, round_watch
+from elastic_ext.worker.gloo_timeout import reset_timeout
 from elastic_ext.runtime.recovery import Recoverer, controller
-from elastic_ext.launch.sigterm import install_sigterm, restore_sigterm
+from elastic_ext.worker.sigterm import install_sigterm, restore_sigterm
 from elastic_ext.runtime.watchdog import Watchdog
 from elastic_ext.liveness import LIVENESS
 

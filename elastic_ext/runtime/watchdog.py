@@ -42,7 +42,7 @@ barrier, which needs the waiting survivors. Three mechanisms break that:
 
 And a worker told to go (SIGTERM) keeps training to its next commit, where
 every rank learns of it through the commit's host-update allreduce; the job
-then resizes without a rollback and the leaver exits (:mod:`elastic_ext.launch.sigterm`).
+then resizes without a rollback and the leaver exits (:mod:`elastic_ext.worker.sigterm`).
 Under ``elastic-horovodrun`` that holds from the worker's start, also while the job re-forms.
 """
 

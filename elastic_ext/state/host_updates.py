@@ -9,7 +9,7 @@ commit and acts on it together:
 - whether some rank was told to leave (SIGTERM): everyone resizes there,
   right after a commit, so nothing is lost;
 - whether the newcomers of an early start are all waiting
-  (:mod:`elastic_ext.launch.prestart`);
+  (:mod:`elastic_ext.worker.prestart`);
 - the commit id, as its maximum and the maximum of its negation, so ranks
   that disagree on it fail at the commit where it happens, not at the next
   sync;
@@ -32,7 +32,7 @@ from elastic_ext.errors import StateDivergenceError
 
 
 class EarlyStart(Protocol):
-    """One rank's part in starting newcomers while training goes on (:class:`elastic_ext.launch.prestart.Prestart`).
+    """One rank's part in starting newcomers while training goes on (:class:`elastic_ext.worker.prestart.Prestart`).
 
     A Protocol: the commit's collective only asks whether the newcomers are
     there; how they are started is the launcher's business.

@@ -2,7 +2,7 @@
 
 Horovod's own wait keeps a core busy per waiting worker, which on shared
 cores slows the collective it waits for (bench.engine measures the steps);
-elastic_ext.launch.torch_wait replaces it in every worker the launcher
+elastic_ext.worker.torch_wait replaces it in every worker the launcher
 starts. The job: two ranks, rank 0 waits in an allreduce rank 1 joins late.
 """
 

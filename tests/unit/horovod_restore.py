@@ -1,6 +1,7 @@
 """Horovod given back after a test that made the launcher's or a worker's changes in this process.
 
-The product makes its changes once per process (elastic_ext.launch.horovod_changes) and never undoes
+The product makes its changes once per process (elastic_ext.launch.horovod_changes, elastic_ext.worker.horovod_changes;
+elastic_ext.control.horovod_seam records each original) and never undoes
 them; the unit tests run Horovod's own behaviour and the changed one side by side in one process, so
 they put back every original the changes recorded, and forget what the changed modules learned.
 """
@@ -9,13 +10,15 @@ import signal
 
 import pytest
 
-from elastic_ext.launch import discovery_runs, horovod_changes, job_hosts, noticed_hosts, notices, store_guard
+from elastic_ext.control import horovod_seam, notice
+from elastic_ext.launch import discovery_runs, horovod_changes, job_hosts, noticed_hosts, store_guard
+from elastic_ext.worker import notices
 
 
 def restore_horovod():
-    for (owner, name), original in reversed(list(horovod_changes.REPLACED.items())):
+    for (owner, name), original in reversed(list(horovod_seam.REPLACED.items())):
         setattr(owner, name, original)
-    horovod_changes.REPLACED.clear()
+    horovod_seam.REPLACED.clear()
     horovod_changes.INSTALLED.clear()
     job_hosts.hosts.stop()
     job_hosts.hosts.forget()
@@ -25,8 +28,8 @@ def restore_horovod():
     noticed_hosts._job_notices.clear()
     notices._accepting.clear()
     discovery_runs._refused.clear()
-    if signal.getsignal(notices.NOTICE_SIGNAL) is noticed_hosts.on_signal:
-        signal.signal(notices.NOTICE_SIGNAL, signal.SIG_DFL)
+    if signal.getsignal(notice.NOTICE_SIGNAL) is noticed_hosts.on_signal:
+        signal.signal(notice.NOTICE_SIGNAL, signal.SIG_DFL)
 
 
 @pytest.fixture

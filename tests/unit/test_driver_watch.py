@@ -1,6 +1,6 @@
 """The driver watch (elastic_ext.runtime.driver_watch) against Horovod's real rendezvous server.
 
-The keys are those the launcher's driver publishes (elastic_ext.launch.round_watch);
+The keys are those the launcher's driver publishes (elastic_ext.worker.round_watch);
 the watch's poll is called directly, with a clock the test moves, and its exit
 recorded instead of ending the test process.
 """
@@ -10,7 +10,7 @@ import socket
 import pytest
 
 from elastic_ext.events import FENCED, MEMBER_FAILED, EventLog
-from elastic_ext.launch import prestart, round_watch
+from elastic_ext.worker import prestart, round_watch
 from elastic_ext.runtime import driver_watch
 from elastic_ext import exit_codes
 from elastic_ext.runtime.driver_watch import FENCE_MIN_ATTEMPTS, FENCE_S, DriverWatch

@@ -1,4 +1,4 @@
-"""elastic_ext.launch.horovod_seam: the launcher and the worker entry stop on a Horovod that differs.
+"""elastic_ext.control.horovod_seam: the launcher and the worker entry stop on a Horovod that differs.
 
 Each case fakes one difference in this process (the version, or one
 attribute the project replaces, removed with monkeypatch) and runs the real
@@ -12,7 +12,9 @@ import pytest
 from horovod.common.basics import HorovodBasics
 from horovod.runner.elastic.driver import ElasticDriver
 
-from elastic_ext.launch import horovod_changes, horovod_seam, horovodrun, worker
+from elastic_ext.control import horovod_seam
+from elastic_ext.launch import horovodrun
+from elastic_ext.worker import entry as worker
 
 EVERY_ROW = (*horovod_seam.LAUNCHER, *horovod_seam.WORKER, *horovod_seam.WORKER_ELASTIC)
 
@@ -22,7 +24,7 @@ def launcher_stops():
     from horovod.runner import gloo_run
     with pytest.raises(SystemExit) as stopped:
         horovodrun.main(["-np", "1", "python", "-c", "pass"])
-    assert not horovod_changes.REPLACED, "Horovod was changed before the check"
+    assert not horovod_seam.REPLACED, "Horovod was changed before the check"
     assert gloo_run.ElasticDriver is ElasticDriver
     message = str(stopped.value.code)
     assert message.startswith("elastic-horovodrun: this Horovod differs"), message
@@ -37,7 +39,7 @@ def worker_stops(tmp_path):
     with pytest.raises(SystemExit) as stopped:
         worker.main([str(script)])
     assert not ran.exists(), "the script ran despite the check"
-    assert not horovod_changes.REPLACED, "Horovod was changed before the check"
+    assert not horovod_seam.REPLACED, "Horovod was changed before the check"
     message = str(stopped.value.code)
     assert message.startswith("elastic_ext worker: this Horovod differs"), message
     return message

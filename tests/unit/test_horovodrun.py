@@ -15,7 +15,9 @@ import time
 import pytest
 
 from elastic_ext import exit_codes
-from elastic_ext.launch import command_line, driver, driver_state, horovod_seam, horovodrun, prestart, round_watch
+from elastic_ext.control import horovod_seam
+from elastic_ext.launch import command_line, driver, driver_state, horovodrun
+from elastic_ext.worker import prestart, round_watch
 from tests.unit.test_prestart import Discovery, discovered, in_threads, wait_for, waiting_in_the_barrier
 
 

@@ -1,4 +1,4 @@
-"""The keeper (elastic_ext.launch.keeper): which ends of its child it restarts, and how it ends otherwise.
+"""The keeper (elastic_ext.worker.keeper): which ends of its child it restarts, and how it ends otherwise.
 
 Each test runs a small script in a fresh interpreter with the environment
 of an elastic horovodrun worker and ELASTIC_EXT_RESTART_IN_PLACE=1. The
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from elastic_ext.launch import keeper
+from elastic_ext.worker import keeper
 from elastic_ext.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PRELUDE = """
 import os, signal, sys, time
 import elastic_ext
-from elastic_ext.launch import keeper
+from elastic_ext.worker import keeper
 n = keeper.restarts()
 out = sys.argv[1]
 with open(os.path.join(out, f"child-{n}"), "w") as f:
@@ -37,7 +37,7 @@ def run_script(tmp_path, body, env_extra=None, timeout=60):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "ELASTIC_EXT_"))}
     env.update({"HOROVOD_ELASTIC": "1", "ELASTIC_EXT_RESTART_IN_PLACE": "1", "PYTHONPATH": ROOT, **(env_extra or {})})
     # the launcher's entry module: it makes this process the keeper before the script runs
-    proc = subprocess.run([sys.executable, "-m", "elastic_ext.launch.worker", str(script), str(tmp_path)], env=env,
+    proc = subprocess.run([sys.executable, "-m", "elastic_ext.worker.entry", str(script), str(tmp_path)], env=env,
                           capture_output=True, text=True,
                           timeout=timeout)
     children = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("child-"))
@@ -152,7 +152,7 @@ def test_the_keeper_ignores_sigterm_and_the_child_dies_with_the_keeper(tmp_path)
     script.write_text(PRELUDE + "time.sleep(60)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "ELASTIC_EXT_"))}
     env.update(HOROVOD_ELASTIC="1", ELASTIC_EXT_RESTART_IN_PLACE="1", PYTHONPATH=ROOT)
-    proc = subprocess.Popen([sys.executable, "-m", "elastic_ext.launch.worker", str(script), str(tmp_path)], env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "elastic_ext.worker.entry", str(script), str(tmp_path)], env=env)
     try:
         deadline = time.monotonic() + 30
         while not (tmp_path / "child-0").exists() or not (tmp_path / "child-0").read_text():

@@ -1,4 +1,4 @@
-"""elastic-horovodrun starts each worker's Python through elastic_ext.launch.worker, which then runs the script."""
+"""elastic-horovodrun starts each worker's Python through elastic_ext.worker.entry, which then runs the script."""
 
 import os
 import subprocess
@@ -52,7 +52,7 @@ def test_the_entry_runs_a_module_and_says_how_to_call_it(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout.strip()) == (3, "__main__ ['x']"), done.stderr
     bare = subprocess.run([sys.executable, "-m", WORKER_MODULE], env=env, capture_output=True, text=True, timeout=120)
-    assert bare.returncode == 2 and "usage: python -m elastic_ext.launch.worker" in bare.stderr
+    assert bare.returncode == 2 and "usage: python -m elastic_ext.worker.entry" in bare.stderr
 
 
 @pytest.mark.parametrize("given, seen", [(None, "1"), ("0", "0")])

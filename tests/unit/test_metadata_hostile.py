@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from elastic_ext.launch import metadata, notices
-from elastic_ext.launch.metadata import MAX_BODY_BYTES, AzureScheduledEvents, MetadataError
+from elastic_ext.worker import metadata, notices
+from elastic_ext.worker.metadata import MAX_BODY_BYTES, AzureScheduledEvents, MetadataError
 
 
 def http(status, body=b"", headers=()):
@@ -106,7 +106,7 @@ def test_the_watcher_survives_every_bad_answer_logs_once_and_acts_on_the_real_no
     server = servers(azure_answers(BAD_ANSWERS))
     seen, stop = [], threading.Event()
     watcher = notices.Watcher(AzureScheduledEvents(server.url), seen.append, stop, retry_s=0.01)
-    with caplog.at_level(logging.DEBUG, logger="elastic_ext.launch.notices"):
+    with caplog.at_level(logging.DEBUG, logger="elastic_ext.worker.notices"):
         watcher.start()
         watcher.join(60)
     stop.set()

@@ -16,7 +16,8 @@ import pytest
 
 from elastic_ext.config import ElasticConfig, notice_endpoints
 from elastic_ext.errors import ConfigError
-from elastic_ext.launch import metadata, noticed_hosts, notices
+from elastic_ext.launch import noticed_hosts
+from elastic_ext.worker import metadata, notices
 from elastic_ext.liveness import Liveness
 from devkit.metadata_server import ENV, MetadataServer
 from tests.unit.horovod_restore import changes  # noqa: F401 - a fixture
@@ -163,7 +164,7 @@ def test_an_endpoint_that_cannot_be_reached_is_asked_again_later_and_warned_abou
     monkeypatch.setattr(notices, "RETRY_S", 0.01)
     stop = threading.Event()
     watcher = notices.Watcher(metadata.AwsImds("http://127.0.0.1:9"), lambda notice: None, stop)  # nothing listens
-    with caplog.at_level("DEBUG", logger="elastic_ext.launch.notices"):
+    with caplog.at_level("DEBUG", logger="elastic_ext.worker.notices"):
         watcher.start()
         assert wait_for(lambda: watcher.failures >= 3, timeout_s=20)
         stop.set()

@@ -14,9 +14,9 @@ import time
 import pytest
 
 from elastic_ext import exit_codes
-from elastic_ext.launch import horovod_changes, newcomer, prestart, round_watch
+from elastic_ext.worker import horovod_changes, newcomer, prestart, round_watch
 from elastic_ext.state.host_updates import HOSTS_ADDED, HOSTS_REMOVED, HostUpdates, agreement_vector, read_agreement
-from elastic_ext.launch.prestart import Prestart, parse_slot
+from elastic_ext.worker.prestart import Prestart, parse_slot
 
 from tests.unit.horovod_restore import restore_horovod
 from elastic_ext.testing import ThreadWorld
@@ -236,7 +236,7 @@ def test_a_newcomer_builds_its_model_solo_then_joins_the_survivors_reset(job, so
 
 DISMISSAL_CHILD = """
 import sys, time
-from elastic_ext.launch import newcomer
+from elastic_ext.worker import newcomer
 print(newcomer.watch_dismissal(), flush=True)
 if sys.argv[1] == "announce":
     newcomer.stop_watching()  # what join() does before the newcomer announces itself

@@ -7,7 +7,7 @@ import sys
 _CHILD = r"""
 import os, signal, sys, threading
 import elastic_ext
-from elastic_ext.launch import notices, sigterm
+from elastic_ext.worker import notices, sigterm
 from elastic_ext.liveness import Liveness
 
 ROUNDS = int(sys.argv[1])

@@ -1,4 +1,4 @@
-"""The launcher's use of the driver's store (elastic_ext.launch.store): malformed values are read as absent and
+"""The launcher's use of the driver's store (elastic_ext.control.store): malformed values are read as absent and
 stop no reader, and each worker receives the job's secret on its stdin, never on a command line.
 
 Values are served by Horovod's own KV store server, as a forged write would
@@ -13,7 +13,9 @@ import sys
 import pytest
 
 from elastic_ext.events import MEMBER_FAILED, EventLog
-from elastic_ext.launch import newcomer, prestart, round_watch, store, worker_runs
+from elastic_ext.control import store
+from elastic_ext.launch import worker_runs
+from elastic_ext.worker import newcomer, prestart, round_watch
 from elastic_ext.runtime.driver_watch import DriverWatch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -52,7 +54,7 @@ def publish(url, scope, key, value):
 def test_a_malformed_value_reads_as_absent_and_is_logged_once(server, caplog, scope, key, good, bad):
     publish(server, scope, key, good)
     assert store.get(f"{server}/{scope}/{key}") == good
-    with caplog.at_level(logging.WARNING, logger="elastic_ext.launch.store"):
+    with caplog.at_level(logging.WARNING, logger="elastic_ext.control.store"):
         for value in bad:
             publish(server, scope, key, value)
             assert store.get(f"{server}/{scope}/{key}") is None, value
@@ -109,7 +111,7 @@ def test_malformed_slots_and_markers_are_read_as_absent(server, monkeypatch):
 
 def worker_command(tmp_path):
     script = tmp_path / "script.py"
-    script.write_text("from elastic_ext.launch import store\n"
+    script.write_text("from elastic_ext.control import store\n"
                       f"with open({str(tmp_path / 'seen')!r}, 'w') as out:\n"
                       "    out.write(repr((store.job_secret(), open('/proc/self/cmdline', 'rb').read())))\n")
     return (f"HOROVOD_ELASTIC=1 ELASTIC_EXT_LAUNCHER=1 ELASTIC_EXT_NOTICE_ENDPOINT=off PYTHONPATH={REPO} "
@@ -135,7 +137,7 @@ def test_a_worker_of_a_driver_without_a_secret_has_none(tmp_path):
 def test_a_secret_line_must_be_the_launchers(caplog):
     try:
         assert store.receive_secret(io.BytesIO(SECRET.encode() + b"\nmore")) and store.job_secret() == SECRET
-        with caplog.at_level(logging.WARNING, logger="elastic_ext.launch.store"):
+        with caplog.at_level(logging.WARNING, logger="elastic_ext.control.store"):
             for line in (b"", b"x" * 64 + b"\n", SECRET.upper().encode()):
                 store.set_job_secret(None)
                 assert not store.receive_secret(io.BytesIO(line)) and store.job_secret() is None

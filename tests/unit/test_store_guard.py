@@ -14,7 +14,9 @@ import pickle
 
 import pytest
 
-from elastic_ext.launch import job_hosts, noticed_hosts, prestart, round_watch, store, store_guard, store_serving
+from elastic_ext.control import store
+from elastic_ext.launch import job_hosts, noticed_hosts, store_guard, store_serving
+from elastic_ext.worker import prestart, round_watch
 from tests.unit.horovod_restore import changes  # noqa: F401 - a fixture
 from tests.unit.test_horovodrun import Job
 from tests.unit.test_prestart import discovered, wait_for

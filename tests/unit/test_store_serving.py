@@ -7,7 +7,9 @@ import threading
 
 import pytest
 
-from elastic_ext.launch import horovod_changes, prestart, store_serving
+from elastic_ext.control import horovod_seam
+from elastic_ext.launch import store_serving
+from elastic_ext.worker import prestart
 from tests.unit.horovod_restore import changes  # noqa: F401 - a fixture
 
 
@@ -31,7 +33,7 @@ def test_the_listen_queue_is_sized_for_a_burst(server):
     from horovod.runner.http.http_server import RendezvousHTTPServer
     started, _ = server
     assert started._httpd.request_queue_size == store_serving.BACKLOG >= 4096
-    assert horovod_changes.REPLACED[(RendezvousHTTPServer, "request_queue_size")] == 5  # socketserver's
+    assert horovod_seam.REPLACED[(RendezvousHTTPServer, "request_queue_size")] == 5  # socketserver's
 
 
 def test_requests_one_after_another_reuse_one_thread(server):

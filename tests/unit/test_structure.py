@@ -14,11 +14,14 @@ The layer rule (``docs/architecture.md`` draws it): the leaves (``config`` with 
 ``discovery/`` only the leaves; ``policies/`` also ``data/``, ``discovery/`` and
 ``state/`` (they plug into the commit, :mod:`elastic_ext.state.commit_slots`); ``state/`` never
 ``policies/`` (the public State is assembled with them in ``runtime/``); ``state/`` and
-``checkpoint/`` never ``runtime/`` nor ``launch/``; ``launch/`` nothing of the worker's training side (below it,
-only ``discovery/``, for its host rules); ``testing/`` (the public test helpers: one-rank and threaded
+``checkpoint/`` never ``runtime/`` nor ``launch/``; the launcher's rooms by process: ``launch/`` (the
+driver's process) imports only ``control/`` (what driver and workers share) and ``discovery/`` (its host
+rules), ``worker/`` (a worker's entry and what it installs) only ``control/``, and ``control/`` neither of
+them; ``testing/`` (the public test helpers: one-rank and threaded
 bindings) only ``state/`` and ``runtime/``; no module imports the public face (``elastic_ext`` itself) or
 ``testing/``; no module of the package imports the repository's ``devkit/`` or ``tests/``, which are not
-shipped (the wheel holds ``elastic_ext`` alone); and only ``launch/`` touches Horovod's private modules. No
+shipped (the wheel holds ``elastic_ext`` alone); and only ``launch/``, ``worker/`` and ``control/`` touch
+Horovod's private modules. No
 module is over 300 lines.
 """
 
@@ -166,12 +169,14 @@ MAY_IMPORT = {
     "policies": {"data", "discovery", "state"},
     "state": {"data", "discovery", "checkpoint"},  # never policies: they plug in through state.commit_slots
     "checkpoint": {"state"},
-    "launch": {"discovery"},  # the host rules, which the driver applies to whatever discovery lists
-    "runtime": {"data", "discovery", "policies", "state", "checkpoint", "launch"},
+    "control": set(),  # the store's keys and client, the seam's check and record, the notice messages
+    "launch": {"control", "discovery"},  # the driver's process; discovery's host rules
+    "worker": {"control"},  # a worker's entry and what it installs: nothing of the driver's process
+    "runtime": {"data", "discovery", "policies", "state", "checkpoint", "worker", "control"},
     "torch": {"data", "policies", "state"},
     "tensorflow": {"data", "policies", "state"},
     "testing": {"state", "runtime"},  # state_on builds the State that runtime/ assembles
-    "public": {"data", "discovery", "policies", "state", "checkpoint", "launch", "runtime"},
+    "public": {"data", "discovery", "policies", "state", "checkpoint", "launch", "worker", "control", "runtime"},
 }
 
 
@@ -369,9 +374,9 @@ def test_only_launch_touches_horovods_private_modules():
     imports = horovod_imports()
     assert "horovod.runner.launch" in imports["elastic_ext.launch.horovodrun"], imports["elastic_ext.launch.horovodrun"]
     offenders = [f"{module} imports {name}" for module, names in sorted(imports.items())
-                 if room(module) != "launch" for name in sorted(names)
+                 if room(module) not in ("launch", "worker", "control") for name in sorted(names)
                  if not any(name == public or name.startswith(public + ".") for public in HOROVOD_PUBLIC)]
-    assert not offenders, f"Horovod's private modules outside launch/: {offenders}"
+    assert not offenders, f"Horovod's private modules outside launch/, worker/ and control/: {offenders}"
 
 
 def test_the_core_never_imports_a_framework_package():
@@ -457,14 +462,16 @@ def horovod_changes_in(source: str, path: str = "<source>") -> List[int]:
 
 
 def test_only_horovod_changes_changes_horovod():
-    """The seam: elastic_ext.launch.horovod_changes makes every change of Horovod; the other modules say what
+    """The seam: its two halves (elastic_ext.launch.horovod_changes, the driver's process;
+    elastic_ext.worker.horovod_changes, a worker's) make every change of Horovod, through
+    elastic_ext.control.horovod_seam.make; the other modules say what
     they would change (or subclass Horovod's classes)."""
     offenders = []
     for module, path in module_files().items():
-        if module != "elastic_ext.launch.horovod_changes":
+        if module not in ("elastic_ext.launch.horovod_changes", "elastic_ext.worker.horovod_changes"):
             with open(path, encoding="utf-8") as handle:
                 offenders += [f"{module}:{line}" for line in horovod_changes_in(handle.read(), path)]
-    assert not offenders, f"Horovod changed outside launch/horovod_changes.py: {offenders}"
+    assert not offenders, f"Horovod changed outside the seam's two halves: {offenders}"
 
 
 def test_the_seam_check_catches_a_change_of_horovod():
@@ -472,3 +479,16 @@ def test_the_seam_check_catches_a_change_of_horovod():
               "import horovod.torch\n"
               "launch.parse_args = None\nsetattr(B, 'init', None)\nhorovod.torch.init = None\nx = launch.parse_args\n")
     assert sorted(horovod_changes_in(source)) == [4, 5, 6]
+
+
+def test_the_launchers_rooms_are_split_by_process():
+    """Each module of the launcher runs in one process: the driver's (``launch/``) or a worker's (``worker/``);
+    what both use is in ``control/``, which imports neither."""
+    graph = import_graph()
+    crossing = [f"{module} imports {target}" for module, targets in sorted(graph.items())
+                for target in sorted(targets)
+                if {room(module), room(target)} == {"launch", "worker"}
+                or (room(module) == "control" and room(target) in ("launch", "worker"))]
+    assert not crossing, f"the launcher's processes mixed: {crossing}"
+    rooms = {room(module) for module in graph}
+    assert {"launch", "worker", "control"} <= rooms, rooms

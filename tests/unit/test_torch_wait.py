@@ -1,8 +1,8 @@
-"""elastic_ext.launch.torch_wait: the wait that sleeps between polls (in a real job: test_collective_wait.py)."""
+"""elastic_ext.worker.torch_wait: the wait that sleeps between polls (in a real job: test_collective_wait.py)."""
 
 import pytest
 
-from elastic_ext.launch import horovod_changes, torch_wait
+from elastic_ext.worker import horovod_changes, torch_wait
 
 
 class Handle:

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from elastic_ext.launch import sigterm
+from elastic_ext.worker import sigterm
 from elastic_ext.runtime import watchdog
 from elastic_ext import liveness
 
@@ -163,7 +163,7 @@ def test_a_main_thread_handling_a_failed_steps_exception_is_not_a_stall():
 def test_a_reset_among_running_workers_waits_the_collective_timeout_and_one_that_may_meet_starters_longer(monkeypatch):
     import importlib
     from elastic_ext.config import ConfigError, ElasticConfig
-    timeouts = importlib.import_module("elastic_ext.launch.gloo_timeout")
+    timeouts = importlib.import_module("elastic_ext.worker.gloo_timeout")
     monkeypatch.setattr(timeouts, "_TIMEOUT_SET_AT_IMPORT", None)
     launched = {"ELASTIC_EXT_LAUNCHER": "1", "ELASTIC_EXT_MIN_NP": "2"}
     config = ElasticConfig()
@@ -187,7 +187,7 @@ def test_a_newcomers_first_init_waits_as_long_as_the_survivors_resets(monkeypatc
     30 s ("Wait timeout after 30 seconds") while the survivors waited 120 s for it."""
     import importlib
     from elastic_ext.config import ElasticConfig
-    timeouts = importlib.import_module("elastic_ext.launch.gloo_timeout")
+    timeouts = importlib.import_module("elastic_ext.worker.gloo_timeout")
     monkeypatch.setattr(timeouts, "_TIMEOUT_SET_AT_IMPORT", None)
     env = {"HOROVOD_ELASTIC": "1", "ELASTIC_EXT_RENDEZVOUS_TIMEOUT_S": "200"}
     assert timeouts.first_rendezvous_timeout(env) == "200" and env["HOROVOD_GLOO_TIMEOUT_SECONDS"] == "200"
@@ -236,7 +236,7 @@ def test_a_collective_failing_before_the_first_sync_is_survived(monkeypatch):
 _SIGTERM_CHILD = r"""
 import os, signal, sys, time
 import elastic_ext
-from elastic_ext.launch import sigterm
+from elastic_ext.worker import sigterm
 from elastic_ext.runtime import watchdog
 from elastic_ext import liveness
 case = sys.argv[1]
@@ -273,7 +273,7 @@ def _sigterm_child(case, *args, **env):
         script = os.path.join(work, "child.py")
         with open(script, "w") as handle:
             handle.write(_SIGTERM_CHILD)
-        return subprocess.run([sys.executable, "-m", "elastic_ext.launch.worker", script, case, *args], env=environ,
+        return subprocess.run([sys.executable, "-m", "elastic_ext.worker.entry", script, case, *args], env=environ,
                               capture_output=True, text=True, timeout=120)
 
 

@@ -13,6 +13,7 @@ import psutil
 import pytest
 from horovod.runner.common.util import safe_shell_exec
 
+from elastic_ext.control import horovod_seam
 from elastic_ext.launch import horovod_changes, worker_runs
 from tests.unit.horovod_restore import restore_horovod
 
@@ -104,7 +105,7 @@ def test_the_launchers_changes_replace_horovods_execute_and_record_its_original(
     try:
         horovod_changes.install_launcher(parts=("worker_runs",))
         assert safe_shell_exec.execute is worker_runs.execute
-        assert horovod_changes.REPLACED[(safe_shell_exec, "execute")] is original
+        assert horovod_seam.REPLACED[(safe_shell_exec, "execute")] is original
     finally:
         restore_horovod()
     assert safe_shell_exec.execute is original

@@ -273,7 +273,7 @@ print(json.dumps({"huge_kb": huge_kb, "copies": copies, "equal": equal, "rolled_
 
 def test_a_torch_tensor_in_huge_pages_moves_only_its_written_pages():
     """PyTorch allocates it in huge pages, as under the launcher's worker entry (THP_MEM_ALLOC_ENABLE=1,
-    elastic_ext.launch.torch_pages): the copies are exact and, where the kernel tracks writes, per 4 KiB page."""
+    elastic_ext.worker.torch_pages): the copies are exact and, where the kernel tracks writes, per 4 KiB page."""
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, THP_MEM_ALLOC_ENABLE="1", PYTHONPATH=repo)
     done = subprocess.run([sys.executable, "-c", HUGE_PAGES_CHILD, str(SIZE)], env=env, capture_output=True,

@@ -19,7 +19,7 @@ import torch
 import horovod.torch as hvd
 from horovod.torch import mpi_lib_v2
 
-from elastic_ext.launch.torch_wait import WAIT
+from elastic_ext.worker.torch_wait import WAIT
 from elastic_ext.runtime.activity import thread_cpu_s
 from elastic_ext.runtime.watchdog import main_thread_waits
 

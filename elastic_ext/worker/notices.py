@@ -5,11 +5,11 @@ ahead, GCP and Azure at least 30 s), and Slurm sends ``--signal`` before a
 time limit. SIGTERM comes at the last moment or not at all, so acting on the
 notice is what turns a lost machine into a resize without a rollback.
 
-Under ``elastic-horovodrun`` the workers' entry module (:mod:`elastic_ext.launch.worker`)
+Under ``elastic-horovodrun`` the workers' entry module (:mod:`elastic_ext.worker.entry`)
 calls :func:`install` before the script runs:
 
 - a :class:`Watcher` thread asks the cloud's documented metadata endpoint
-  (:mod:`elastic_ext.launch.metadata`); the cloud is detected from the
+  (:mod:`elastic_ext.worker.metadata`); the cloud is detected from the
   machine's DMI data (:func:`cloud_from_dmi`), or named by
   ``ELASTIC_EXT_NOTICE_ENDPOINT`` (:func:`elastic_ext.config.notice_endpoints`).
   Polls are aligned to the wall clock, so the workers of one host see a
@@ -39,10 +39,11 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from elastic_ext.config import ElasticConfig, elastic_horovodrun, notice_endpoints
 from elastic_ext.errors import ConfigError
-from elastic_ext.launch import store
-from elastic_ext.launch.metadata import CLIENTS, Notice
-from elastic_ext.launch.round_watch import store_url
-from elastic_ext.launch.sigterm import Relay
+from elastic_ext.control import store
+from elastic_ext.control.notice import NOTICE_SIGNAL, JobNotice, Notice, signal_notice
+from elastic_ext.worker.metadata import CLIENTS
+from elastic_ext.worker.round_watch import store_url
+from elastic_ext.worker.sigterm import Relay
 from elastic_ext.liveness import LIVENESS, Liveness
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,6 @@ _accepting: list = []  # (config, liveness) once install() ran: the driver's Job
 
 CAUSE = "preemption"
 NOTICE_SCOPE = store.NOTICE_SCOPE    # the driver's store: one key per host with a notice
-NOTICE_SIGNAL = signal.SIGUSR1
 RETRY_S = 30.0                       # after an endpoint failed: ask again this much later
 DMI_DIR = "/sys/class/dmi/id"
 HYPERVISOR_UUID = "/sys/hypervisor/uuid"
@@ -174,21 +174,6 @@ def report_host(environ: Optional[Mapping[str, str]] = None) -> bool:
     return status == 200
 
 
-class JobNotice:
-    """A notice the driver passes to every worker (Slurm's signal reached it): sent over Horovod's
-    authenticated notification service; the worker leaves at its next commit."""
-
-    def __init__(self, source: str, kind: str, detail: Optional[Dict[str, Any]] = None) -> None:
-        self.notice = Notice(source, kind, True, dict(detail or {}))
-
-
-def signal_notice(environ: Optional[Mapping[str, str]] = None) -> Notice:
-    """The notice :data:`NOTICE_SIGNAL` stands for: Slurm's ``--signal`` inside a Slurm job."""
-    env = os.environ if environ is None else environ
-    job = env.get("SLURM_JOB_ID")
-    return Notice("slurm" if job else "signal", "SIGUSR1", True, {"slurm_job_id": job} if job else {})
-
-
 def install(environ: Optional[Mapping[str, str]] = None, liveness: Optional[Liveness] = None,
             dmi_dir: str = DMI_DIR) -> List[Watcher]:
     """In a worker of ``elastic-horovodrun``, before its script: the watchers, the signal, the driver's notices.
@@ -221,12 +206,12 @@ def _install_signal(config: ElasticConfig, liveness: Liveness, environ: Mapping[
     notice = signal_notice(environ)
     relay = Relay(lambda: act(notice, config, liveness, environ), "elastic_ext-notice-signal")
     signal.signal(NOTICE_SIGNAL, lambda signum, frame: relay.ring())  # act() logs, sets an Event, starts a
-    # thread: in a handler that could deadlock the main thread (launch/sigterm.py), so the relay's thread acts
+    # thread: in a handler that could deadlock the main thread (worker/sigterm.py), so the relay's thread acts
 
 
 def _accept_job_notices(config: ElasticConfig, liveness: Liveness) -> None:
     """Lets this worker's Horovod notification service take a :class:`JobNotice` from the driver
-    (:func:`job_notice_handler`, installed by :func:`elastic_ext.launch.horovod_changes.install_worker`)."""
+    (:func:`job_notice_handler`, installed by :func:`elastic_ext.worker.horovod_changes.install_worker`)."""
     _accepting[:] = [(config, liveness)]
 
 
@@ -245,5 +230,5 @@ def job_notice_handler(original: Callable[..., Any]) -> Callable[..., Any]:
     return handle
 
 
-__all__ = ["CAUSE", "NOTICE_SCOPE", "NOTICE_SIGNAL", "Watcher", "JobNotice", "act", "clients", "cloud_from_dmi",
-           "install", "job_notice_handler", "report_host", "signal_notice"]
+__all__ = ["CAUSE", "NOTICE_SCOPE", "Watcher", "act", "clients", "cloud_from_dmi", "install", "job_notice_handler",
+           "report_host"]

@@ -13,7 +13,7 @@ threads wait for: the wait makes itself longer.
 
 Under the launcher's worker entry each ``hvd.init()`` replaces that wait,
 once the extension is loaded, with :func:`waiting`
-(:func:`elastic_ext.launch.horovod_changes.install_worker`): it polls
+(:func:`elastic_ext.worker.horovod_changes.install_worker`): it polls
 the handle and sleeps between polls, 20 µs at first and doubling up to
 :data:`MAX_PAUSE_S`, then lets Horovod's own wait release the handle (and
 raise the collective's error, as before). A collective that is already done

@@ -16,19 +16,19 @@ added, :mod:`elastic_ext.launch.driver`):
    HTTP request ``hvd.init()`` sends, and goes on training on the current
    Horovod context. In a round the driver formed without a failed slot,
    every rank does so right after its sync instead
-   (:func:`elastic_ext.launch.round_watch.capacity_left_out`, the same
+   (:func:`elastic_ext.worker.round_watch.capacity_left_out`, the same
    answer on every rank), so the slot's new worker does not wait for a
    commit. Once every rank has asked, the driver starts the newcomers.
 2. Horovod starts a newcomer with its rank in the environment; its first
    ``hvd.init()`` would go straight to Gloo's rendezvous, which the
    survivors, still training, would not join, and its script would build
    its model only after that. So the launcher's entry module wraps
-   ``hvd.init()`` before the script runs (:func:`elastic_ext.launch.newcomer.init`,
+   ``hvd.init()`` before the script runs (:func:`elastic_ext.worker.newcomer.init`,
    :mod:`elastic_ext.launch.horovod_changes`): when the survivors' marker is in the
    rendezvous server's key-value store, a newcomer starts Horovod as a world
-   of one (:func:`~elastic_ext.launch.newcomer.start_solo`; ``hvd.rank()``, ``hvd.size()`` and
+   of one (:func:`~elastic_ext.worker.newcomer.start_solo`; ``hvd.rank()``, ``hvd.size()`` and
    ``hvd.local_rank()`` still answer what it was launched with) and builds
-   its model. At ``@elastic_ext.run`` (:func:`~elastic_ext.launch.newcomer.join`) it writes its rank
+   its model. At ``@elastic_ext.run`` (:func:`~elastic_ext.worker.newcomer.join`) it writes its rank
    under :data:`SCOPE` (it is ready) and re-initialises Horovod: Horovod's
    reset asks for its rank in the round the survivors' reset joins, so
    newcomers and survivors form the world of one driver round, whatever
@@ -54,12 +54,13 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Optional, Tuple
 
-from elastic_ext.launch import round_watch, store
-from elastic_ext.launch.round_watch import store_url
+from elastic_ext.control import store
+from elastic_ext.worker import round_watch
+from elastic_ext.worker.round_watch import store_url
 
 logger = logging.getLogger(__name__)
 
-# The keys of an early start (elastic_ext.launch.store names each, its writer and its readers).
+# The keys of an early start (elastic_ext.control.store names each, its writer and its readers).
 SCOPE = store.READY_SCOPE            # the store's scope of the announcements; the key is the rank
 MARKER = store.MARKER                # a key of SCOPE: the survivors started the newcomers early
 ASKED = store.ASKED                  # a key of SCOPE, put before the rank requests: the driver starts newcomers
@@ -69,7 +70,7 @@ REQUEST_TIMEOUT_S = store.REQUEST_TIMEOUT_S
 
 
 def put(url: str, value: bytes = store.PRESENT) -> None:
-    """Writes a key of the store, with the job's secret (:func:`elastic_ext.launch.store.put`)."""
+    """Writes a key of the store, with the job's secret (:func:`elastic_ext.control.store.put`)."""
     store.put(url, value, REQUEST_TIMEOUT_S)
 
 

@@ -3,11 +3,11 @@
 :func:`init` runs around Horovod's ``hvd.init()``, :func:`query` around its
 rank and size queries (:mod:`elastic_ext.launch.horovod_changes` wraps
 them). At this process's first ``init()``, when the survivors' marker is
-in the rendezvous server's store (:mod:`elastic_ext.launch.prestart`), the
+in the rendezvous server's store (:mod:`elastic_ext.worker.prestart`), the
 newcomer starts Horovod as a world of one (:func:`start_solo`) and builds
 its model; at ``@elastic_ext.run`` it announces itself and joins the
 survivors' next round (:func:`join`). A worker its keeper restarted starts
-solo the same way (:mod:`elastic_ext.launch.keeper`).
+solo the same way (:mod:`elastic_ext.worker.keeper`).
 
 Until it announces itself, a newcomer of an early start reads its slot's
 dismissal in the store (:func:`watch_dismissal`): when a member of its
@@ -26,10 +26,10 @@ from typing import Any, Callable, Dict, Mapping, MutableMapping, Optional
 
 from elastic_ext.config import ENV_HOROVOD_RENDEZVOUS_ADDR, ENV_HOROVOD_RENDEZVOUS_PORT
 from elastic_ext.exit_codes import DISMISSED
-from elastic_ext.launch import keeper, round_watch
-from elastic_ext.launch import prestart
-from elastic_ext.launch.prestart import MARKER, SCOPE
-from elastic_ext.launch.round_watch import store_url
+from elastic_ext.worker import keeper, round_watch
+from elastic_ext.worker import prestart
+from elastic_ext.worker.prestart import MARKER, SCOPE
+from elastic_ext.worker.round_watch import store_url
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def start_solo(init: Callable[[], Any], environ: Optional[MutableMapping[str, st
 def watch_dismissal(environ: Optional[Mapping[str, str]] = None) -> bool:
     """In a newcomer of an early start: exits when the driver dismisses its slot, until :func:`stop_watching`.
 
-    Reads the slot's :func:`~elastic_ext.launch.round_watch.dismissed_key`
+    Reads the slot's :func:`~elastic_ext.worker.round_watch.dismissed_key`
     every :data:`DISMISSAL_POLL_S` from a thread. Only where the survivors'
     early-start marker is in the store (elsewhere the driver dismisses
     nobody). Returns True if watching.

@@ -5,7 +5,7 @@ keeps training to its next commit, where every rank learns of it through
 the commit's collective; the job then resizes without a rollback and the
 leaver exits with :data:`~elastic_ext.exit_codes.LEAVE`.
 
-The handlers of this module and of :mod:`elastic_ext.launch.notices` do no
+The handlers of this module and of :mod:`elastic_ext.worker.notices` do no
 more than a C signal handler could (a :class:`Relay`): Python runs a handler
 between two bytecodes of the main thread, which may hold ``threading``'s
 locks just then (inside ``Thread.start``, an ``Event``'s condition), so a

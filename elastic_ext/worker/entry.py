@@ -1,35 +1,35 @@
-"""``python -m elastic_ext.launch.worker SCRIPT ARGS`` (or ``-m MODULE ARGS``): a worker's entry under the launcher.
+"""``python -m elastic_ext.worker.entry SCRIPT ARGS`` (or ``-m MODULE ARGS``): a worker's entry under the launcher.
 
 ``elastic-horovodrun`` starts each worker's Python through this module. It
 does, in the worker and before the user's code runs, what an elastic worker
 needs at that moment and what ``import elastic_ext`` therefore never does,
 after one check that the installed Horovod is the one these steps change
-(:mod:`elastic_ext.launch.horovod_seam`; the worker stops with one message
+(:mod:`elastic_ext.control.horovod_seam`; the worker stops with one message
 naming each difference otherwise):
 
 0. the job's secret, on stdin from the launcher's driver
-   (:mod:`elastic_ext.launch.store`): the driver takes this worker's
+   (:mod:`elastic_ext.control.store`): the driver takes this worker's
    early-start and notice writes only with it;
-1. restart in place (:mod:`elastic_ext.launch.keeper`): this process becomes
+1. restart in place (:mod:`elastic_ext.worker.keeper`): this process becomes
    the keeper and forks the one that runs the script, when the job restarts
    workers in place;
 2. Horovod's changes in a worker (:mod:`elastic_ext.launch.horovod_changes`):
    one wrapper of ``hvd.init()`` runs the newcomer's side of an early start
-   (:mod:`elastic_ext.launch.newcomer`: a newcomer the survivors started
+   (:mod:`elastic_ext.worker.newcomer`: a newcomer the survivors started
    early builds its model in a world of one, its rank queries answered
    with its launched slot) and then makes Horovod's PyTorch binding wait
    for its collectives without spinning on a core
-   (:mod:`elastic_ext.launch.torch_wait`); until a newcomer announces itself
+   (:mod:`elastic_ext.worker.torch_wait`); until a newcomer announces itself
    it exits when the driver dismisses it (a member of its round failed
    meanwhile);
-3. Gloo's timeout for the first ``hvd.init()`` (:mod:`elastic_ext.launch.gloo_timeout`),
+3. Gloo's timeout for the first ``hvd.init()`` (:mod:`elastic_ext.worker.gloo_timeout`),
    the same as the survivors' resets wait;
-4. SIGTERM means "leave at the first commit" (:mod:`elastic_ext.launch.sigterm`),
+4. SIGTERM means "leave at the first commit" (:mod:`elastic_ext.worker.sigterm`),
    also while the script builds its model and the job re-forms;
 5. a preemption notice (the cloud's metadata endpoint, Slurm's signal) means
-   the same (:mod:`elastic_ext.launch.notices`);
+   the same (:mod:`elastic_ext.worker.notices`);
 6. PyTorch's allocator puts large tensors in huge pages, so that a killed
-   worker's links close sooner (:mod:`elastic_ext.launch.torch_pages`).
+   worker's links close sooner (:mod:`elastic_ext.worker.torch_pages`).
 
 Then it runs the script as ``__main__`` in this interpreter, with
 ``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT ARGS`` would set them.
@@ -44,13 +44,13 @@ import runpy
 import sys
 from typing import List, Optional
 
-USAGE = "usage: python -m elastic_ext.launch.worker (SCRIPT | -m MODULE) [ARGS...]"
+USAGE = "usage: python -m elastic_ext.worker.entry (SCRIPT | -m MODULE) [ARGS...]"
 
 
 def receive_secret() -> bool:
     """Step 0: the job's secret, which the launcher's driver writes on this worker's stdin (elastic jobs only)."""
     from elastic_ext.config import elastic_horovodrun, launched
-    from elastic_ext.launch import store
+    from elastic_ext.control import store
 
     stdin = getattr(sys.stdin, "buffer", None)
     if not elastic_horovodrun() or stdin is None or sys.stdin.isatty():
@@ -60,10 +60,10 @@ def receive_secret() -> bool:
 
 def check_horovod() -> None:
     """Before step 0: stops this worker (exit status 1, one message naming each difference) when the installed
-    Horovod is not the one the steps change (:func:`elastic_ext.launch.horovod_seam.check_worker`)."""
+    Horovod is not the one the steps change (:func:`elastic_ext.control.horovod_seam.check_worker`)."""
     from elastic_ext.config import elastic_horovodrun
     from elastic_ext.errors import ConfigError
-    from elastic_ext.launch import horovod_seam
+    from elastic_ext.control import horovod_seam
 
     try:
         horovod_seam.check_worker(elastic=elastic_horovodrun())
@@ -73,7 +73,8 @@ def check_horovod() -> None:
 
 def prepare() -> None:
     """Steps 0 to 6 of the module docstring, in that order (the keeper forks before anything else runs)."""
-    from elastic_ext.launch import gloo_timeout, horovod_changes, keeper, newcomer, notices, sigterm, torch_pages
+    from elastic_ext.worker import horovod_changes
+    from elastic_ext.worker import gloo_timeout, keeper, newcomer, notices, sigterm, torch_pages
 
     receive_secret()
     keeper.install()

@@ -9,7 +9,7 @@ adds a failure to the round (``bench.soak`` lost jobs that way).
 ``python -m elastic_ext.launch.horovodrun`` publishes in its rendezvous server's
 store the current round's number and a key per round in which a member
 failed (:data:`SCOPE`). While a worker whose keeper can restart it
-(:mod:`elastic_ext.launch.keeper`) is inside ``hvd.init()``, a thread of
+(:mod:`elastic_ext.worker.keeper`) is inside ``hvd.init()``, a thread of
 :func:`watch` reads that key for the worker's round and, once it is there,
 aborts the process: the keeper restarts it and it asks for a rank in the
 next round at once. Under plain ``horovodrun`` the keys never appear and
@@ -31,9 +31,9 @@ from typing import Callable, Mapping, Optional
 
 from elastic_ext.config import elastic_horovodrun, horovod_rendezvous
 from elastic_ext.errors import ConfigError
-from elastic_ext.launch import store
-# The round keys (elastic_ext.launch.store names every key of the store, its writer and its readers).
-from elastic_ext.launch.store import (ASSIGNED, CAPACITY_LEFT_OUT, CURRENT, dismissed_key,  # noqa: F401
+from elastic_ext.control import store
+# The round keys (elastic_ext.control.store names every key of the store, its writer and its readers).
+from elastic_ext.control.store import (ASSIGNED, CAPACITY_LEFT_OUT, CURRENT, dismissed_key,  # noqa: F401
                                       failed_key)
 
 SCOPE = store.ROUND_SCOPE  # in the rendezvous server's store; cleared by Horovod at every new round
@@ -43,7 +43,7 @@ REQUEST_TIMEOUT_S = 2.0
 
 def get(url: str, timeout_s: Optional[float] = REQUEST_TIMEOUT_S) -> Optional[bytes]:
     """A value of the rendezvous server's store, or None when the key is not there (404) or is malformed
-    (:func:`elastic_ext.launch.store.get`, which every reader of the store goes through)."""
+    (:func:`elastic_ext.control.store.get`, which every reader of the store goes through)."""
     return store.get(url, timeout_s)
 
 

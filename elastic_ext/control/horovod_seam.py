@@ -2,7 +2,7 @@
 
 The launcher (:mod:`elastic_ext.launch.horovodrun`) replaces methods of
 Horovod 0.28.1's elastic driver, rendezvous server and discovery, and reads
-their private fields; the worker entry (:mod:`elastic_ext.launch.worker`)
+their private fields; the worker entry (:mod:`elastic_ext.worker.entry`)
 wraps ``HorovodBasics`` and Horovod's notification service. A Horovod of
 another version, a build from master or a fork may have moved any of them,
 which would change the launcher's behaviour silently, or break it in the
@@ -21,7 +21,7 @@ module or class attribute the project reads or calls) or
 ``"instance"`` (a field Horovod's class sets on its instances, ``self.NAME``
 in the source of the class or a base; or a method of the class a Horovod
 function builds, ``def NAME(`` in its source). The PyTorch extension's wait
-(:mod:`elastic_ext.launch.torch_wait`) is left out: it is looked for once
+(:mod:`elastic_ext.worker.torch_wait`) is left out: it is looked for once
 the extension is loaded and left alone when it is missing.
 """
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from elastic_ext.errors import ConfigError
 
@@ -38,9 +38,20 @@ EXPECTED_VERSION = "0.28.1"
 
 Row = Tuple[str, str, str]
 
-#: One change made by :mod:`elastic_ext.launch.horovod_changes`: ``(owner, name, value)``, ``owner`` a
-#: Horovod class, module or object.
+#: One change made by :func:`make`: ``(owner, name, value)``, ``owner`` a Horovod class, module or object.
 Change = Tuple[Any, str, Any]
+
+#: Every change made in this process: ``(owner, name) -> Horovod's original``.
+REPLACED: Dict[Tuple[Any, str], Any] = {}
+
+
+def make(changes: Iterable[Change]) -> None:
+    """Makes ``changes``, recording each original in :data:`REPLACED` (the first one: a name changed twice
+    keeps Horovod's). Called only by the two halves of the seam, :mod:`elastic_ext.launch.horovod_changes`
+    and :mod:`elastic_ext.worker.horovod_changes`."""
+    for owner, name, value in changes:
+        REPLACED.setdefault((owner, name), getattr(owner, name))
+        setattr(owner, name, value)
 
 _DRIVER = "horovod.runner.elastic.driver"
 _REGISTRY = "horovod.runner.elastic.registration"
@@ -218,5 +229,5 @@ def check_worker(elastic: bool) -> None:
     _check((*WORKER, *WORKER_ELASTIC) if elastic else WORKER)
 
 
-__all__ = ["EXPECTED_VERSION", "LAUNCHER", "TUNING_FIX", "WORKER", "WORKER_ELASTIC", "build_patches",
+__all__ = ["REPLACED", "Change", "make", "EXPECTED_VERSION", "LAUNCHER", "TUNING_FIX", "WORKER", "WORKER_ELASTIC", "build_patches",
            "check_launcher", "check_worker", "differences", "missing"]

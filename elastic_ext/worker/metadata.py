@@ -37,12 +37,11 @@ checks the documented shape of what it uses, raising :class:`MetadataError`
 otherwise.
 
 The base URL of each is the documented link-local address unless
-``ELASTIC_EXT_NOTICE_ENDPOINT`` gives another (see :mod:`elastic_ext.launch.notices`).
+``ELASTIC_EXT_NOTICE_ENDPOINT`` gives another (see :mod:`elastic_ext.worker.notices`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import http.client
 import json
 import logging
@@ -53,25 +52,13 @@ import time
 import urllib.parse
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from elastic_ext.control.notice import Notice
+
 logger = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 2.0      # for a whole request: connect, headers and body
 MAX_BODY_BYTES = 64 << 10    # every documented answer is a few hundred bytes
 TOKEN_TEXT = re.compile(r"^[A-Za-z0-9+/=_.-]{1,1024}$")  # an IMDSv2 token: what may go back in a header
-
-
-@dataclasses.dataclass(frozen=True)
-class Notice:
-    """What an endpoint (or Slurm's signal) announced: ``leave`` says whether this host goes away."""
-
-    source: str                 # "aws", "gcp", "azure" or "slurm"
-    kind: str                   # what announced it: "instance-action", "rebalance", "preempted", "Preempt", ...
-    leave: bool                 # True: the host is taken away; False: advisory, only reported
-    detail: Dict[str, Any] = dataclasses.field(default_factory=dict)  # the endpoint's answer, as documented
-
-    def fields(self) -> Dict[str, Any]:
-        """The notice as event fields."""
-        return {"source": self.source, "kind": self.kind, "detail": self.detail}
 
 
 class MetadataError(Exception):
@@ -295,4 +282,4 @@ def _json(body: bytes, path: str) -> Dict[str, Any]:
     return value
 
 
-__all__ = ["MAX_BODY_BYTES", "Notice", "MetadataError", "AwsImds", "GcpMetadata", "AzureScheduledEvents", "CLIENTS", "request"]
+__all__ = ["MAX_BODY_BYTES", "MetadataError", "AwsImds", "GcpMetadata", "AzureScheduledEvents", "CLIENTS", "request"]

@@ -11,14 +11,14 @@ deaths.
 
 When the job has a checkpoint directory, ``elastic-horovodrun`` sets
 ``ELASTIC_EXT_RESTART_IN_PLACE=1`` for its workers, and the
-launcher's entry module (:mod:`elastic_ext.launch.worker`) forks before the
+launcher's entry module (:mod:`elastic_ext.worker.entry`) forks before the
 script runs (Linux). The parent, the process
 Horovod's driver started and watches, only waits (the *keeper*); the child
 runs the script. When the child dies of SIGABRT while inside ``hvd.init()``,
 the keeper forks a new child at the same point of the script. It starts
 Horovod as a world of one, builds its model, and at ``@elastic_ext.run``
 re-initialises, which asks the driver for a rank in its next round as a
-reset does (:mod:`elastic_ext.launch.prestart` does both). The driver never sees
+reset does (:mod:`elastic_ext.worker.prestart` does both). The driver never sees
 the worker exit: the round is recorded with the dead member as the only
 failure, its host is blacklisted, and the job goes on.
 
@@ -35,7 +35,7 @@ would abort again in its next ``hvd.init()``. Nor is one after
 completing (under plain ``horovodrun``, the only limit).
 
 A restart after the child ended its wait because its round lost a member
-(:mod:`elastic_ext.launch.round_watch`), in a later round than the previous such
+(:mod:`elastic_ext.worker.round_watch`), in a later round than the previous such
 restart, does not count toward that limit: another worker's exit, which
 the driver saw and accounts for, ended the round, and the driver has
 moved on. Otherwise three newcomers killed one after the other while they
@@ -63,7 +63,7 @@ import signal
 import sys
 from typing import Any, Mapping, MutableMapping, Optional
 
-from elastic_ext.launch import round_watch
+from elastic_ext.worker import round_watch
 from elastic_ext.config import ENV_RESTARTED_IN_PLACE, elastic_horovodrun, restart_in_place
 
 MAX_RESTARTS_WITHOUT_JOINING = 2
@@ -110,7 +110,7 @@ def lost_round(round_id: int) -> None:
     """Ends this worker's wait in ``hvd.init()``: a member of its round ``round_id`` died.
 
     Tells the keeper which round, then aborts (the ``on_lost`` of
-    :func:`elastic_ext.launch.round_watch.watch` for a worker that has a keeper).
+    :func:`elastic_ext.worker.round_watch.watch` for a worker that has a keeper).
     """
     if _shared is not None:
         _shared[LOST] = (round_id + 1).to_bytes(8, "little")
