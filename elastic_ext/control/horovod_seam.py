@@ -1,9 +1,13 @@
-"""The one check of the Horovod that elastic_ext reshapes: its version, and every attribute replaced or read.
+"""The one check of the Horovod that elastic_ext reshapes (its version, every attribute replaced or read), and
+the record of every change made.
 
-The launcher (:mod:`elastic_ext.launch.horovodrun`) replaces methods of
-Horovod 0.28.1's elastic driver, rendezvous server and discovery, and reads
-their private fields; the worker entry (:mod:`elastic_ext.worker.entry`)
-wraps ``HorovodBasics`` and Horovod's notification service. A Horovod of
+The launcher (:mod:`elastic_ext.launch.horovodrun`) overrides methods of
+Horovod 0.28.1's elastic driver, registry, discovery and worker client in
+its subclasses, replaces a few attributes of its rendezvous server and
+command line, and reads their private fields; the worker entry
+(:mod:`elastic_ext.worker.entry`) wraps ``HorovodBasics`` and Horovod's
+notification service. Both halves of the seam make their changes through
+:func:`make`, which records each original in :data:`REPLACED`. A Horovod of
 another version, a build from master or a fork may have moved any of them,
 which would change the launcher's behaviour silently, or break it in the
 middle of a job. :func:`check_launcher` and :func:`check_worker` look once,

@@ -13,7 +13,7 @@ naming each difference otherwise):
 1. restart in place (:mod:`elastic_ext.worker.keeper`): this process becomes
    the keeper and forks the one that runs the script, when the job restarts
    workers in place;
-2. Horovod's changes in a worker (:mod:`elastic_ext.launch.horovod_changes`):
+2. Horovod's changes in a worker (:mod:`elastic_ext.worker.horovod_changes`):
    one wrapper of ``hvd.init()`` runs the newcomer's side of an early start
    (:mod:`elastic_ext.worker.newcomer`: a newcomer the survivors started
    early builds its model in a world of one, its rank queries answered

@@ -1,7 +1,7 @@
 """The newcomer's side of an early start: a world of one until ``@elastic_ext.run``, then the real one.
 
 :func:`init` runs around Horovod's ``hvd.init()``, :func:`query` around its
-rank and size queries (:mod:`elastic_ext.launch.horovod_changes` wraps
+rank and size queries (:mod:`elastic_ext.worker.horovod_changes` wraps
 them). At this process's first ``init()``, when the survivors' marker is
 in the rendezvous server's store (:mod:`elastic_ext.worker.prestart`), the
 newcomer starts Horovod as a world of one (:func:`start_solo`) and builds
@@ -176,7 +176,7 @@ def init(horovod_init: Callable[[], Any], local_rank: Callable[[], int], hold_ra
     waiting for a peer that died (the keeper's round watch). The keeper
     learns the init's end (``local_rank``: the local rank Horovod gave;
     ``hold_ranks``: see :func:`start_solo`).
-    :mod:`elastic_ext.launch.horovod_changes` wraps Horovod's ``init`` with it.
+    :mod:`elastic_ext.worker.horovod_changes` wraps Horovod's ``init`` with it.
     """
     global _first_init_done
     reset = _first_init_done

@@ -24,7 +24,7 @@ added, :mod:`elastic_ext.launch.driver`):
    survivors, still training, would not join, and its script would build
    its model only after that. So the launcher's entry module wraps
    ``hvd.init()`` before the script runs (:func:`elastic_ext.worker.newcomer.init`,
-   :mod:`elastic_ext.launch.horovod_changes`): when the survivors' marker is in the
+   :mod:`elastic_ext.worker.horovod_changes`): when the survivors' marker is in the
    rendezvous server's key-value store, a newcomer starts Horovod as a world
    of one (:func:`~elastic_ext.worker.newcomer.start_solo`; ``hvd.rank()``, ``hvd.size()`` and
    ``hvd.local_rank()`` still answer what it was launched with) and builds
