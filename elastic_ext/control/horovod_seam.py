@@ -19,8 +19,9 @@ process) and :data:`WORKER` (a worker, before its script; under an elastic
 ``horovodrun`` also :data:`WORKER_ELASTIC`). Each row is ``(module,
 attribute, how)``, ``how`` being ``"replaced"`` (the project sets it on
 Horovod's class or module), ``"bound"`` (a module name through which
-Horovod builds an object, set to the project's subclass), ``"overridden"`` (a method or class a subclass
-of the project's overrides or extends, calling Horovod's), ``"read"`` (a
+Horovod builds an object, set to the project's subclass), ``"overridden"``
+(a method or class a subclass of the project's overrides or extends,
+calling Horovod's), ``"read"`` (a
 module or class attribute the project reads or calls) or
 ``"instance"`` (a field Horovod's class sets on its instances, ``self.NAME``
 in the source of the class or a base; or a method of the class a Horovod
@@ -56,6 +57,7 @@ def make(changes: Iterable[Change]) -> None:
     for owner, name, value in changes:
         REPLACED.setdefault((owner, name), getattr(owner, name))
         setattr(owner, name, value)
+
 
 _DRIVER = "horovod.runner.elastic.driver"
 _REGISTRY = "horovod.runner.elastic.registration"
@@ -233,5 +235,5 @@ def check_worker(elastic: bool) -> None:
     _check((*WORKER, *WORKER_ELASTIC) if elastic else WORKER)
 
 
-__all__ = ["REPLACED", "Change", "make", "EXPECTED_VERSION", "LAUNCHER", "TUNING_FIX", "WORKER", "WORKER_ELASTIC", "build_patches",
-           "check_launcher", "check_worker", "differences", "missing"]
+__all__ = ["REPLACED", "Change", "make", "EXPECTED_VERSION", "LAUNCHER", "TUNING_FIX", "WORKER", "WORKER_ELASTIC",
+           "build_patches", "check_launcher", "check_worker", "differences", "missing"]

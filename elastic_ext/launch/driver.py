@@ -106,7 +106,7 @@ def driver_class() -> type:
     """Horovod's ``ElasticDriver`` with the changes of the module docstring, as one subclass.
 
     ``elastic-horovodrun`` binds it where Horovod builds its driver
-    (:func:`elastic_ext.control.horovod_seam.install_launcher`); a test
+    (:func:`elastic_ext.launch.horovod_changes.install_launcher`); a test
     builds it or Horovod's own side by side. The changes live by what they
     change: :mod:`~elastic_ext.launch.driver_registry` (a round's recording,
     in a subclass of Horovod's ``WorkerStateRegistry`` that the driver

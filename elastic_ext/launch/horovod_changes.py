@@ -41,15 +41,16 @@ LAUNCHER_PARTS: Tuple[str, ...] = ("store_guard", "store_serving", "noticed_host
 
 def _launcher_changes(part: str, resolver: Optional[Callable[[str], FrozenSet[str]]],
                       host_keys: Optional[str]) -> List[Change]:
-    from elastic_ext.launch import build_check, command_line, driver, noticed_hosts, ssh_keepalive, store_guard, store_serving, worker_runs
+    from horovod.runner import gloo_run
 
-    if part == "driver":
-        from horovod.runner import gloo_run
-        return [(gloo_run, "ElasticDriver", driver.driver_class())]
+    from elastic_ext.launch import (build_check, command_line, driver, noticed_hosts, ssh_keepalive, store_guard,
+                                    store_serving, worker_runs)
+
     made: Mapping[str, Callable[[], List[Change]]] = {
         "store_guard": lambda: store_guard.changes(resolver),
         "store_serving": store_serving.changes,
         "noticed_hosts": noticed_hosts.changes,
+        "driver": lambda: [(gloo_run, "ElasticDriver", driver.driver_class())],  # where Horovod builds its driver
         "worker_runs": worker_runs.changes,
         "ssh_keepalive": lambda: ssh_keepalive.changes(host_keys),
         "build_check": build_check.changes,
@@ -58,7 +59,8 @@ def _launcher_changes(part: str, resolver: Optional[Callable[[str], FrozenSet[st
     return made[part]()
 
 
-def install_launcher(parts: Sequence[str] = LAUNCHER_PARTS, resolver: Optional[Callable[[str], FrozenSet[str]]] = None,
+def install_launcher(parts: Sequence[str] = LAUNCHER_PARTS,
+                     resolver: Optional[Callable[[str], FrozenSet[str]]] = None,
                      host_keys: Optional[str] = None) -> None:
     """Makes the launcher's changes in this (the driver's) process, in the order of :data:`LAUNCHER_PARTS`;
     a part already installed is left as it is.

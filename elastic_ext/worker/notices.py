@@ -35,7 +35,7 @@ import signal
 import threading
 import time
 import urllib.parse
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, List, Mapping, Optional
 
 from elastic_ext.config import ElasticConfig, elastic_horovodrun, notice_endpoints
 from elastic_ext.errors import ConfigError

@@ -30,7 +30,7 @@ compute, 3.36 against 4.16 ms.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Callable
 
 FIRST_PAUSE_S = 20e-6
 MAX_PAUSE_S = 5e-4
