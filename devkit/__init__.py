@@ -14,6 +14,9 @@ it is imported from a checkout (the repository root on ``sys.path``:
 - :mod:`~devkit.ledger`: the sample ledger that proves exactly-once.
 - :mod:`~devkit.metadata_server` and :mod:`~devkit.notice_job`: a fake cloud
   metadata server and the preemption-notice jobs run against it.
+- :mod:`~devkit.watched`: an example run as its users run it, with the
+  faults, the sample ledger and the pacing put on from outside its code
+  (``python -m devkit.watched ... -- SCRIPT ARGS``).
 
 The public test helpers a user may want for their own code (a one-rank
 binding, ranks as threads) stay in :mod:`elastic_ext.testing`.

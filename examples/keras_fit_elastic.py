@@ -23,17 +23,11 @@ or a resize restarts ``fit`` at the committed epoch and batch. If a worker
 dies, the others roll back to the last commit and go on without it; the
 samples of the lost steps are trained on again, exactly once. When hosts are
 added, the job grows at the next commit, without a rollback.
-
-The ``instrument`` (and its ``Instrumented`` callback) is the demo's and the
-tests' hook (fault injection, sample ledger), off unless its flags are given:
-your own script leaves it out.
 """
 
 import argparse
 import logging
 import os
-
-from elastic_ext.testing import Instrument
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--keras", choices=["2", "3"], default="3", help="2: tf_keras, 3: Keras 3")
@@ -41,7 +35,6 @@ parser.add_argument("--epochs", type=int, default=6)
 parser.add_argument("--global-batch", type=int, default=64, help="kept constant whatever the world size")
 parser.add_argument("--lr", type=float, default=0.01)
 parser.add_argument("--commit-every", type=int, default=5, help="batches between commits")
-Instrument.add_arguments(parser)  # --ledger, --faults, --step-sleep-s, --slow-below: the demo's and the tests' hooks
 args = parser.parse_args()
 
 # tf.keras resolves to tf_keras only if this is set before TensorFlow is imported.
@@ -99,24 +92,7 @@ class Report(keras.callbacks.Callback):
                   f"workers {hvd.size()}  step {state.step}", flush=True)
 
 
-instrument = Instrument.from_args(args, hvd.rank, hvd.size)  # does nothing without its flags
-
-
-class Instrumented(keras.callbacks.Callback):
-    """The instrument's hooks in ``fit``: a due fault fires as a batch begins; the demo's slow-down."""
-
-    def on_train_batch_begin(self, batch, logs=None):
-        instrument.before_step(state)
-
-    def on_train_batch_end(self, batch, logs=None):
-        instrument.pause()
-
-
-def record(step):
-    instrument.record(state, step.epoch, step.cursor, step.indices, step.pad)
-
-
-elastic = etf.ElasticCallback(state, load, commit_every=args.commit_every, on_step=record)
+elastic = etf.ElasticCallback(state, load, commit_every=args.commit_every)
 
 
 def on_reset():
@@ -129,8 +105,7 @@ state.register_reset_callbacks([on_reset])
 
 @elastic_ext.run
 def train(state):
-    instrument.started(state, sampler)
-    return elastic.fit(model, epochs=args.epochs, callbacks=[Instrumented(), Report()], verbose=0)
+    return elastic.fit(model, epochs=args.epochs, callbacks=[Report()], verbose=0)
 
 
 train(state)
@@ -138,4 +113,3 @@ if hvd.rank() == 0:
     _, accuracy = model.evaluate(test_x, test_y, verbose=0)
     print(f"done: test accuracy {accuracy:.3f} after {state.step} steps on {hvd.size()} workers "
           f"(Keras {keras.__version__})", flush=True)
-instrument.finished(state)

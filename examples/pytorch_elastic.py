@@ -9,9 +9,9 @@ the host file every second, so editing it grows or shrinks the job)::
         python examples/pytorch_elastic.py --epochs 6
 
 On a Slurm allocation use ``--host-discovery-script host_discovery/slurm.py``.
-``examples/run_demo.py`` runs this with a scheduled failure and a scale-up;
-the ``instrument`` lines are its hooks (fault injection, sample ledger), off
-unless their flags are given: your own script leaves them out.
+``examples/run_demo.py`` runs this with a scheduled failure and a scale-up,
+watched from outside the script (``devkit/watched.py``: the fault, the
+sample ledger); nothing here is there for the demo.
 
 What happens on failures: every ``--commit-every`` steps the state (model,
 optimizer, sampler position, epoch, step) is committed to host memory. If a
@@ -32,7 +32,6 @@ from digits import load_digits
 
 import horovod.torch as hvd
 
-from elastic_ext.testing import Instrument
 from elastic_ext.torch import ElasticSampler
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -40,7 +39,6 @@ parser.add_argument("--epochs", type=int, default=6)
 parser.add_argument("--global-batch", type=int, default=64, help="kept constant whatever the world size")
 parser.add_argument("--lr", type=float, default=0.01)
 parser.add_argument("--commit-every", type=int, default=5, help="steps between commits")
-Instrument.add_arguments(parser)  # --ledger, --faults, --step-sleep-s, --slow-below: the demo's and the tests' hooks
 args = parser.parse_args()
 
 logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
@@ -68,7 +66,6 @@ model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.L
 optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 sampler = ElasticSampler(len(train_y), global_batch_size=args.global_batch, seed=1, policy="pad")
 state = elastic_ext.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0)
-instrument = Instrument.from_args(args, hvd.rank, hvd.size)  # does nothing without its flags
 
 
 def on_reset():
@@ -89,12 +86,10 @@ def train(state):
     if last is not None and last["event"] == "recovered":
         say(f"[elastic] recovered from {last['cause']} in {last['recovery_s']:.1f}s, "
             f"{last['steps_rolled_back']} steps rolled back, resuming at step {state.step}")
-    instrument.started(state, sampler)
     while state.epoch < args.epochs:
         sampler.set_epoch(state.epoch)
         losses = []
         for indices, pad in sampler.batches():
-            instrument.step(state, sampler, indices, pad)
             index = torch.from_numpy(indices.astype(np.int64))
             per_sample = torch.nn.functional.cross_entropy(model(train_x[index]), train_y[index], reduction="none")
             # Sum over real samples / global batch, summed over ranks = the mean
@@ -121,4 +116,3 @@ def train(state):
 
 accuracy = train(state)
 say(f"done: test accuracy {accuracy:.3f} after {state.step} steps on {hvd.size()} workers")
-instrument.finished(state)

@@ -1,7 +1,8 @@
 """The main job: elastic PyTorch training on localhost that survives a failure.
 
 Runs examples/pytorch_elastic.py under ``elastic-horovodrun`` (the
-project's launcher: real ``horovodrun`` with elastic_ext's driver) with two
+project's launcher: real ``horovodrun`` with elastic_ext's driver), watched
+from outside the script (``devkit/watched.py``), with two
 pseudo-hosts (localhost and 127.0.0.1, two workers each), SIGKILLs one worker
 mid-training, adds a third pseudo-host (this machine's hostname) once the job
 has recovered (steps are slower until the job has all 6 workers, so that it
@@ -76,11 +77,13 @@ class Job:
         return [os.path.join(venv_bin, "elastic-horovodrun"), "-np", "4", "--min-np", "2", "--max-np", "6",
                 "--network-interfaces", "lo",
                 "--host-discovery-script", f"{os.path.join(REPO, 'host_discovery', 'static.py')} {self.hosts}",
-                sys.executable, os.path.join(HERE, "pytorch_elastic.py"), "--epochs", str(self.args.epochs),
-                "--ledger", self.ledger_dir, "--faults", f"3:{self.args.kill_step}:kill",
-                # Slower steps until the job has its 6 workers: the scale-ups come before the end of training
-                # even when the newcomers take half a minute to start (a cold clean clone took over 20 s).
-                "--step-sleep-s", "0.03", "--slow-below", "6:0.15"]
+                # The example as users run it, watched from outside its code (devkit/watched.py): the fault,
+                # the sample ledger, and slower steps until the job has its 6 workers, so that the scale-ups
+                # come before the end of training even when the newcomers take half a minute to start (a cold
+                # clean clone took over 20 s).
+                sys.executable, "-m", "devkit.watched", "--ledger", self.ledger_dir,
+                "--faults", f"3:{self.args.kill_step}:kill", "--step-sleep-s", "0.03", "--slow-below", "6:0.15",
+                "--", os.path.join(HERE, "pytorch_elastic.py"), "--epochs", str(self.args.epochs)]
 
     def environment(self):
         venv_bin = os.path.dirname(sys.executable)
@@ -301,7 +304,7 @@ def summarize(job, code, started):
     epochs_seen = max((r["epoch"] for r in records if "epoch" in r), default=-1) + 1
     report = ledger.audit(records, dataset_size=DATASET_SIZE, epochs=epochs_seen)
     events = sorted(read_events(job.events_path), key=lambda e: e["time"])
-    faults_dir = os.path.join(job.ledger_dir, "faults")  # the fault markers (elastic_ext.testing.Instrument)
+    faults_dir = os.path.join(job.ledger_dir, "faults")  # the fault markers (devkit/watched.py)
     faults = []
     if os.path.isdir(faults_dir):
         for name in sorted(os.listdir(faults_dir)):

@@ -11,10 +11,7 @@ the host file every second, so editing it grows or shrinks the job)::
 ``--keras 2`` trains a tf_keras (Keras 2) model instead of a Keras 3 one; the
 script sets ``TF_USE_LEGACY_KERAS=1`` itself, before TensorFlow is imported.
 On a Slurm allocation use ``--host-discovery-script host_discovery/slurm.py``.
-This is the TensorFlow twin of ``examples/pytorch_elastic.py``. The
-``instrument`` lines are the demo's and the tests' hooks (fault injection,
-sample ledger), off unless their flags are given: your own script leaves
-them out.
+This is the TensorFlow twin of ``examples/pytorch_elastic.py``.
 
 What happens on failures: every ``--commit-every`` steps the state (model,
 optimizer, sampler position, epoch, step) is committed to host memory. If a
@@ -33,15 +30,12 @@ import argparse
 import logging
 import os
 
-from elastic_ext.testing import Instrument
-
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--keras", choices=["2", "3"], default="3", help="2: tf_keras, 3: Keras 3")
 parser.add_argument("--epochs", type=int, default=6)
 parser.add_argument("--global-batch", type=int, default=64, help="kept constant whatever the world size")
 parser.add_argument("--lr", type=float, default=0.01)
 parser.add_argument("--commit-every", type=int, default=5, help="steps between commits")
-Instrument.add_arguments(parser)  # --ledger, --faults, --step-sleep-s, --slow-below: the demo's and the tests' hooks
 args = parser.parse_args()
 
 # tf.keras resolves to tf_keras only if this is set before TensorFlow is imported.
@@ -90,7 +84,6 @@ optimizer = keras.optimizers.Adam(args.lr)
 loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
 sampler = ElasticSampler(int(train_y.shape[0]), global_batch_size=args.global_batch, seed=1, policy="pad")
 state = elastic_ext.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0)
-instrument = Instrument.from_args(args, hvd.rank, hvd.size)  # does nothing without its flags
 
 
 def on_reset():
@@ -126,14 +119,12 @@ def train(state):
     if last is not None and last["event"] == "recovered":
         say(f"[elastic] recovered from {last['cause']} in {last['recovery_s']:.1f}s, "
             f"{last['steps_rolled_back']} steps rolled back, resuming at step {state.step}")
-    instrument.started(state, sampler)
     while state.epoch < args.epochs:
         sampler.set_epoch(state.epoch)
         losses = []
         # A fresh iterator per epoch and per (re)start: index_dataset plans the
         # steps from the committed cursor and the world size of that moment.
         for indices, pad in index_dataset(sampler):
-            instrument.step(state, sampler, indices, pad)
             losses.append(train_step(indices, pad))
             sampler.record_step()
             state.step += 1
@@ -148,4 +139,3 @@ def train(state):
 
 accuracy = train(state)
 say(f"done: test accuracy {accuracy:.3f} after {state.step} steps on {hvd.size()} workers (Keras {keras.__version__})")
-instrument.finished(state)

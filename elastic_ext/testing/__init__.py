@@ -7,22 +7,17 @@
   threads, each with a binding that checks every rank entered the same
   collective (where Horovod would hang).
 - :func:`heartbeat_period`: a faster heartbeat for tests of the stall check.
-- :mod:`~elastic_ext.testing.instrument`: :class:`Instrument`, the hook
-  through which the demo and the tests watch an example (faults, ledger);
-  without its flags it does nothing, and its flags need a checkout of the
-  repository (their faults and ledger live in ``devkit/``, which is not
-  shipped).
 
-Job launchers, the fake metadata server, fault schedules and the sample
-ledger are development tools, not part of the package: they live in the
+Job launchers, the fake metadata server, fault schedules, the sample
+ledger and the watch through which the demo and the tests run the examples
+(``devkit/watched.py``) are development tools, not part of the package: they live in the
 repository's ``devkit/``.
 """
 
-from elastic_ext.testing.instrument import Instrument
 from elastic_ext.testing.solo import SoloBinding, state_on
 from elastic_ext.testing.threads import CollectiveMismatch, ThreadWorld
 
-__all__ = ["CollectiveMismatch", "Instrument", "SoloBinding", "ThreadWorld", "heartbeat_period", "state_on"]
+__all__ = ["CollectiveMismatch", "SoloBinding", "ThreadWorld", "heartbeat_period", "state_on"]
 
 
 def heartbeat_period(seconds: float) -> None:

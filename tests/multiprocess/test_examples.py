@@ -25,8 +25,9 @@ MIN_ACCURACY = 0.85
 RANK0 = re.compile(r"^\[0\]<stdout>:(.*)$", re.MULTILINE)
 
 
-def run_example(tmp_path, script, hosts, np_, min_np, *script_args, timeout_s=150):
-    """Runs an example elastically on the pseudo-hosts ``hosts``; returns (rank 0's lines, out dir)."""
+def run_example(tmp_path, script, hosts, np_, min_np, *script_args, watch_args=(), timeout_s=150):
+    """Runs an example elastically on the pseudo-hosts ``hosts``, watched from outside its code
+    (:mod:`devkit.watched`: ``watch_args``, the sample ledger); returns (rank 0's lines, out dir)."""
     out = tmp_path / "job"
     out.mkdir()
     hosts_file = str(out / "hosts")
@@ -34,8 +35,8 @@ def run_example(tmp_path, script, hosts, np_, min_np, *script_args, timeout_s=15
     cmd = [os.path.join(launch.VENV_BIN, "elastic-horovodrun"), "-np", str(np_), "--min-np", str(min_np),
            "--max-np", str(np_), "--network-interfaces", "lo",
            "--host-discovery-script", f"{launch.STATIC} {hosts_file}",
-           sys.executable, os.path.join(EXAMPLES, script), "--epochs", str(EPOCHS),
-           "--ledger", str(out / "ledger"), *script_args]
+           sys.executable, "-m", "devkit.watched", "--ledger", str(out / "ledger"), *watch_args,
+           "--", os.path.join(EXAMPLES, script), "--epochs", str(EPOCHS), *script_args]
     env = launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl"))
     code, output = launch.run(cmd, env, str(out / "horovodrun.log"), timeout_s)
     assert code == 0, f"exit code {code}; output tail:\n{output[-5000:]}"
@@ -93,7 +94,7 @@ def test_pytorch_example_survives_a_sigkill_on_four_workers(tmp_path):
     # them at a later commit (at the latest at the job's end), so the job ends with 4.
     kill_step, commit_every = 28, 5
     lines, out = run_example(tmp_path, "pytorch_elastic.py", ["localhost:2", "127.0.0.1:2"], 4, 2,
-                             "--commit-every", str(commit_every), "--faults", f"3:{kill_step}:kill")
+                             "--commit-every", str(commit_every), watch_args=("--faults", f"3:{kill_step}:kill"))
     accuracy, workers = final_accuracy(lines)
     assert accuracy > MIN_ACCURACY, lines
     assert workers == 4, lines
@@ -117,7 +118,7 @@ def test_tensorflow_examples_survive_a_sigkill_on_two_workers(tmp_path, script, 
     kill_step, commit_every = 28, 5
     lines, out = run_example(tmp_path, script, ["localhost:1", "127.0.0.1:1"], 2, 1,
                              "--keras", keras, "--commit-every", str(commit_every),
-                             "--faults", f"1:{kill_step}:kill")
+                             watch_args=("--faults", f"1:{kill_step}:kill"))
     accuracy, workers = final_accuracy(lines)
     assert accuracy > MIN_ACCURACY, lines
     assert workers == 1, lines

@@ -239,6 +239,24 @@ def test_the_package_imports_nothing_that_is_not_shipped():
     assert not unshipped_imports(), unshipped_imports()
 
 
+def test_the_examples_carry_no_test_hook():
+    """The training examples are what users copy: they import neither the package's test helpers nor the
+    repository's ``devkit/`` or ``tests/``; the demo and the tests watch them from outside
+    (``devkit/watched.py``). ``run_demo.py`` is the demo's runner, not a training script."""
+    examples = os.path.join(REPO, "examples")
+    scripts = sorted(n for n in os.listdir(examples) if n.endswith(".py") and n != "run_demo.py")
+    assert "pytorch_elastic.py" in scripts, scripts
+    found = []
+    for name in scripts:
+        with open(os.path.join(examples, name), encoding="utf-8") as handle:
+            tree = ast.parse(handle.read())
+        for node in _import_nodes(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found += [f"{name} imports {n}" for n in names
+                      if n.split(".")[0] in ("devkit", "tests") or n.startswith("elastic_ext.testing")]
+    assert not found, found
+
+
 def test_state_imports_no_policy():
     """The policies plug into the commit (:mod:`elastic_ext.state.commit_slots`); the core names none."""
     graph = import_graph()

@@ -9,8 +9,7 @@ Every corpus script is a user's training script with three modes:
 - ``--plain``: Horovod's own ``hvd.elastic`` state and run under plain
   ``horovodrun``, without elastic_ext's State or run.
 
-This module gives them, the way ``elastic_ext.testing.Instrument`` gives the
-examples, what only the test needs: the common command line, the digits, the
+This module gives them what only the test needs: the common command line, the digits, the
 fault schedule and resizes, the sample ledger, a per-step trace (loss and
 learning rate), the weights dumped at one commit (``--dump-at``: the
 failure-free phase of a faulted job) and at the end, and the per-step world
