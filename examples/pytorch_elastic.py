@@ -11,7 +11,7 @@ the host file every second, so editing it grows or shrinks the job)::
 On a Slurm allocation use ``--host-discovery-script host_discovery/slurm.py``.
 ``examples/run_demo.py`` runs this with a scheduled failure and a scale-up,
 watched from outside the script (``devkit/watched.py``: the fault, the
-sample ledger); nothing here is there for the demo.
+sample ledger); the script itself carries no hook for it.
 
 What happens on failures: every ``--commit-every`` steps the state (model,
 optimizer, sampler position, epoch, step) is committed to host memory. If a
