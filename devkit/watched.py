@@ -38,6 +38,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
+from devkit import faults as fault_schedule, ledger
 from elastic_ext.errors import ConfigError
 
 
@@ -58,8 +59,6 @@ class Watch:
 
     def __init__(self, ledger_dir: str = "", faults: str = "", step_sleep_s: float = 0.0,
                  slow_below: str = "") -> None:
-        from devkit import faults as fault_schedule, ledger
-
         if faults and not ledger_dir:
             raise ConfigError(f"faults ({faults!r}) need a ledger directory: their markers live in the run's "
                               "own directory, <ledger>/faults")
