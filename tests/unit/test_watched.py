@@ -29,7 +29,8 @@ def installed(monkeypatch):
 
 def training(rank=1, size=2, samples=10, global_batch=4):
     """A user's loop over an ElasticPartitioner at (rank, size); returns the batches it drew, per step."""
-    sampler = ElasticPartitioner(samples, global_batch_size=global_batch, seed=3, policy="pad", world=lambda: (rank, size))
+    sampler = ElasticPartitioner(samples, global_batch_size=global_batch, seed=3, policy="pad",
+                                 world=lambda: (rank, size))
     state = types.SimpleNamespace(step=0, generation=2, sampler=sampler)
     drawn = []
 
@@ -50,7 +51,8 @@ def test_every_step_reaches_the_ledger_as_the_loop_drew_it_without_its_padding(t
     watch.finished()
     records = ledger.read(str(tmp_path))
     starts, steps = [r for r in records if "start" in r], [r for r in records if "gen" in r]
-    assert [(r["start"], r["epoch"], r["cursor"], r["step"], r["rank"], r["size"]) for r in starts] == [(2, 0, 0, 0, 1, 2)]
+    assert [(r["start"], r["epoch"], r["cursor"], r["step"], r["rank"], r["size"]) for r in starts] == \
+        [(2, 0, 0, 0, 1, 2)]
     assert len(steps) == len(drawn) == 3  # 10 samples, 4 a step: the last step padded
     for record, (indices, pad) in zip(steps, drawn):
         assert record["indices"] == [int(i) for i in indices[~pad]]
