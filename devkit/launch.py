@@ -288,5 +288,6 @@ def third_host() -> str:
     return others[0]
 
 
-__all__ = ["REPO", "VENV_BIN", "WORKERS", "STATIC", "JOB_TAG_ENV", "base_env", "tagged", "kill_tree", "script_process", "kill_worker", "Job",
-           "run", "write_hosts", "elastic_cmd", "under_elastic_ext_driver", "static_cmd", "third_host"]
+__all__ = ["REPO", "VENV_BIN", "WORKERS", "STATIC", "JOB_TAG_ENV", "base_env", "tagged", "kill_tree", "command_line",
+           "script_process", "kill_worker", "Job", "run", "write_hosts", "elastic_cmd", "under_elastic_ext_driver",
+           "static_cmd", "third_host"]

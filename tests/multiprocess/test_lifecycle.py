@@ -185,7 +185,7 @@ class Temptations:
         wait_for(f"all 4 workers past step {after}", past, job)
         root = psutil.Process(job.proc.pid)
         procs = [root] + root.children(recursive=True)
-        guardians = [p for p in procs if "elastic_ext.runtime.guardian" in " ".join(p.cmdline())]
+        guardians = [p for p in procs if "elastic_ext.runtime.guardian" in " ".join(launch.command_line(p))]
         assert len(guardians) == 4, f"expected 4 guardians to suspend with their workers, found {len(guardians)}"
         # Guardians last, once each has blocked again in its poll after its
         # worker stopped: it has read every heartbeat, so it wakes to an

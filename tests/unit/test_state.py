@@ -358,6 +358,8 @@ def test_run_restores_the_sigterm_handler_and_stops_its_guardian():
     import signal
 
     import psutil
+
+    from devkit.launch import command_line
     before = signal.getsignal(signal.SIGTERM)
     state = make_state(step=0)
     seen = {}
@@ -365,11 +367,11 @@ def test_run_restores_the_sigterm_handler_and_stops_its_guardian():
     @elastic_ext.run
     def train(state):
         seen["handler"] = signal.getsignal(signal.SIGTERM)
-        seen["children"] = [p.cmdline() for p in psutil.Process().children()]
+        seen["children"] = [command_line(p) for p in psutil.Process().children()]
         return 1
 
     assert train(state) == 1
     assert seen["handler"] is not before, "SIGTERM is handled while training"
     assert any("elastic_ext.runtime.guardian" in " ".join(c) for c in seen["children"]), seen["children"]
     assert signal.getsignal(signal.SIGTERM) is before
-    assert not [p for p in psutil.Process().children() if "elastic_ext.runtime.guardian" in " ".join(p.cmdline())]
+    assert not [p for p in psutil.Process().children() if "elastic_ext.runtime.guardian" in " ".join(command_line(p))]

@@ -13,6 +13,7 @@ import psutil
 import pytest
 from horovod.runner.common.util import safe_shell_exec
 
+from devkit.launch import command_line
 from elastic_ext.control import horovod_seam
 from elastic_ext.launch import horovod_changes, worker_runs
 from tests.unit.horovod_restore import restore_horovod
@@ -95,7 +96,7 @@ def test_after_a_normal_end_no_guard_is_left_and_nothing_is_signalled(tmp_path):
     code, _, _ = run(worker_runs.execute, f"(trap 'echo term >> {marker}' TERM; sleep 2) & echo started")
     assert code == 0
     guards = [p for p in psutil.Process().children(recursive=True)
-              if "elastic_ext-worker-guard" in " ".join(p.cmdline())]
+              if "elastic_ext-worker-guard" in " ".join(command_line(p))]
     assert guards == []
     assert not marker.exists(), "the worker's group was signalled after its normal end"
 
