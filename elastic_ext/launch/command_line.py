@@ -17,6 +17,7 @@ from typing import Any, List, MutableMapping, Optional, Sequence
 
 from elastic_ext.config import ENV_LAUNCHER, ENV_MIN_NP
 from elastic_ext.control import horovod_seam
+from elastic_ext.launch import gloo_exchange
 from elastic_ext.launch import worker_runs
 from elastic_ext.control.horovod_seam import Change
 
@@ -88,6 +89,8 @@ def worker_entry_changes() -> List[Change]:
             if crash:
                 sys.exit(f"elastic-horovodrun: {crash}")
             os.environ[ENV_MIN_NP] = str(args.min_num_proc)
+        if gloo_exchange.PATCH in horovod_seam.build_patches():
+            os.environ[gloo_exchange.ENV] = "1"  # this process's store answers it (gloo_exchange)
         if command != (args.command or []):
             os.environ[ENV_LAUNCHER] = "1"  # the workers' entry module runs: early start is possible
         elif command:  # (no command at all: --check-build, --version)

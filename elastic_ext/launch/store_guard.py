@@ -39,8 +39,9 @@ change that, in this process:
    value, every pair address of a rank, is about 140 bytes per rank).
 
 Everything else (Gloo's scopes, ``rank_and_size``) is Horovod's, for the
-clients of rule 1. ``docs/launching.md`` ("Trust boundary") says what
-this leaves to a firewall.
+clients of rule 1; a PUT of a Gloo scope's ``_mesh_`` key is Gloo's
+rendezvous of one rank in one request (:mod:`elastic_ext.launch.gloo_exchange`).
+``docs/launching.md`` ("Trust boundary") says what this leaves to a firewall.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ import urllib.parse
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
 from elastic_ext.control import store
+from elastic_ext.launch import gloo_exchange
 from elastic_ext.launch.job_hosts import hosts, normal
 from elastic_ext.control.horovod_seam import Change
 
@@ -188,10 +190,29 @@ def guarded(handler_cls: type) -> type:
         def do_PUT(self) -> None:
             if not self._checked("PUT"):
                 return
+            scope, key = _parts(self.path) or ("", "")
+            if gloo_exchange.is_exchange(key):
+                self._exchange(scope, key)
+                return
             try:
                 super().do_PUT()
             except Refused as refused:  # from _put_value, before any answer was sent
                 self._refuse(refused)
+
+        def _exchange(self, scope: str, key: str) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))  # (checked: at most MAX_BODY_BYTES)
+            try:
+                answer = gloo_exchange.exchange(self.server, scope, key, body)
+            except ValueError as exc:
+                self._refuse(Refused(400, str(exc)))
+                return
+            if answer is None:
+                self.send_status_code(404)  # not every rank yet: the rank asks again
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
 
         def do_DELETE(self) -> None:
             if self._checked("DELETE"):

@@ -1,0 +1,134 @@
+"""Gloo's full-mesh rendezvous in one request per rank: the driver's side of build patch 08.
+
+Gloo's ``Context::connectFullMesh`` through Horovod's ``HTTPStore`` (Horovod
+0.28.1 as released) costs each of N ranks one GET per lower rank for its host
+name, a PUT of its N-1 pair addresses, then per peer a wait (GETs every
+10 ms) and a GET of the peer's whole value: about N^2 requests a context
+through the driver's one Python server, and every rank reads every value
+(N^3 bytes in all). A reset runs six such contexts: at 1,024 workers hours
+(``bench/README.md``, "The control plane at scale").
+
+With ``tools/horovod_patches/08-gloo-full-mesh-in-one-request.patch`` and
+``HOROVOD_GLOO_FULL_MESH_EXCHANGE=1`` in its environment (set by
+``elastic-horovodrun`` where the build carries the patch: Horovod's own
+server does not answer it), a rank sends one request a context:
+``PUT <scope>/_mesh_<rank>_<size>_<item>`` with its host name, a newline and
+its pair addresses (``item`` bytes each, one per other rank in rank order).
+:func:`exchange` stores them under Gloo's own keys (``rank_<rank>`` and
+``<rank>``), then holds the request until every rank of ``size`` has
+published (at most :data:`HOLD_S`; the rank asks again on a 404) and answers
+with the rank's local rank (lower ranks with the same host name), a newline,
+and of every other rank's addresses the one made for this rank: N requests
+and N^2 address bytes a context.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+PATCH = "08-gloo-full-mesh-in-one-request"
+ENV = "HOROVOD_GLOO_FULL_MESH_EXCHANGE"
+PREFIX = "_mesh_"
+HOLD_S = 5.0        # a request waits this long for the last ranks, then is answered 404 and asked again
+MAX_SIZE = 1 << 16  # ranks of one context
+MAX_ITEM = 4096     # bytes of one pair address (Gloo's TCP transport: 136)
+
+_KEY = re.compile(r"_mesh_(\d{1,6})_(\d{1,6})_(\d{1,5})")
+_state_lock = threading.Lock()
+
+
+class _Context:
+    """One context's exchange in one scope of the cache (``values``, the dict Horovod's store keeps for it).
+
+    Which ranks have published (counted as they do, so that each request costs O(1) under the store's lock
+    until the last one), and once all have, what every answer is cut from; dropped once every rank is
+    answered. A rank asking again after that (its answer lost) finds its peers' values still in ``values``.
+    """
+
+    def __init__(self, values: Dict[str, bytes], size: int, item: int) -> None:
+        self.values, self.size, self.item = values, size, item
+        self.published = {peer for peer in range(size) if len(values.get(str(peer), b"")) == (size - 1) * item}
+        self.ready: Optional[Tuple[List[bytes], List[int]]] = None  # every rank's addresses, its local rank
+        self.answered: Set[int] = set()
+
+    def publish(self, rank: int) -> bool:
+        """Counts ``rank`` in; True when this made the context complete (its answers are ready)."""
+        self.published.add(rank)
+        if self.ready is not None or len(self.published) < self.size:
+            return False
+        blobs = [self.values.get(str(peer), b"") for peer in range(self.size)]
+        if any(len(blob) != (self.size - 1) * self.item for blob in blobs):  # a value replaced meanwhile
+            self.published = {peer for peer, blob in enumerate(blobs) if len(blob) == (self.size - 1) * self.item}
+            return False
+        seen: Dict[bytes, int] = {}
+        local_ranks = []
+        for peer in range(self.size):  # the lower ranks with the same host name
+            host = self.values.get(f"rank_{peer}", b"")
+            local_ranks.append(seen.get(host, 0))
+            seen[host] = local_ranks[-1] + 1
+        self.ready = (blobs, local_ranks)
+        return True
+
+
+def is_exchange(key: str) -> bool:
+    return key.startswith(PREFIX)
+
+
+def _state(server: Any) -> Tuple[threading.Condition, Dict[str, _Context]]:
+    """The server's condition over its cache lock (notified when a context's last rank has published) and its
+    contexts by scope (changed only under that lock)."""
+    with _state_lock:
+        state = server.__dict__.get("_elastic_ext_mesh")
+        if state is None:
+            state = server.__dict__["_elastic_ext_mesh"] = (threading.Condition(server.cache_lock), {})
+        return state
+
+
+def exchange(server: Any, scope: str, key: str, body: bytes) -> Optional[bytes]:
+    """Stores a rank's host name and addresses in ``scope`` of ``server``'s cache; its answer once every rank
+    has published (``b"<local rank>\\n"`` and the addresses meant for it), or None after :data:`HOLD_S`.
+
+    Raises:
+        ValueError: the key is not ``_mesh_<rank>_<size>_<item>`` with 0 <= rank < size <= MAX_SIZE and
+            0 < item <= MAX_ITEM, or the body is not a host name, a newline and (size - 1) * item bytes.
+    """
+    match = _KEY.fullmatch(key)
+    if match is None:
+        raise ValueError(f"key {key[:80]!r} is not _mesh_<rank>_<size>_<item bytes>")
+    rank, size, item = (int(group) for group in match.groups())
+    if not (0 <= rank < size <= MAX_SIZE and 0 < item <= MAX_ITEM):
+        raise ValueError(f"key {key!r}: expected 0 <= rank < size <= {MAX_SIZE} and 0 < item bytes <= {MAX_ITEM}")
+    host, newline, addresses = body.partition(b"\n")
+    if not newline or len(addresses) != (size - 1) * item:
+        raise ValueError(f"{key}: expected a host name, a newline and {(size - 1) * item} address bytes, "
+                         f"got {len(body)} bytes{'' if newline else ' without a newline'}")
+    condition, contexts = _state(server)
+    deadline = time.monotonic() + HOLD_S
+    with condition:
+        values = server.cache.setdefault(scope, {})
+        values[f"rank_{rank}"] = host
+        values[str(rank)] = addresses
+        context = contexts.get(scope)
+        if context is None or context.values is not values or (context.size, context.item) != (size, item):
+            context = contexts[scope] = _Context(values, size, item)  # the round's first (init cleared the cache)
+        if context.publish(rank):
+            condition.notify_all()
+        while context.ready is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            condition.wait(left)
+        blobs, local_ranks = context.ready
+        context.answered.add(rank)
+        if len(context.answered) == size and contexts.get(scope) is context:
+            del contexts[scope]  # every rank has its answer: the values stay in the cache until Gloo's finalize
+    # Rank p's addresses are in rank order without p itself: this rank's is at rank, or rank - 1 above p.
+    column = b"".join(blobs[peer][(rank - (rank > peer)) * item:(rank - (rank > peer) + 1) * item]
+                      for peer in range(size) if peer != rank)
+    return b"%d\n" % local_ranks[rank] + column
+
+
+__all__ = ["ENV", "HOLD_S", "PATCH", "PREFIX", "exchange", "is_exchange"]

@@ -1,0 +1,120 @@
+"""Gloo's full-mesh rendezvous in one request per rank (elastic_ext.launch.gloo_exchange), through the driver's
+real, guarded rendezvous server, against what Gloo's own protocol gives each rank.
+
+Gloo's ``connectFullMesh`` reads, from every peer p's value (p's pair addresses, one per other rank in rank
+order), the address at rank r's index: r below p, r - 1 above (``extractAddress``), and counts as r's local
+rank the lower ranks with r's host name. The exchange must hand each rank exactly that.
+"""
+
+import argparse
+import os
+import threading
+
+import pytest
+
+from elastic_ext.control import horovod_seam
+from elastic_ext.launch import command_line, gloo_exchange
+from tests.unit.horovod_restore import changes  # noqa: F401 - a fixture
+from tests.unit.test_store_guard import job, request, snapshot  # noqa: F401 - job is a fixture
+
+ITEM = 136  # Gloo's TCP address: sockaddr_storage and a sequence number
+
+
+def gloos_own(blobs, hosts, rank):
+    """(local rank, addresses for ``rank``) as Gloo's connectFullMesh reads them one peer at a time."""
+    local = sum(1 for peer in range(rank) if hosts[peer] == hosts[rank])
+    column = b"".join(blobs[peer][(rank if rank < peer else rank - 1) * ITEM:][:ITEM]
+                      for peer in range(len(blobs)) if peer != rank)
+    return local, column
+
+
+def exchange_all(job, scope, hosts, blobs):
+    """Every rank's PUT at once, each asking again on a 404 as the patched HTTPStore does: {rank: answer}."""
+    answers = {}
+
+    def rank_of(rank):
+        key = f"/{scope}/_mesh_{rank}_{len(hosts)}_{ITEM}"
+        while True:
+            status, body = request(job, "PUT", key, hosts[rank].encode() + b"\n" + blobs[rank])
+            if status != 404:
+                answers[rank] = (status, body)
+                return
+
+    threads = [threading.Thread(target=rank_of, args=(rank,)) for rank in range(len(hosts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return answers
+
+
+def test_every_rank_gets_in_one_request_what_gloos_own_protocol_reads_one_peer_at_a_time(job):
+    hosts = ["host-a", "host-a", "host-b", "host-a", "host-b"]
+    blobs = [os.urandom(ITEM * (len(hosts) - 1)) for _ in hosts]
+    answers = exchange_all(job, "global", hosts, blobs)
+    assert sorted(answers) == list(range(len(hosts)))
+    for rank, (status, body) in answers.items():
+        assert status == 200, (rank, status, body[:200])
+        local, _, column = body.partition(b"\n")
+        assert (int(local), column) == gloos_own(blobs, hosts, rank), rank
+    # Stored under Gloo's own keys: a reader of the old protocol and Gloo's finalize (DELETE) see them.
+    stored = snapshot(job)["global"]
+    assert all(stored[str(rank)] == blobs[rank] and stored[f"rank_{rank}"] == hosts[rank].encode()
+               for rank in range(len(hosts)))
+    assert request(job, "GET", "/global/2") == (200, blobs[2])
+
+
+def test_a_rank_is_held_then_answered_404_until_the_last_one_has_published(job, monkeypatch):
+    monkeypatch.setattr(gloo_exchange, "HOLD_S", 0.2)
+    blobs = [os.urandom(ITEM * 2) for _ in range(3)]
+    first = request(job, "PUT", f"/local_host-a/_mesh_0_3_{ITEM}", b"host-a\n" + blobs[0])
+    assert first == (404, b"")
+    answers = exchange_all(job, "local_host-a", ["host-a"] * 3, blobs)
+    assert {rank: status for rank, (status, _) in answers.items()} == {0: 200, 1: 200, 2: 200}
+    assert answers[0][1] == b"0\n" + blobs[1][:ITEM] + blobs[2][:ITEM]
+
+
+def test_a_rank_whose_answer_was_lost_asks_again_and_gets_the_same_answer(job):
+    hosts = ["host-a", "host-b", "host-b"]
+    blobs = [os.urandom(ITEM * 2) for _ in hosts]
+    first = exchange_all(job, "cross_1", hosts, blobs)
+    again = request(job, "PUT", f"/cross_1/_mesh_2_3_{ITEM}", b"host-b\n" + blobs[2])
+    assert again == first[2] and again[0] == 200
+
+
+def test_a_new_round_exchanges_afresh_in_the_same_scope(job):
+    blobs = [os.urandom(ITEM * 2) for _ in range(3)]
+    exchange_all(job, "global", ["host-a"] * 3, blobs)
+    job.server._httpd.init([])  # the driver's next round: Horovod clears the store
+    smaller = [os.urandom(ITEM) for _ in range(2)]
+    answers = exchange_all(job, "global", ["host-a", "host-b"], smaller)
+    assert answers == {0: (200, b"0\n" + smaller[1][:ITEM]), 1: (200, b"0\n" + smaller[0][:ITEM])}
+
+
+@pytest.mark.parametrize("key, body, named", [
+    ("_mesh_x", b"h\n", "'_mesh_x'"),
+    ("_mesh_3_2_136", b"h\n" + b"a" * 136, "0 <= rank < size"),
+    ("_mesh_0_2_0", b"h\n", "0 < item bytes"),
+    ("_mesh_0_2_4", b"h" + b"a" * 4, "without a newline"),
+    ("_mesh_0_3_4", b"h\n" + b"a" * 4, "expected a host name, a newline and 8 address bytes, got 6 bytes"),
+])
+def test_a_malformed_exchange_is_answered_400_naming_what_is_wrong_and_stores_nothing(job, key, body, named):
+    with pytest.raises(ValueError) as raised:
+        gloo_exchange.exchange(job.server._httpd, "cross_0", key, body)
+    assert named in str(raised.value)
+    assert request(job, "PUT", f"/cross_0/{key}", body)[0] == 400
+    assert "cross_0" not in snapshot(job)
+
+
+@pytest.mark.parametrize("patches, expected", [((gloo_exchange.PATCH,), "1"), ((), None)])
+def test_the_launcher_asks_workers_for_the_exchange_only_where_the_build_carries_the_patch(monkeypatch, patches,
+                                                                                            expected):
+    from horovod.runner import launch
+
+    monkeypatch.setenv(gloo_exchange.ENV, "0")  # restored (absent) after the test
+    monkeypatch.delenv(gloo_exchange.ENV)
+    monkeypatch.setattr(horovod_seam, "build_patches", lambda: patches)
+    monkeypatch.setattr(launch, "parse_args", lambda: argparse.Namespace(command=[], min_num_proc=None))
+    [(_, _, parse)] = command_line.worker_entry_changes()
+    parse()
+    assert os.environ.get(gloo_exchange.ENV) == expected
