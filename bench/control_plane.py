@@ -19,9 +19,11 @@ own timeout (reported as such, never a hang):
 4. ``reset``: one worker SIGKILLed (the driver sees its exit status; its
    peers' collective fails at once): ``round_formed_s`` is the time until
    every survivor's ``hvd.init()`` returned (``rank_s``: until every
-   survivor had its rank). Gloo's rendezvous reads every peer's address
-   twice, a value of 136 bytes per peer: about ``2.5 N^2`` requests and
-   ``272 N^3`` bytes per global context; where it cannot end in
+   survivor had its rank). Before issue 55's changes Gloo's rendezvous
+   reads every peer's address twice, a value of 136 bytes per peer: about
+   ``2.5 N^2`` requests and ``272 N^3`` bytes per global context; after
+   them (Horovod with build patch 08) one request per rank, ``136 N^2``
+   bytes. Where it cannot end in
    ``--reset-timeout-s`` the measured rate and the extrapolation are
    reported instead.
 5. ``regrow``: the round left the failed slot out; the survivors' early
@@ -73,10 +75,10 @@ def commit() -> str:
         return f"unknown ({exc})"
 
 
-def run_one(n: int, args: argparse.Namespace, tree: Optional[str] = None, fence_on_reach: bool = True
-            ) -> Dict[str, Any]:
-    """One N of the code of ``tree`` (this checkout by default), its workers' watch by ``fence_on_reach``."""
-    run = Run(n, args, **({} if tree is None else {"tree": tree}), fence_on_reach=fence_on_reach)
+def run_one(n: int, args: argparse.Namespace, tree: Optional[str] = None, after: bool = True) -> Dict[str, Any]:
+    """One N of the code of ``tree`` (this checkout by default), its workers speaking the protocol of main
+    after issue 55's changes (``after``) or before them."""
+    run = Run(n, args, **({} if tree is None else {"tree": tree}), fence_on_reach=after, gloo_exchange=after)
     with tempfile.TemporaryDirectory(prefix="control_plane.") as tmp:
         run.tmp = tmp
         started = time.monotonic()

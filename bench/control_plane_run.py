@@ -25,11 +25,15 @@ DRIVER = os.path.join(REPO, "bench", "control_plane_driver.py")
 
 class Run:
     """One N of one code version: the driver process (``elastic_ext`` of ``tree``), the simulated job, the
-    phases. ``fence_on_reach``: the workers' driver watch counts only handshakes not completed (after issue 55).
+    phases. ``fence_on_reach``: the workers' driver watch counts only handshakes not completed (after issue 55);
+    ``gloo_exchange``: their Gloo rendezvous is one request per rank and context (Horovod with build patch 08,
+    :mod:`elastic_ext.launch.gloo_exchange`).
     """
 
-    def __init__(self, n: int, args: argparse.Namespace, tree: str = REPO, fence_on_reach: bool = True) -> None:
+    def __init__(self, n: int, args: argparse.Namespace, tree: str = REPO, fence_on_reach: bool = True,
+                 gloo_exchange: bool = True) -> None:
         self.n, self.args, self.tree, self.fence_on_reach = n, args, tree, fence_on_reach
+        self.gloo_exchange = gloo_exchange
         self.slots = args.slots
         self.hosts = {f"host-{i:03d}": min(self.slots, n - i * self.slots)
                       for i in range((n + self.slots - 1) // self.slots)}
@@ -156,7 +160,8 @@ class Run:
         self.result["driver_elastic_ext"] = words[2] if len(words) > 2 else None
         self.job = Job(port, secret, self.send, gloo=n <= args.gloo_start_max, build_s=args.build_s,
                        registration=registration_value(service.addresses()["lo"][0][1], key),
-                       process_start_s=args.process_start_s, fence_on_reach=self.fence_on_reach)
+                       process_start_s=args.process_start_s, fence_on_reach=self.fence_on_reach,
+                       gloo_exchange=self.gloo_exchange)
         job_ref.append(self.job)
         reader = loop.create_task(self.driver_lines())
         try:
@@ -253,4 +258,5 @@ class Run:
             self.result["host_added_s"] = round(max(job.times["released"].values()) - added, 3)
 
     def extrapolate(self, reset: Dict[str, Any], size: int) -> None:
-        self.result["reset_extrapolated"] = extrapolate(reset, size, self.slots, self.args.reset_timeout_s)
+        self.result["reset_extrapolated"] = extrapolate(reset, size, self.slots, self.args.reset_timeout_s,
+                                                        self.gloo_exchange)

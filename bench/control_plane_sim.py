@@ -20,7 +20,10 @@ them; the store answers HTTP/1.0 and closes), at the real intervals:
   the driver's round forms), then Horovod 0.28.1's six Gloo rendezvous
   (``gloo_context.cc``: global, local, cross, then the same for the global
   process set), each Gloo's ``connectFullMesh`` through ``HTTPStore``
-  (:meth:`Worker.gloo_context`), then the store's ``DELETE`` of its key;
+  (:meth:`Worker.gloo_context`): before issue 55's changes a read of every
+  lower rank's host name and two of every peer's value, after them one
+  request (Horovod built with patch 08, :mod:`elastic_ext.launch.gloo_exchange`),
+  then the store's ``DELETE`` of its key;
 - the sync after it: ``current``, ``assigned``, ``capacity_left_out``,
   and an early start when the round left capacity out or hosts were added
   (:mod:`elastic_ext.worker.prestart`; rank 0 polls the newcomers), the
@@ -203,6 +206,12 @@ class Worker:
         """Gloo's ``Context::connectFullMesh`` over Horovod's ``HTTPStore``, then its barrier and ``Finalize``."""
         started = time.monotonic()
         self.step = f"gloo {scope} rank {rank}/{size} gen {self.generation}"
+        if self.job.gloo_exchange and size > 1:  # build patch 08: one request (asked again while held: 404)
+            body = self.host.encode() + b"\n" + b"\0" * (ADDRESS_BYTES * (size - 1))
+            while await self.gloo("PUT", scope, f"_mesh_{rank}_{size}_{ADDRESS_BYTES}", body) != 200:
+                await asyncio.sleep(GLOO_WAIT_POLL_S)
+            await self.finish_gloo_context(scope, rank, size, started)
+            return
         await self.gloo("PUT", scope, f"rank_{rank}", self.host.encode())
         for peer in range(rank):  # each lower rank's host name (a plain get: no wait)
             await self.gloo("GET", scope, f"rank_{peer}")
@@ -213,6 +222,10 @@ class Worker:
             while await self.gloo("GET", scope, str(peer)) != 200:  # HTTPStore::wait
                 await asyncio.sleep(GLOO_WAIT_POLL_S)
             await self.gloo("GET", scope, str(peer))  # then store.get: the same value read again
+        await self.finish_gloo_context(scope, rank, size, started)
+
+    async def finish_gloo_context(self, scope: str, rank: int, size: int, started: float) -> None:
+        """Gloo's barrier over the pairs once connected, then ``Finalize``."""
         meshed = time.monotonic()
         await self.job.barrier(scope, self.generation, size)  # gloo::barrier over the pairs, not the store
         await self.gloo("DELETE", scope, str(rank))

@@ -7,13 +7,14 @@ for longer than a request's timeout under that load, one worker SIGKILLed,
 the survivors' reset with Horovod's rank request and Gloo's rendezvous
 through the store.
 
-N is 8 on two simulated hosts of 4: a reset's Gloo rendezvous is about
-``5 N^2`` store requests, which the driver's Python store serves at a few
-hundred a second on this 2-core machine while the suite runs; the job's
-start skips Gloo's rendezvous (``--gloo-start-max 0``): the reset is what is
-asserted. The stall is 3 s, longer than the driver watch's 2 s wait for an
-answer: the watch's polls during it connect and get no answer, and none of
-them counts toward the fence (it counts only handshakes not completed,
+N is 8 on two simulated hosts of 4, the workers of this checkout: a reset's
+Gloo rendezvous is one request per rank and context (Horovod with build
+patch 08, ``elastic_ext.launch.gloo_exchange``), each held by the store until
+the context's last rank has published; the job's start skips Gloo's
+rendezvous (``--gloo-start-max 0``): the reset is what is asserted. The
+stall is 3 s, longer than the driver watch's 2 s wait for an answer: the
+watch's polls during it connect and get no answer, and none of them counts
+toward the fence (it counts only handshakes not completed,
 ``elastic_ext.runtime.driver_watch``), whatever the machine's load; so this
 test needs no exclusive slot among the jobs.
 """
