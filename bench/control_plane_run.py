@@ -27,13 +27,14 @@ class Run:
     """One N of one code version: the driver process (``elastic_ext`` of ``tree``), the simulated job, the
     phases. ``fence_on_reach``: the workers' driver watch counts only handshakes not completed (after issue 55);
     ``gloo_exchange``: their Gloo rendezvous is one request per rank and context (Horovod with build patch 08,
-    :mod:`elastic_ext.launch.gloo_exchange`).
+    :mod:`elastic_ext.launch.gloo_exchange`); ``paced_watches``: their round watches read at
+    :func:`elastic_ext.worker.round_watch.poll_interval` and their driver watch waits while one runs.
     """
 
     def __init__(self, n: int, args: argparse.Namespace, tree: str = REPO, fence_on_reach: bool = True,
-                 gloo_exchange: bool = True) -> None:
+                 gloo_exchange: bool = True, paced_watches: bool = True) -> None:
         self.n, self.args, self.tree, self.fence_on_reach = n, args, tree, fence_on_reach
-        self.gloo_exchange = gloo_exchange
+        self.gloo_exchange, self.paced_watches = gloo_exchange, paced_watches
         self.slots = args.slots
         self.hosts = {f"host-{i:03d}": min(self.slots, n - i * self.slots)
                       for i in range((n + self.slots - 1) // self.slots)}
@@ -161,7 +162,7 @@ class Run:
         self.job = Job(port, secret, self.send, gloo=n <= args.gloo_start_max, build_s=args.build_s,
                        registration=registration_value(service.addresses()["lo"][0][1], key),
                        process_start_s=args.process_start_s, fence_on_reach=self.fence_on_reach,
-                       gloo_exchange=self.gloo_exchange)
+                       gloo_exchange=self.gloo_exchange, paced_watches=self.paced_watches)
         job_ref.append(self.job)
         reader = loop.create_task(self.driver_lines())
         try:

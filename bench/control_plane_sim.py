@@ -69,6 +69,7 @@ class Worker:
         self.step = "starting"  # where it is (reported for a phase that timed out)
         self.generation = 0     # the job's reset its Gloo contexts belong to
         self.in_reset = False
+        self.round_watching = False  # in hvd.init() with its round watch running
 
     def spawn(self, coro: Any) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
@@ -86,6 +87,8 @@ class Worker:
     async def driver_watch(self) -> None:
         while not self.dead:
             await asyncio.sleep(driver_watch.POLL_S)
+            if self.job.paced_watches and self.round is None and self.round_watching:
+                continue  # after issue 55: the round watch alone reads the store during hvd.init()
             await self.watch_check()
 
     async def watch_check(self) -> None:
@@ -175,8 +178,11 @@ class Worker:
     async def hvd_init(self, reset: bool) -> None:
         s = self.job.store
         current = store.parse_round(await s.quiet(round_watch.SCOPE, round_watch.CURRENT, kind="init"))
+        # After issue 55 the job's round watches together read about round_watch.JOB_READS_PER_S.
+        every_s = round_watch.poll_interval(self.size) if self.job.paced_watches else round_watch.POLL_S
         watch = None if current is None else self.spawn(self.poll(
-            round_watch.SCOPE, round_watch.failed_key(current + (1 if reset else 0)), round_watch.POLL_S, "init"))
+            round_watch.SCOPE, round_watch.failed_key(current + (1 if reset else 0)), every_s, "init"))
+        self.round_watching = watch is not None
         try:
             if reset:
                 self.step = "rank_and_size"
@@ -199,6 +205,7 @@ class Worker:
         finally:
             if watch is not None:
                 watch.cancel()
+            self.round_watching = False
         self.step = "released"
         self.job.released(self)
 

@@ -45,6 +45,15 @@ process that hangs for good while its host answers fences nobody either:
 it is the process that would start any replacement, so no second job can
 form while it hangs.
 
+**Not while the round watch reads.** A worker waiting in ``hvd.init()``
+for its next round, with the keeper's round watch reading the store
+(:func:`elastic_ext.worker.round_watch.watching`), is polled by that watch
+alone: it trains nothing meanwhile, so there is nothing to fence, and a
+thousand workers of a reset reading ``current`` every second would take
+the driver's server from the reset's own rendezvous. A cut-off worker's
+``hvd.init()`` fails at Gloo's timeout; its polls, and their count, go on
+from there.
+
 The fence counts failed attempts, not time since the last answer: a job
 suspended as a whole (every process stopped, then continued) finds its
 driver at the first attempt after it wakes. The cost is one small HTTP GET
@@ -190,6 +199,8 @@ class DriverWatch:
         """One poll: cut the links if a member of this worker's round failed; fence if the driver is gone."""
         with self._lock:
             mine = self._round
+        if mine is None and round_watch.watching():
+            return  # waiting in hvd.init(): the round watch reads the store meanwhile (module docstring)
         try:
             # One request: this worker's round's failed key. During an early start of newcomers the driver is
             # a round ahead of this worker's collectives; it publishes a failed member under every round the

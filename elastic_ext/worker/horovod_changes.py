@@ -55,13 +55,13 @@ def install_worker(environ: Optional[Mapping[str, str]] = None) -> bool:
     if (cls, "init") in REPLACED:
         return True
     elastic = newcomer.wraps_init(environ)
-    original, original_local_rank = cls.init, cls.local_rank
+    original, original_local_rank, original_size = cls.init, cls.local_rank, cls.size
 
     @functools.wraps(original)
     def init(self: Any, *args: Any, **kwargs: Any) -> Any:
         horovod_init = functools.partial(original, self, *args, **kwargs)
-        result = newcomer.init(horovod_init, lambda: original_local_rank(self), hold_global_ranks) if elastic \
-            else horovod_init()
+        result = newcomer.init(horovod_init, lambda: original_local_rank(self), lambda: original_size(self),
+                               hold_global_ranks) if elastic else horovod_init()
         replace_torch_wait()  # `import horovod.torch` loaded it, and every collective comes after an init
         return result
 

@@ -34,6 +34,7 @@ from elastic_ext.worker.round_watch import store_url
 logger = logging.getLogger(__name__)
 
 _first_init_done = False
+_round_size: Optional[int] = None  # the size the last hvd.init() gave (a reset's round watch paces itself by it)
 _launch: Optional[Dict[str, str]] = None  # while a newcomer runs solo: the environment it was launched with
 SLOT_VARIABLES = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
                   "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
@@ -166,7 +167,8 @@ def query(name: str, original: Callable[[Any], int]) -> Callable[[Any], int]:
     return answer
 
 
-def init(horovod_init: Callable[[], Any], local_rank: Callable[[], int], hold_ranks: Callable[[int], None]) -> Any:
+def init(horovod_init: Callable[[], Any], local_rank: Callable[[], int], size: Callable[[], int],
+         hold_ranks: Callable[[int], None]) -> Any:
     """Runs ``horovod_init`` (Horovod's ``init`` with its arguments) as this worker's ``hvd.init()`` must run.
 
     At the first ``init`` of a newcomer of an early start, or of a worker
@@ -175,10 +177,11 @@ def init(horovod_init: Callable[[], Any], local_rank: Callable[[], int], hold_ra
     stops first (it asks for its rank now), and a restartable worker stops
     waiting for a peer that died (the keeper's round watch). The keeper
     learns the init's end (``local_rank``: the local rank Horovod gave;
+    ``size``: the size it gave, which paces the next reset's round watch;
     ``hold_ranks``: see :func:`start_solo`).
     :mod:`elastic_ext.worker.horovod_changes` wraps Horovod's ``init`` with it.
     """
-    global _first_init_done
+    global _first_init_done, _round_size
     reset = _first_init_done
     restarted = keeper.restarts() > 0 and not reset
     solo = early_start_under_way() or restarted
@@ -186,7 +189,8 @@ def init(horovod_init: Callable[[], Any], local_rank: Callable[[], int], hold_ra
     if not solo:
         stop_watching()  # it asks for its rank now
     keeper.enter_init()
-    stop_watch = round_watch.watch(reset, keeper.lost_round) if keeper.active() and not solo else None
+    stop_watch = round_watch.watch(reset, keeper.lost_round, _round_size or launched_size()) \
+        if keeper.active() and not solo else None
     try:
         result = start_solo(horovod_init, hold_ranks=hold_ranks) if solo else horovod_init()
     except BaseException:
@@ -196,4 +200,12 @@ def init(horovod_init: Callable[[], Any], local_rank: Callable[[], int], hold_ra
         if stop_watch is not None:
             stop_watch()
     keeper.leave_init(joined=not solo, local_rank=None if solo else local_rank())
+    if not solo:
+        _round_size = size()
     return result
+
+
+def launched_size(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """The job's size when the driver launched this worker (``HOROVOD_SIZE``); None when not given."""
+    value = (os.environ if environ is None else environ).get("HOROVOD_SIZE", "")
+    return int(value) if value.isdigit() else None

@@ -38,7 +38,13 @@ from elastic_ext.control.store import (ASSIGNED, CAPACITY_LEFT_OUT, CURRENT, dis
 
 SCOPE = store.ROUND_SCOPE  # in the rendezvous server's store; cleared by Horovod at every new round
 POLL_S = 0.25
+# The whole job's round watches together read the store at most about this often: every worker of a
+# reset watches at once, and at 1,024 workers reads every POLL_S would be 4,096 a second, more than the
+# driver's one Python server answers while it serves the reset's own rendezvous (bench.control_plane).
+JOB_READS_PER_S = 256.0
 REQUEST_TIMEOUT_S = 2.0
+_watching = 0  # round watches running in this process (guarded by _watching_lock)
+_watching_lock = threading.Lock()
 
 
 def get(url: str, timeout_s: Optional[float] = REQUEST_TIMEOUT_S) -> Optional[bytes]:
@@ -101,20 +107,52 @@ def capacity_left_out(environ: Optional[Mapping[str, str]] = None) -> bool:
     return _read(CAPACITY_LEFT_OUT, environ) is not None
 
 
-def watch(reset: bool, on_lost: Optional[Callable[[int], None]] = None) -> Callable[[], None]:
+def poll_interval(size: Optional[int]) -> float:
+    """How often a round watch reads in a job of about ``size`` workers (None: not known): every
+    :data:`POLL_S`, or less often where the job's watches together would read more than
+    :data:`JOB_READS_PER_S` (1 s at 256 workers, 4 s at 1,024: a dead member still ends the wait long
+    before Gloo's timeout)."""
+    return max(POLL_S, (size or 0) / JOB_READS_PER_S)
+
+
+def watching() -> bool:
+    """True while a :func:`watch` runs in this process (the worker waits in ``hvd.init()`` and its round
+    watch reads the store)."""
+    return _watching > 0
+
+
+def watch(reset: bool, on_lost: Optional[Callable[[int], None]] = None, size: Optional[int] = None
+          ) -> Callable[[], None]:
     """Starts watching this worker's round during an ``hvd.init()``; returns the function that stops it.
 
     ``reset``: this ``hvd.init()`` re-initialises (its round is the next
     one). ``on_lost(round_id)`` runs in the watching thread when a member of
     the round failed; by default :func:`abort` (SIGABRT, which the keeper
-    restarts). Does nothing when the driver publishes no rounds.
+    restarts). ``size``: about how many workers the round has (it paces the
+    reads: :func:`poll_interval`). Does nothing when the driver publishes no
+    rounds.
     """
+    global _watching
     current = store.parse_round(_read(CURRENT))
     if current is None:  # no launcher, or a value that is not a round (logged once): nothing to watch
         return lambda: None
     mine = current + (1 if reset else 0)
     lost = on_lost or abort
-    return watch_key(f"{_base_url()}/{failed_key(mine)}", POLL_S, lambda: lost(mine), "elastic_ext-round-watch")
+    stop = watch_key(f"{_base_url()}/{failed_key(mine)}", poll_interval(size), lambda: lost(mine),
+                     "elastic_ext-round-watch")
+    with _watching_lock:
+        _watching += 1
+    stopped = threading.Event()
+
+    def stop_watch() -> None:
+        global _watching
+        stop()
+        with _watching_lock:
+            if not stopped.is_set():
+                stopped.set()
+                _watching -= 1
+
+    return stop_watch
 
 
 def watch_key(url: str, poll_s: float, on_present: Callable[[], None], name: str) -> Callable[[], None]:

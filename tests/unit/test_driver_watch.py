@@ -115,6 +115,45 @@ def test_during_an_early_start_only_a_failed_member_of_this_workers_round_counts
     assert reads == [round_watch.failed_key(3)] * 2  # one request per poll
 
 
+def test_between_rounds_the_driver_watch_waits_while_the_round_watch_reads(server, monkeypatch):
+    """In hvd.init() of a reset the keeper's round watch alone reads the store: at a thousand workers the
+    driver watch's reads of ``current`` would compete with the reset's own rendezvous. In a round, and
+    between rounds without a round watch, the driver watch reads as before."""
+    host_port = server.split("/")[2]
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_ADDR", host_port.split(":")[0])
+    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_PORT", host_port.split(":")[1])
+    publish(server, round_watch.CURRENT, b"3")
+    w = Watched(server)
+    reads = []
+    get = w.watch._get
+    monkeypatch.setattr(w.watch, "_get", lambda key: reads.append(key) or get(key))
+    w.watch.check()
+    assert reads == [round_watch.CURRENT]
+    stop = round_watch.watch(reset=True, on_lost=lambda round_id: None)
+    try:
+        assert round_watch.watching()
+        w.watch.check()
+        assert reads == [round_watch.CURRENT], "the driver watch read while the round watch ran"
+    finally:
+        stop()
+    stop()  # a second stop changes nothing
+    assert not round_watch.watching()
+    w.watch.check()
+    w.watch.joined()
+    w.watch.check()
+    assert reads == [round_watch.CURRENT] * 3 + [round_watch.failed_key(3)]
+
+
+def test_the_job_s_round_watches_read_the_store_at_most_about_job_reads_per_s():
+    for size in (None, 1, 8, 64, 256, 1024, 4096):
+        interval = round_watch.poll_interval(size)
+        assert interval >= round_watch.POLL_S
+        assert (size or 0) / interval <= round_watch.JOB_READS_PER_S
+    assert round_watch.poll_interval(64) == round_watch.POLL_S  # a small job notices a dead peer as before
+    assert round_watch.poll_interval(1024) == 1024 / round_watch.JOB_READS_PER_S
+
+
 def closed_port_url():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -187,6 +187,23 @@ def test_without_an_early_start_a_first_init_starts_as_launched(job, solo_state)
     assert newcomer.early_start_under_way(env) is False  # a job's start: no marker in the store
 
 
+def test_a_round_watch_is_paced_by_the_size_of_the_job_it_watches(monkeypatch, solo_state):
+    """The first init's round watch reads at the pace of the size the worker was launched with; a reset's,
+    at the pace of the size the last init gave (round_watch.poll_interval)."""
+    from elastic_ext.worker import keeper
+    monkeypatch.setattr(newcomer, "_round_size", None)
+    monkeypatch.setattr(keeper, "active", lambda: True)
+    monkeypatch.setattr(newcomer, "early_start_under_way", lambda environ=None: False)
+    monkeypatch.setenv("HOROVOD_SIZE", "1024")
+    paced = []
+    monkeypatch.setattr(round_watch, "watch",
+                        lambda reset, on_lost, size: paced.append((reset, size)) or (lambda: None))
+    sizes = iter([1000, 600])
+    for _ in range(2):
+        newcomer.init(lambda: None, lambda: 0, lambda: next(sizes), lambda size: None)
+    assert paced == [(False, 1024), (True, 1000)]
+
+
 class ResettingBinding:
     """What binding.reset() does in Horovod's C++: the rank request of a re-initialisation."""
 
