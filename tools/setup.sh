@@ -143,22 +143,27 @@ fi
 # The names of this stack's patches, as the build records them in horovod/elastic_ext_patches.py.
 PATCH_NAMES=""
 for p in "${PATCHES[@]}"; do PATCH_NAMES="$PATCH_NAMES $(basename "$p" .patch)"; done
+# And of their contents: a patch changed in place makes a new build too.
+PATCH_SHA=none
+[ ${#PATCHES[@]} -gt 0 ] && PATCH_SHA=$(cat "${PATCHES[@]}" | sha256sum | cut -c1-12)
 
 horovod_ok() {
     # Horovod is usable only if it imports with every framework we need, was
     # built against the torch/TF now installed, and carries exactly this
-    # checkout's patches (a venv built before a patch was added is rebuilt).
-    "$PY" - $PATCH_NAMES <<'PYEOF' 2>/dev/null
+    # checkout's patches, as they are now (a venv built before a patch was
+    # added or changed is rebuilt).
+    "$PY" - "$PATCH_SHA" $PATCH_NAMES <<'PYEOF' 2>/dev/null
 import sys
 import horovod, horovod.torch, horovod.tensorflow
 from horovod.common.util import gloo_built, mpi_built
 assert horovod.__version__ == "0.28.1", horovod.__version__
 assert gloo_built() and mpi_built()
 try:
-    from horovod.elastic_ext_patches import PATCHES
+    from horovod import elastic_ext_patches as built
 except ImportError:
-    PATCHES = ()
-assert tuple(PATCHES) == tuple(sys.argv[1:]), PATCHES
+    built = None
+assert tuple(getattr(built, "PATCHES", ())) == tuple(sys.argv[2:])
+assert getattr(built, "PATCHES_SHA256", "none") == sys.argv[1]
 PYEOF
 }
 
@@ -170,7 +175,7 @@ else
         || fail "cannot import torch and tensorflow to key the Horovod build" "run this script again; the previous step should have installed them"
     if [ ${#PATCHES[@]} -gt 0 ]; then
         # A change to any patch makes a new wheel.
-        key="$key-patches$(cat "${PATCHES[@]}" | sha256sum | cut -c1-12)"
+        key="$key-patches$PATCH_SHA"
     fi
     wheel_dir="$CACHE/horovod-$HOROVOD_VERSION-$key"
     wheel=$(ls "$wheel_dir"/horovod-*.whl 2>/dev/null | head -n 1)
@@ -201,6 +206,7 @@ else
             # (elastic_ext.control.horovod_seam.build_patches).
             { echo "# Written by elastic_ext's tools/setup.sh: the patches this Horovod was built with."
               printf 'PATCHES = ('; for n in $PATCH_NAMES; do printf '"%s", ' "$n"; done; echo ')'
+              echo "PATCHES_SHA256 = \"$PATCH_SHA\"  # the first 12 hex digits of their contents' sha256"
             } >"$src/horovod/elastic_ext_patches.py"
             source_arg="$src"
             # The patches make the build C++17 where torch needs it; torch counts as a
