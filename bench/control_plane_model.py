@@ -35,9 +35,9 @@ def percentile(values: List[float], q: float) -> Optional[float]:
 
 def gloo_requests(size: int, exchange: bool = False) -> int:
     """The fewest store requests of one Gloo context of ``size`` ranks (no read of a missing key); with the
-    full-mesh exchange (build patch 08) a rank's one request and its ``DELETE`` (none held past the last rank)."""
+    full-mesh exchange (build patch 08) a rank's one request (none held past the last rank) and no ``DELETE``."""
     if exchange and size > 1:
-        return 2 * size
+        return size
     return 3 * size + size * (size - 1) // 2 + 2 * size * (size - 1)
 
 
@@ -62,6 +62,6 @@ def extrapolate(reset: Dict[str, Any], size: int, slots: int, timeout_s: float,
             "at_store_rate_s": None if at_rate is None else round(at_rate, 1), "at_one_core_s": round(at_core, 1),
             "round_formed_s_extrapolated": round(max(at_rate or 0.0, at_core), 1),
             "note": f"the reset did not end in its bound ({timeout_s} s): Gloo's six rendezvous alone need "
-                    f"{total} store requests ({'about 12 N' if exchange else 'about 5 N^2 (1 + 1/slots)'}); "
+                    f"{total} store requests ({'about 6 N' if exchange else 'about 5 N^2 (1 + 1/slots)'}); "
                     f"the time given is the larger of the two estimates (at the store's measured rate, at its "
                     f"measured CPU per request)"}

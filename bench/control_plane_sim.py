@@ -21,9 +21,9 @@ them; the store answers HTTP/1.0 and closes), at the real intervals:
   (``gloo_context.cc``: global, local, cross, then the same for the global
   process set), each Gloo's ``connectFullMesh`` through ``HTTPStore``
   (:meth:`Worker.gloo_context`): before issue 55's changes a read of every
-  lower rank's host name and two of every peer's value, after them one
-  request (Horovod built with patch 08, :mod:`elastic_ext.launch.gloo_exchange`),
-  then the store's ``DELETE`` of its key;
+  lower rank's host name and two of every peer's value, then the store's
+  ``DELETE`` of its key; after them one request and no ``DELETE`` (Horovod
+  built with patch 08, :mod:`elastic_ext.launch.gloo_exchange`);
 - the sync after it: ``current``, ``assigned``, ``capacity_left_out``,
   and an early start when the round left capacity out or hosts were added
   (:mod:`elastic_ext.worker.prestart`; rank 0 polls the newcomers), the
@@ -217,7 +217,7 @@ class Worker:
             body = self.host.encode() + b"\n" + b"\0" * (ADDRESS_BYTES * (size - 1))
             while await self.gloo("PUT", scope, f"_mesh_{rank}_{size}_{ADDRESS_BYTES}", body) != 200:
                 await asyncio.sleep(GLOO_WAIT_POLL_S)
-            await self.finish_gloo_context(scope, rank, size, started)
+            await self.finish_gloo_context(scope, rank, size, started, delete=False)
             return
         await self.gloo("PUT", scope, f"rank_{rank}", self.host.encode())
         for peer in range(rank):  # each lower rank's host name (a plain get: no wait)
@@ -231,11 +231,14 @@ class Worker:
             await self.gloo("GET", scope, str(peer))  # then store.get: the same value read again
         await self.finish_gloo_context(scope, rank, size, started)
 
-    async def finish_gloo_context(self, scope: str, rank: int, size: int, started: float) -> None:
-        """Gloo's barrier over the pairs once connected, then ``Finalize``."""
+    async def finish_gloo_context(self, scope: str, rank: int, size: int, started: float,
+                                  delete: bool = True) -> None:
+        """Gloo's barrier over the pairs once connected, then ``Finalize`` (its ``DELETE``, but not after an
+        exchange)."""
         meshed = time.monotonic()
         await self.job.barrier(scope, self.generation, size)  # gloo::barrier over the pairs, not the store
-        await self.gloo("DELETE", scope, str(rank))
+        if delete:
+            await self.gloo("DELETE", scope, str(rank))
         context = scope.split("_")[0] + ("_ps" if "process_set" in scope else "")
         self.job.stats.contexts[(self.job.stats.phase, context)].append((meshed - started, time.monotonic() - started))
 

@@ -19,7 +19,12 @@ its pair addresses (``item`` bytes each, one per other rank in rank order).
 published (at most :data:`HOLD_S`; the rank asks again on a 404) and answers
 with the rank's local rank (lower ranks with the same host name), a newline,
 and of every other rank's addresses the one made for this rank: N requests
-and N^2 address bytes a context.
+and N^2 address bytes a context. The rank then sends no ``DELETE`` at the
+context's finalize (Gloo's own path sends one per rank, which lets the
+server drop the scope's values once every rank has connected): the values
+stay in the cache until the driver's next round clears it, about
+``136 N^2`` bytes for each of a round's two global contexts (142 MB at
+1,024 ranks), and a rank whose answer was lost can still ask again.
 """
 
 from __future__ import annotations
@@ -124,7 +129,7 @@ def exchange(server: Any, scope: str, key: str, body: bytes) -> Optional[bytes]:
         blobs, local_ranks = context.ready
         context.answered.add(rank)
         if len(context.answered) == size and contexts.get(scope) is context:
-            del contexts[scope]  # every rank has its answer: the values stay in the cache until Gloo's finalize
+            del contexts[scope]  # every rank has its answer: the values stay in the cache until the next round
     # Rank p's addresses are in rank order without p itself: this rank's is at rank, or rank - 1 above p.
     column = b"".join(blobs[peer][(rank - (rank > peer)) * item:(rank - (rank > peer) + 1) * item]
                       for peer in range(size) if peer != rank)

@@ -57,7 +57,7 @@ def test_every_rank_gets_in_one_request_what_gloos_own_protocol_reads_one_peer_a
         assert status == 200, (rank, status, body[:200])
         local, _, column = body.partition(b"\n")
         assert (int(local), column) == gloos_own(blobs, hosts, rank), rank
-    # Stored under Gloo's own keys: a reader of the old protocol and Gloo's finalize (DELETE) see them.
+    # Stored under Gloo's own keys, until the next round: a reader of the old protocol sees them.
     stored = snapshot(job)["global"]
     assert all(stored[str(rank)] == blobs[rank] and stored[f"rank_{rank}"] == hosts[rank].encode()
                for rank in range(len(hosts)))
