@@ -78,8 +78,7 @@ def commit() -> str:
 def run_one(n: int, args: argparse.Namespace, tree: Optional[str] = None, after: bool = True) -> Dict[str, Any]:
     """One N of the code of ``tree`` (this checkout by default), its workers speaking the protocol of main
     after issue 55's changes (``after``) or before them."""
-    run = Run(n, args, **({} if tree is None else {"tree": tree}), fence_on_reach=after, gloo_exchange=after,
-              paced_watches=after)
+    run = Run(n, args, **({} if tree is None else {"tree": tree}), after=after)
     with tempfile.TemporaryDirectory(prefix="control_plane.") as tmp:
         run.tmp = tmp
         started = time.monotonic()

@@ -24,12 +24,9 @@ class Job:
     """The simulated workers of one driver: started when the driver says, reset when the job would."""
 
     def __init__(self, port: int, secret: str, send: Callable[[str], None], gloo: bool, build_s: float,
-                 registration: bytes, process_start_s: float, fence_on_reach: bool, gloo_exchange: bool,
-                 paced_watches: bool) -> None:
+                 registration: bytes, process_start_s: float, after: bool) -> None:
         self.process_start_s = process_start_s
-        self.fence_on_reach = fence_on_reach  # the driver watch's rule after issue 55 (bench.control_plane_sim)
-        self.gloo_exchange = gloo_exchange  # Gloo's rendezvous in one request per rank (build patch 08)
-        self.paced_watches = paced_watches  # round watches paced by the job's size, no driver watch during them
+        self.after = after  # the workers speak the protocol after issue 55's changes (bench.control_plane_sim)
         self.stats = Stats()
         self.store = Store(port, secret, self.stats)
         self.send, self.gloo, self.build_s, self.registration = send, gloo, build_s, registration

@@ -25,16 +25,12 @@ DRIVER = os.path.join(REPO, "bench", "control_plane_driver.py")
 
 class Run:
     """One N of one code version: the driver process (``elastic_ext`` of ``tree``), the simulated job, the
-    phases. ``fence_on_reach``: the workers' driver watch counts only handshakes not completed (after issue 55);
-    ``gloo_exchange``: their Gloo rendezvous is one request per rank and context (Horovod with build patch 08,
-    :mod:`elastic_ext.launch.gloo_exchange`); ``paced_watches``: their round watches read at
-    :func:`elastic_ext.worker.round_watch.poll_interval` and their driver watch waits while one runs.
+    phases. ``after``: the workers speak the protocol of main after issue 55's changes
+    (:mod:`bench.control_plane_sim` says what each changes), or before them.
     """
 
-    def __init__(self, n: int, args: argparse.Namespace, tree: str = REPO, fence_on_reach: bool = True,
-                 gloo_exchange: bool = True, paced_watches: bool = True) -> None:
-        self.n, self.args, self.tree, self.fence_on_reach = n, args, tree, fence_on_reach
-        self.gloo_exchange, self.paced_watches = gloo_exchange, paced_watches
+    def __init__(self, n: int, args: argparse.Namespace, tree: str = REPO, after: bool = True) -> None:
+        self.n, self.args, self.tree, self.after = n, args, tree, after
         self.slots = args.slots
         self.hosts = {f"host-{i:03d}": min(self.slots, n - i * self.slots)
                       for i in range((n + self.slots - 1) // self.slots)}
@@ -161,8 +157,7 @@ class Run:
         self.result["driver_elastic_ext"] = words[2] if len(words) > 2 else None
         self.job = Job(port, secret, self.send, gloo=n <= args.gloo_start_max, build_s=args.build_s,
                        registration=registration_value(service.addresses()["lo"][0][1], key),
-                       process_start_s=args.process_start_s, fence_on_reach=self.fence_on_reach,
-                       gloo_exchange=self.gloo_exchange, paced_watches=self.paced_watches)
+                       process_start_s=args.process_start_s, after=self.after)
         job_ref.append(self.job)
         reader = loop.create_task(self.driver_lines())
         try:
@@ -205,7 +200,7 @@ class Run:
         stalled = await self.close_phase("stalled")
         self.result.update({k: steady[k] for k in ("requests_per_s", "p50_ms", "p99_ms", "driver_cpu_cores")})
         # What the workers ask in steady training: the driver watch's reads per poll, 2 before issue 55, 1 after.
-        reads = 1 if self.fence_on_reach else 2
+        reads = 1 if self.after else 2
         self.result["requests_asked_per_s"] = round(reads * len(job.alive()) / driver_watch.POLL_S, 1)
         self.result["false_fences_stalled"] = stalled["fenced"]
         # A SIGKILL of one worker (not the coordinator): the round forms from the others.
@@ -260,4 +255,4 @@ class Run:
 
     def extrapolate(self, reset: Dict[str, Any], size: int) -> None:
         self.result["reset_extrapolated"] = extrapolate(reset, size, self.slots, self.args.reset_timeout_s,
-                                                        self.gloo_exchange)
+                                                        self.after)

@@ -9,7 +9,7 @@ them; the store answers HTTP/1.0 and closes), at the real intervals:
   (``FENCE_MIN_ATTEMPTS`` failed polls in a row over at least ``FENCE_S``),
   in the version the job runs: main's before issue 55 (``current`` and
   ``failed_<round>``, 2 s for the whole request, any failure counts) or
-  after it (``fence_on_reach``: only ``failed_<round>``, 2 s for the
+  after it (``Job.after``: only ``failed_<round>``, 2 s for the
   handshake, 2 s for the answer, only a handshake not completed counts); a
   worker that would fence is counted and polls on, so the load stays the
   same;
@@ -87,17 +87,17 @@ class Worker:
     async def driver_watch(self) -> None:
         while not self.dead:
             await asyncio.sleep(driver_watch.POLL_S)
-            if self.job.paced_watches and self.round is None and self.round_watching:
+            if self.job.after and self.round is None and self.round_watching:
                 continue  # after issue 55: the round watch alone reads the store during hvd.init()
             await self.watch_check()
 
     async def watch_check(self) -> None:
         s, mine, members = self.job.store, self.round, set(self.members)
-        # After issue 55 the handshake has its own bound and only a failed one counts (fence_on_reach);
+        # After issue 55 the handshake has its own bound and only a failed one counts;
         # before it, one bound for the whole request and any failure counted.
-        connect_s = driver_watch.CONNECT_TIMEOUT_S if self.job.fence_on_reach else None
+        connect_s = driver_watch.CONNECT_TIMEOUT_S if self.job.after else None
         try:
-            if self.job.fence_on_reach:  # after: one read, this round's failed key (the driver publishes a
+            if self.job.after:  # one read, this round's failed key (the driver publishes a
                 # member's failure under each round it belongs to), or ``current`` between rounds
                 key = round_watch.CURRENT if mine is None else round_watch.failed_key(mine)
                 who = await s.value(round_watch.SCOPE, key, driver_watch.REQUEST_TIMEOUT_S, "watch", connect_s)
@@ -114,7 +114,7 @@ class Worker:
             self.failing_since, self.failures = None, 0
             return
         except Unanswered:
-            if self.job.fence_on_reach:  # the driver's host accepted the connection: reachable, only slow
+            if self.job.after:  # the driver's host accepted the connection: reachable, only slow
                 self.job.stats.watch_unanswered[self.job.stats.phase] += 1
                 self.failing_since, self.failures = None, 0
                 return
@@ -179,7 +179,7 @@ class Worker:
         s = self.job.store
         current = store.parse_round(await s.quiet(round_watch.SCOPE, round_watch.CURRENT, kind="init"))
         # After issue 55 the job's round watches together read about round_watch.JOB_READS_PER_S.
-        every_s = round_watch.poll_interval(self.size) if self.job.paced_watches else round_watch.POLL_S
+        every_s = round_watch.poll_interval(self.size) if self.job.after else round_watch.POLL_S
         watch = None if current is None else self.spawn(self.poll(
             round_watch.SCOPE, round_watch.failed_key(current + (1 if reset else 0)), every_s, "init"))
         self.round_watching = watch is not None
@@ -213,7 +213,7 @@ class Worker:
         """Gloo's ``Context::connectFullMesh`` over Horovod's ``HTTPStore``, then its barrier and ``Finalize``."""
         started = time.monotonic()
         self.step = f"gloo {scope} rank {rank}/{size} gen {self.generation}"
-        if self.job.gloo_exchange and size > 1:  # build patch 08: one request (asked again while held: 404)
+        if self.job.after and size > 1:  # build patch 08: one request (asked again while held: 404)
             body = self.host.encode() + b"\n" + b"\0" * (ADDRESS_BYTES * (size - 1))
             while await self.gloo("PUT", scope, f"_mesh_{rank}_{size}_{ADDRESS_BYTES}", body) != 200:
                 await asyncio.sleep(GLOO_WAIT_POLL_S)
