@@ -108,6 +108,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="a worker's process start to its first request (Python, Horovod, the framework)")
     parser.add_argument("--driver-backlog", type=int, default=None,
                         help="a diagnosis only: the store's listen backlog (Horovod's: 5); never in results")
+    parser.add_argument("--exchange-hold-s", type=float, default=None,
+                        help="a comparison only: how long the store holds a Gloo exchange "
+                             "(elastic_ext.launch.gloo_exchange.HOLD_S)")
     parser.add_argument("--slots", type=int, default=SLOTS, help="slots per simulated host")
     parser.add_argument("--output", default=RESULTS)
     parser.add_argument("--until", choices=("reset", "host_added"), default="host_added",

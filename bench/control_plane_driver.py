@@ -145,6 +145,9 @@ def serve(args: argparse.Namespace) -> None:
     if args.backlog is not None:  # a diagnosis (--driver-backlog), not elastic-horovodrun's store
         from horovod.runner.http.http_server import RendezvousHTTPServer
         RendezvousHTTPServer.request_queue_size = args.backlog
+    if args.exchange_hold_s is not None:  # a comparison (--exchange-hold-s): how long an exchange is held
+        from elastic_ext.launch import gloo_exchange
+        gloo_exchange.HOLD_S = args.exchange_hold_s
     server = RendezvousServer(verbose=0)
     elastic = ElasticDriver(server, FileDiscovery(args.hosts_file), args.min_np, args.max_np, timeout=600)
     port = server.start(create_rendezvous_handler(elastic))
@@ -196,6 +199,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--max-np", type=int)
     parser.add_argument("--secret")
     parser.add_argument("--backlog", type=int)
+    parser.add_argument("--exchange-hold-s", type=float)
     parser.add_argument("--wrap", metavar="EVENTS_FILE")
     args, rest = parser.parse_known_args(argv)
     if args.wrap:

@@ -149,6 +149,7 @@ class Run:
             sys.executable, script, "--hosts-file", self.hosts_file, "--np", str(n),
             "--min-np", str(max(1, n // 2)), "--max-np", str(n + self.slots), "--secret", secret,
             *(["--backlog", str(args.driver_backlog)] if args.driver_backlog else []),
+            *(["--exchange-hold-s", str(args.exchange_hold_s)] if args.exchange_hold_s is not None else []),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.driver_log, cwd=self.tree,
             env=dict(os.environ, PYTHONPATH=self.tree), limit=1 << 20)
         assert self.proc.stdout is not None
