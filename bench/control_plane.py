@@ -109,7 +109,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--driver-backlog", type=int, default=None,
                         help="a diagnosis only: the store's listen backlog (Horovod's: 5); never in results")
     parser.add_argument("--exchange-hold-s", type=float, default=None,
-                        help="a comparison only: how long the store holds a Gloo exchange "
+                        help="a comparison only, of the after version: how long the store holds a Gloo exchange "
                              "(elastic_ext.launch.gloo_exchange.HOLD_S)")
     parser.add_argument("--slots", type=int, default=SLOTS, help="slots per simulated host")
     parser.add_argument("--output", default=RESULTS)
