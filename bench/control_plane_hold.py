@@ -22,6 +22,8 @@ import sys
 import tempfile
 from typing import Any, Dict, List
 
+from bench.control_plane import commit, machine
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "control_plane_exchange_hold.json")
 
@@ -60,12 +62,11 @@ def main() -> int:
                     row = summary(json.load(handle)["results"]["after"][str(args.workers)])
                 rows[str(hold)].append(row)
                 print(f"run {run + 1} hold {hold:g} s: {json.dumps(row)}", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
-                            text=True).stdout.strip()
     ended = {hold: [row["round_formed_s"] for row in runs if row["ended"]] for hold, runs in rows.items()}
     report = {
         "command": " ".join(["python -m bench.control_plane_hold", *sys.argv[1:]]),
-        "commit": commit, "date": datetime.date.today().isoformat(), "workers": args.workers,
+        "commit": commit(), "machine": machine(), "date": datetime.date.today().isoformat(),
+        "workers": args.workers,
         "runs": rows,
         "summary": {hold: {"ended": len(times), "runs": len(rows[hold]),
                            "median_round_formed_s": statistics.median(times) if times else None,
