@@ -29,10 +29,10 @@ stay in the cache until the driver's next round clears it, about
 
 from __future__ import annotations
 
+import queue
 import re
 import threading
-import time
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 
 PATCH = "08-gloo-full-mesh-in-one-request"
 ENV = "HOROVOD_GLOO_FULL_MESH_EXCHANGE"
@@ -57,6 +57,7 @@ class _Context:
         self.values, self.size, self.item = values, size, item
         self.published = {peer for peer in range(size) if len(values.get(str(peer), b"")) == (size - 1) * item}
         self.ready: Optional[Tuple[List[bytes], List[int]]] = None  # every rank's addresses, its local rank
+        self.waiting: Dict[int, Callable[[bytes], None]] = {}  # the requests not answered yet, by rank
         self.answered: Set[int] = set()
 
     def publish(self, rank: int) -> bool:
@@ -82,19 +83,17 @@ def is_exchange(key: str) -> bool:
     return key.startswith(PREFIX)
 
 
-def _state(server: Any) -> Tuple[threading.Condition, Dict[str, _Context]]:
-    """The server's condition over its cache lock (notified when a context's last rank has published) and its
-    contexts by scope (changed only under that lock)."""
-    with _state_lock:
-        state = server.__dict__.get("_elastic_ext_mesh")
-        if state is None:
-            state = server.__dict__["_elastic_ext_mesh"] = (threading.Condition(server.cache_lock), {})
-        return state
+class Request(NamedTuple):
+    """One rank's exchange, checked: what :func:`exchange` stores and answers."""
+    rank: int
+    size: int
+    item: int
+    host: bytes
+    addresses: bytes
 
 
-def exchange(server: Any, scope: str, key: str, body: bytes) -> Optional[bytes]:
-    """Stores a rank's host name and addresses in ``scope`` of ``server``'s cache; its answer once every rank
-    has published (``b"<local rank>\\n"`` and the addresses meant for it), or None after :data:`HOLD_S`.
+def parse(key: str, body: bytes) -> Request:
+    """The exchange a ``_mesh_`` key and its body ask for.
 
     Raises:
         ValueError: the key is not ``_mesh_<rank>_<size>_<item>`` with 0 <= rank < size <= MAX_SIZE and
@@ -110,30 +109,57 @@ def exchange(server: Any, scope: str, key: str, body: bytes) -> Optional[bytes]:
     if not newline or len(addresses) != (size - 1) * item:
         raise ValueError(f"{key}: expected a host name, a newline and {(size - 1) * item} address bytes, "
                          f"got {len(body)} bytes{'' if newline else ' without a newline'}")
-    condition, contexts = _state(server)
-    deadline = time.monotonic() + HOLD_S
-    with condition:
+    return Request(rank, size, item, host, addresses)
+
+
+def _contexts(server: Any) -> Dict[str, _Context]:
+    """The server's contexts by scope (changed only under its cache lock)."""
+    with _state_lock:
+        return server.__dict__.setdefault("_elastic_ext_mesh", {})
+
+
+def exchange(server: Any, scope: str, request: Request, answer: Callable[[bytes], None]) -> None:
+    """Stores a rank's host name and addresses in ``scope`` of ``server``'s cache, and calls ``answer`` with
+    its answer (``b"<local rank>\\n"`` and the addresses meant for it) once every rank has published: at
+    once if they have, else from the call of the last rank to publish. A request that is answered no other
+    way (its hold ends, its context is dropped by a new round) is the caller's to answer 404.
+    """
+    rank, size, item = request.rank, request.size, request.item
+    contexts = _contexts(server)
+    with server.cache_lock:
         values = server.cache.setdefault(scope, {})
-        values[f"rank_{rank}"] = host
-        values[str(rank)] = addresses
+        values[f"rank_{rank}"] = request.host
+        values[str(rank)] = request.addresses
         context = contexts.get(scope)
         if context is None or context.values is not values or (context.size, context.item) != (size, item):
             context = contexts[scope] = _Context(values, size, item)  # the round's first (init cleared the cache)
-        if context.publish(rank):
-            condition.notify_all()
-        while context.ready is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            condition.wait(left)
-        blobs, local_ranks = context.ready
-        context.answered.add(rank)
+        context.waiting[rank] = answer  # (a rank asking again replaces its earlier request, answered 404)
+        if not context.publish(rank) and context.ready is None:
+            return
+        waiting, context.waiting = context.waiting, {}
+        context.answered.update(waiting)
         if len(context.answered) == size and contexts.get(scope) is context:
             del contexts[scope]  # every rank has its answer: the values stay in the cache until the next round
+    blobs, local_ranks = context.ready  # type: ignore[misc] - set: the context is complete
+    for peer_rank, reply in waiting.items():
+        reply(_answer_of(blobs, local_ranks, peer_rank, item))
+
+
+def _answer_of(blobs: List[bytes], local_ranks: List[int], rank: int, item: int) -> bytes:
     # Rank p's addresses are in rank order without p itself: this rank's is at rank, or rank - 1 above p.
     column = b"".join(blobs[peer][(rank - (rank > peer)) * item:(rank - (rank > peer) + 1) * item]
-                      for peer in range(size) if peer != rank)
+                      for peer in range(len(blobs)) if peer != rank)
     return b"%d\n" % local_ranks[rank] + column
 
 
-__all__ = ["ENV", "HOLD_S", "PATCH", "PREFIX", "exchange", "is_exchange"]
+def exchange_waiting(server: Any, scope: str, request: Request) -> Optional[bytes]:
+    """:func:`exchange` for a caller on a thread of its own: its answer, or None after :data:`HOLD_S`."""
+    answers: "queue.SimpleQueue[bytes]" = queue.SimpleQueue()
+    exchange(server, scope, request, answers.put)
+    try:
+        return answers.get(timeout=HOLD_S)
+    except queue.Empty:
+        return None
+
+
+__all__ = ["ENV", "HOLD_S", "PATCH", "PREFIX", "Request", "exchange", "exchange_waiting", "is_exchange", "parse"]

@@ -202,17 +202,23 @@ def guarded(handler_cls: type) -> type:
         def _exchange(self, scope: str, key: str) -> None:
             body = self.rfile.read(int(self.headers["Content-Length"]))  # (checked: at most MAX_BODY_BYTES)
             try:
-                answer = gloo_exchange.exchange(self.server, scope, key, body)
+                request = gloo_exchange.parse(key, body)
             except ValueError as exc:
                 self._refuse(Refused(400, str(exc)))
                 return
-            if answer is None:
-                self.send_status_code(404)  # not every rank yet: the rank asks again
+            defer = getattr(self.request, "defer", None)  # the store's loop holds it without a thread
+            if defer is not None:  # answered 404 if not every rank has published by the hold's end: asked again
+                answer = defer(gloo_exchange.HOLD_S, lambda: (404, b""))
+                gloo_exchange.exchange(self.server, scope, request, lambda value: answer(200, value))
+                return
+            value = gloo_exchange.exchange_waiting(self.server, scope, request)
+            if value is None:
+                self.send_status_code(404)
                 return
             self.send_response(200)
-            self.send_header("Content-Length", str(len(answer)))
+            self.send_header("Content-Length", str(len(value)))
             self.end_headers()
-            self.wfile.write(answer)
+            self.wfile.write(value)
 
         def do_DELETE(self) -> None:
             if self._checked("DELETE"):

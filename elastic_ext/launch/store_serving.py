@@ -1,4 +1,4 @@
-"""How the driver's rendezvous server takes its connections: a listen queue sized for a job, threads reused.
+"""How the driver's rendezvous server takes its connections: a listen queue sized for a job, served by one loop.
 
 Horovod's rendezvous server is a ``socketserver.ThreadingMixIn`` HTTP
 server with socketserver's defaults, which do not hold a thousand workers
@@ -16,79 +16,32 @@ server with socketserver's defaults, which do not hold a thousand workers
    not completed.
 2. **A new thread per request**, started on the server's accept loop
    (``Thread.start`` waits until the thread runs), about 500 requests a
-   second at most. Here a request goes to a thread that finished its
-   previous one and waits for the next, and a new thread starts only when
-   none waits. Requests may block (Horovod's elastic rank requests wait for
-   the driver's round), so the number of threads is
-   not bounded, as before: a fixed pool could hold every thread on such
-   requests while those that would end their wait sit in the queue. A thread idle for
-   :data:`IDLE_S` ends.
+   second at most, and a thread held for each request that waits (Gloo's
+   exchange, a rank request): at 1,024 workers a thousand threads that,
+   woken together, took the store's lock and the interpreter in turn.
+   Here the accept loop hands each connection to the server's one
+   :class:`~elastic_ext.launch.store_loop.Loop`, which reads, serves,
+   holds and answers requests without a thread each; only those that wait
+   on the driver get a (reused) thread.
 
 Who may connect and what a request may do is unchanged
 (:mod:`elastic_ext.launch.store_guard`: ``verify_request`` runs on the
-accept loop before a request is handed to a thread).
+accept loop before a connection is handed to the loop).
 """
 
 from __future__ import annotations
 
-import queue
 import socket
-import threading
-from typing import Any, List, Tuple
+from typing import Any, List
 
 from elastic_ext.control.horovod_seam import Change
+from elastic_ext.launch import store_guard, store_loop
 
 BACKLOG = max(4096, socket.SOMAXCONN)  # a burst of every worker's requests of a thousand-worker job
-IDLE_S = 30.0  # a reused thread waits this long for another request, then ends
-
-
-
-class ReusedThreads:
-    """The threads of one server: each serves requests one after another; a new one only when none is idle.
-
-    Invariant (under ``_lock``): ``_idle`` = threads waiting on the queue minus requests queued, never
-    negative: every queued request has a waiting thread that will take it.
-    """
-
-    def __init__(self, server: Any) -> None:
-        self._server = server
-        self._queue: "queue.SimpleQueue[Tuple[Any, Any]]" = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._idle = 0
-
-    def submit(self, request: Any, client_address: Any) -> None:
-        with self._lock:
-            promised = self._idle > 0
-            if promised:
-                self._idle -= 1
-                self._queue.put((request, client_address))
-        if not promised:  # every thread is busy: a new one, with this request as its first
-            threading.Thread(target=self._serve, args=(request, client_address), name="elastic_ext-store",
-                             daemon=True).start()
-
-    def _serve(self, request: Any, client_address: Any) -> None:
-        while True:
-            # socketserver's own: serves, logs an error through handle_error, always closes the connection
-            self._server.process_request_thread(request, client_address)
-            with self._lock:
-                self._idle += 1
-            while True:
-                try:
-                    request, client_address = self._queue.get(timeout=IDLE_S)
-                    break
-                except queue.Empty:
-                    with self._lock:
-                        if self._idle > 0:  # more waiting threads than queued requests: this one may end
-                            self._idle -= 1
-                            return
-                    # every waiting thread was promised a request that is on its way: wait for it
 
 
 def _process_request(self: Any, request: Any, client_address: Any) -> None:
-    threads = self.__dict__.get("_elastic_ext_threads")
-    if threads is None:  # the accept loop is one thread: no race on creating it
-        threads = self.__dict__["_elastic_ext_threads"] = ReusedThreads(self)
-    threads.submit(request, client_address)
+    store_loop.loop_of(self, store_guard.MAX_BODY_BYTES).add(request, client_address)
 
 
 def changes() -> List[Change]:
@@ -100,4 +53,4 @@ def changes() -> List[Change]:
             (RendezvousHTTPServer, "process_request", _process_request)]
 
 
-__all__ = ["BACKLOG", "IDLE_S", "ReusedThreads", "changes"]
+__all__ = ["BACKLOG", "changes"]

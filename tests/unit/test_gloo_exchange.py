@@ -100,7 +100,7 @@ def test_a_new_round_exchanges_afresh_in_the_same_scope(job):
 ])
 def test_a_malformed_exchange_is_answered_400_naming_what_is_wrong_and_stores_nothing(job, key, body, named):
     with pytest.raises(ValueError) as raised:
-        gloo_exchange.exchange(job.server._httpd, "cross_0", key, body)
+        gloo_exchange.parse(key, body)
     assert named in str(raised.value)
     assert request(job, "PUT", f"/cross_0/{key}", body)[0] == 400
     assert "cross_0" not in snapshot(job)
