@@ -64,7 +64,7 @@ class _Connection:
         self.inbox, self.need = bytearray(), -1     # -1: the head is not complete yet
         self.outbox, self.sent = b"", 0
         self.deadline = 0.0
-        self.at_end: Optional[Callable[[], Tuple[int, bytes]]] = None  # a held request's answer at its hold's end
+        self.at_end: Optional[Callable[[], None]] = None  # a held request's answer at its hold's end
         self.done = False                           # answered (or closed): a later answer is dropped
 
 
@@ -208,23 +208,22 @@ class Loop:
             self._server.finish_request(memory, connection.address)  # the server's handler, on the request
         except Exception:  # noqa: BLE001 - as socketserver: logged through the server, the connection closed
             self._server.handle_error(memory, connection.address)
-        if memory.held is not None and not memory.out:
-            hold_s, at_end = memory.held
+        if memory.hold_s is not None and not memory.out:
             if threaded:
-                self._call(lambda: self._hold(connection, hold_s, at_end))
+                self._call(lambda: self._hold(connection, memory))
             else:
-                self._hold(connection, hold_s, at_end)
+                self._hold(connection, memory)
         else:
             self.answer(connection, bytes(memory.out))
 
-    def _hold(self, connection: _Connection, hold_s: float, at_end: Callable[[], Tuple[int, bytes]]) -> None:
+    def _hold(self, connection: _Connection, memory: InMemory) -> None:
         if not connection.done:
-            connection.at_end = at_end
-            self._set_deadline(connection, hold_s)
+            connection.at_end = memory.end_hold
+            self._set_deadline(connection, memory.hold_s or 0.0)
 
     def _expired(self, connection: _Connection) -> None:
         if connection.at_end is not None:  # a held request's hold has ended
-            self._send(connection, response(*connection.at_end()))
+            connection.at_end()
         elif connection.outbox:  # its client has read nothing for the handler's timeout
             self._close(connection)
         else:  # its request was not complete in time

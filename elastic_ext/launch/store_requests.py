@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import threading
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable, Optional, Tuple
 
@@ -31,9 +32,12 @@ class InMemory:
     """
 
     def __init__(self, data: bytes, answer: Callable[[bytes], None]) -> None:
-        self._data, self._answer = data, answer
+        self.data, self._answer = data, answer
         self.out = bytearray()
-        self.held: Optional[Tuple[float, Callable[[], Tuple[int, bytes]]]] = None
+        self.hold_s: Optional[float] = None  # deferred: how long the loop holds the request
+        self._at_end: Callable[[], Tuple[int, bytes]] = lambda: (404, b"")
+        self._lock = threading.Lock()
+        self._replied = False
 
     def settimeout(self, timeout: Optional[float]) -> None:
         pass
@@ -44,16 +48,28 @@ class InMemory:
     def makefile(self, mode: str = "r", buffering: Optional[int] = None) -> Any:
         if "r" not in mode:
             raise ValueError(f"mode {mode!r}: a request in memory is read only ('rb')")
-        return io.BytesIO(self._data)
+        return io.BytesIO(self.data)
 
     def sendall(self, data: bytes) -> None:
         self.out += data
 
-    def defer(self, hold_s: float, at_end: Callable[[], Tuple[int, bytes]]) -> Callable[[int, bytes], None]:
-        """Tells the store's loop that the handler answers later: returns ``answer(status, body)``, callable
-        once from any thread; if it has not been called within ``hold_s``, the loop answers ``at_end()``."""
-        self.held = (hold_s, at_end)
-        return lambda status, body: self._answer(response(status, body))
+    def defer(self, hold_s: float, at_end: Callable[[], Tuple[int, bytes]]) -> Callable[[int, bytes], bool]:
+        """Tells the store's loop that the handler answers later, with :meth:`reply` (from any thread); if it
+        has not replied within ``hold_s``, the loop answers ``at_end()`` (:meth:`end_hold`)."""
+        self.hold_s, self._at_end = hold_s, at_end
+        return self.reply
+
+    def reply(self, status: int, body: bytes = b"") -> bool:
+        """Sends a deferred request's answer, once: False (nothing sent) if it had one already."""
+        with self._lock:
+            if self._replied:
+                return False
+            self._replied = True
+        self._answer(response(status, body))
+        return True
+
+    def end_hold(self) -> None:
+        self.reply(*self._at_end())
 
 
 __all__ = ["InMemory", "body_length", "response"]
