@@ -32,7 +32,7 @@ from __future__ import annotations
 import queue
 import re
 import threading
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set
 
 PATCH = "08-gloo-full-mesh-in-one-request"
 ENV = "HOROVOD_GLOO_FULL_MESH_EXCHANGE"
@@ -48,26 +48,35 @@ _state_lock = threading.Lock()
 class _Context:
     """One context's exchange in one scope of the cache (``values``, the dict Horovod's store keeps for it).
 
-    Which ranks have published (counted as they do, so that each request costs O(1) under the store's lock
-    until the last one), and once all have, what every answer is cut from; dropped once every rank is
-    answered. A rank asking again after that (its answer lost) finds its peers' values still in ``values``.
+    Each rank's addresses are placed, as it publishes, where its peers' answers read them: ``columns[c, p]``
+    is rank p's address at its index c, and rank r's answer is ``columns[r - 1, :r]`` (its lower peers, who
+    hold r's address at index r - 1) followed by ``columns[r, r + 1:]`` (its higher peers, at index r), two
+    contiguous runs. So a publish costs one strided copy of its addresses and the last one no more, and an
+    answer is cut in one copy. Dropped once every rank is answered; a rank asking again after that (its
+    answer lost) finds its peers' values still in ``values``, from which a new context is made.
     """
 
     def __init__(self, values: Dict[str, bytes], size: int, item: int) -> None:
+        import numpy  # (a dependency of the package; imported by the first exchange only)
+
         self.values, self.size, self.item = values, size, item
-        self.published = {peer for peer in range(size) if len(values.get(str(peer), b"")) == (size - 1) * item}
-        self.ready: Optional[Tuple[List[bytes], List[int]]] = None  # every rank's addresses, its local rank
+        self._numpy = numpy
+        self.columns = numpy.empty((max(size - 1, 0), size, item), dtype=numpy.uint8)
+        self.published: Set[int] = set()
+        self.local_ranks: Optional[List[int]] = None  # set when every rank has published
         self.waiting: Dict[int, Callable[[bytes], None]] = {}  # the requests not answered yet, by rank
         self.answered: Set[int] = set()
+        for peer in range(size):
+            if len(values.get(str(peer), b"")) == (size - 1) * item:
+                self.publish(peer, values[str(peer)])
 
-    def publish(self, rank: int) -> bool:
-        """Counts ``rank`` in; True when this made the context complete (its answers are ready)."""
+    def publish(self, rank: int, addresses: bytes) -> bool:
+        """Places ``rank``'s addresses; True when this made the context complete (its answers are ready)."""
+        if self.size > 1:
+            self.columns[:, rank] = self._numpy.frombuffer(addresses, dtype=self._numpy.uint8).reshape(
+                self.size - 1, self.item)
         self.published.add(rank)
-        if self.ready is not None or len(self.published) < self.size:
-            return False
-        blobs = [self.values.get(str(peer), b"") for peer in range(self.size)]
-        if any(len(blob) != (self.size - 1) * self.item for blob in blobs):  # a value replaced meanwhile
-            self.published = {peer for peer, blob in enumerate(blobs) if len(blob) == (self.size - 1) * self.item}
+        if self.local_ranks is not None or len(self.published) < self.size:
             return False
         seen: Dict[bytes, int] = {}
         local_ranks = []
@@ -75,8 +84,16 @@ class _Context:
             host = self.values.get(f"rank_{peer}", b"")
             local_ranks.append(seen.get(host, 0))
             seen[host] = local_ranks[-1] + 1
-        self.ready = (blobs, local_ranks)
+        self.local_ranks = local_ranks
         return True
+
+    def answer(self, rank: int) -> bytes:
+        """Rank ``rank``'s answer: its local rank, a newline, and the address each other rank made for it."""
+        assert self.local_ranks is not None
+        flat, row, item = memoryview(self.columns).cast("B"), self.size * self.item, self.item
+        lower = flat[(rank - 1) * row:(rank - 1) * row + rank * item] if rank > 0 else b""
+        higher = flat[rank * row + (rank + 1) * item:(rank + 1) * row] if rank < self.size - 1 else b""
+        return b"".join((b"%d\n" % self.local_ranks[rank], lower, higher))
 
 
 def is_exchange(key: str) -> bool:
@@ -134,22 +151,14 @@ def exchange(server: Any, scope: str, request: Request, answer: Callable[[bytes]
         if context is None or context.values is not values or (context.size, context.item) != (size, item):
             context = contexts[scope] = _Context(values, size, item)  # the round's first (init cleared the cache)
         context.waiting[rank] = answer  # (a rank asking again replaces its earlier request, answered 404)
-        if not context.publish(rank) and context.ready is None:
+        if not context.publish(rank, request.addresses) and context.local_ranks is None:
             return
         waiting, context.waiting = context.waiting, {}
         context.answered.update(waiting)
         if len(context.answered) == size and contexts.get(scope) is context:
             del contexts[scope]  # every rank has its answer: the values stay in the cache until the next round
-    blobs, local_ranks = context.ready  # type: ignore[misc] - set: the context is complete
     for peer_rank, reply in waiting.items():
-        reply(_answer_of(blobs, local_ranks, peer_rank, item))
-
-
-def _answer_of(blobs: List[bytes], local_ranks: List[int], rank: int, item: int) -> bytes:
-    # Rank p's addresses are in rank order without p itself: this rank's is at rank, or rank - 1 above p.
-    column = b"".join(blobs[peer][(rank - (rank > peer)) * item:(rank - (rank > peer) + 1) * item]
-                      for peer in range(len(blobs)) if peer != rank)
-    return b"%d\n" % local_ranks[rank] + column
+        reply(context.answer(peer_rank))
 
 
 def exchange_waiting(server: Any, scope: str, request: Request) -> Optional[bytes]:
