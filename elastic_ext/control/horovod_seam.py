@@ -99,7 +99,7 @@ LAUNCHER: Sequence[Row] = (
     (_HTTP, "RendezvousServer._httpd", "instance"),
     (_HTTP, "RendezvousHTTPServer.verify_request", "replaced"),
     (_HTTP, "RendezvousHTTPServer.request_queue_size", "replaced"),  # store_serving (inherited from socketserver)
-    (_HTTP, "RendezvousHTTPServer.process_request", "replaced"),
+    (_HTTP, "RendezvousHTTPServer.serve_forever", "replaced"),
     (_HTTP, "RendezvousHTTPServer.cache", "instance"),
     (_HTTP, "RendezvousHTTPServer.cache_lock", "instance"),
     ("horovod.runner.elastic.worker", "HostUpdateResult", "read"),

@@ -15,6 +15,7 @@ listing is only remembered.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import socket
@@ -24,6 +25,7 @@ from typing import Callable, Dict, FrozenSet, Iterable, Optional, Set
 logger = logging.getLogger(__name__)
 
 
+@functools.lru_cache(maxsize=4096)  # the store checks every connection's client: a job's few addresses
 def normal(address: str) -> str:
     """``address`` without an IPv6 scope and as IPv4 when it is IPv4-mapped."""
     try:
@@ -32,6 +34,15 @@ def normal(address: str) -> str:
         return address
     mapped = getattr(parsed, "ipv4_mapped", None)
     return str(mapped or parsed)
+
+
+@functools.lru_cache(maxsize=4096)
+def _loopback(address: str) -> Optional[bool]:
+    """True for a loopback address, False for another, None for what is no address."""
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return None
 
 
 def resolve(host: str) -> FrozenSet[str]:
@@ -92,11 +103,9 @@ class JobHosts:
     def on_this_machine(self, address: str) -> bool:
         """True for a loopback address or one of this machine's."""
         address = normal(address)
-        try:
-            if ipaddress.ip_address(address).is_loopback:
-                return True
-        except ValueError:
-            return False
+        loopback = _loopback(address)
+        if loopback is not False:
+            return bool(loopback)
         with self._lock:
             return address in self._local
 

@@ -4,8 +4,9 @@ Under load the store's threads were its cost: at 1,024 workers a reset held
 a thousand Gloo exchanges on a thousand threads, and when they woke they
 took the store's lock and the interpreter one after the other while every
 plain read queued behind them (``bench/README.md``, "The control plane at
-scale"). Here one thread, the server's :class:`Loop`, does for every
-connection the server accepts:
+scale"). Here the thread of the server's ``serve_forever`` runs its
+:class:`Loop`, which takes every connection waiting (each checked by the
+server's ``verify_request``: the guard) and for each:
 
 1. **reads** the request without blocking until its head (up to
    :data:`HEAD_MAX` bytes) and the body its ``Content-Length`` announces
@@ -28,8 +29,9 @@ connection the server accepts:
    (HTTP/1.0, as Horovod's server answers).
 
 A failure while serving one connection closes that connection and is
-logged; the loop goes on. The loop's thread ends once it has had no
-connection for :data:`IDLE_S`, and the next request starts another.
+logged; the loop goes on. The server's ``shutdown()`` ends it, as it ends
+socketserver's own loop, and closes the connections still open (the
+client of a held request asks again, of the driver's next store).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import selectors
 import socket
 import threading
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Set, Tuple
 
 from elastic_ext.launch.store_threads import ReusedThreads
 from elastic_ext.launch.store_requests import InMemory, body_length, response
@@ -50,7 +52,7 @@ from elastic_ext.launch.store_requests import InMemory, body_length, response
 logger = logging.getLogger(__name__)
 
 HEAD_MAX = 1 << 16  # bytes of a request line and headers (http.server refuses a line over 65,536)
-IDLE_S = 30.0       # a loop with no connection ends after this long
+ACCEPT_BATCH = 256  # connections taken at once before the loop serves those it has
 THREADED_SCOPES = frozenset({"rank_and_size", "worker_addresses"})  # Horovod's scopes that wait on the driver
 
 
@@ -69,7 +71,7 @@ class _Connection:
 
 
 class Loop:
-    """The thread that serves a server's connections (the module docstring)."""
+    """What serves a server's connections on the thread of its ``serve_forever`` (the module docstring)."""
 
     def __init__(self, server: Any, body_limit: int) -> None:
         self._server, self._body_limit = server, body_limit
@@ -82,58 +84,75 @@ class Loop:
         self._calls: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
         self._deadlines: List[Tuple[float, int, _Connection]] = []
         self._order = itertools.count()
-        self._open = 0
-        self._lock = threading.Lock()  # running, against a connection handed over as the loop ends
-        self._running = False
+        self._open: Set[_Connection] = set()
         self._ident: Optional[int] = None
         self._timeout = float(getattr(server.RequestHandlerClass, "timeout", None) or 3.0)
 
-    def add(self, sock: socket.socket, address: Any) -> None:
-        """Takes an accepted connection (from the server's accept loop)."""
-        self._call(lambda: self._accept(sock, address), start=True)
-
     def answer(self, connection: _Connection, data: bytes) -> None:
-        """Answers a held request with ``data`` (from any thread; dropped if it was answered already)."""
+        """Answers a request with ``data`` (from any thread; dropped if it was answered already)."""
         if threading.get_ident() == self._ident:
             self._send(connection, data)
         else:
             self._call(lambda: self._send(connection, data))
 
-    def _call(self, call: Callable[[], None], start: bool = False) -> None:
-        with self._lock:
-            self._calls.put(call)
-            if start and not self._running:
-                self._running = True
-                threading.Thread(target=self._run, name="elastic_ext-store-loop", daemon=True).start()
+    def _call(self, call: Callable[[], None]) -> None:
+        self._calls.put(call)
         try:
             self._wake_write.send(b"\0")
         except (BlockingIOError, InterruptedError):
             pass  # the loop has wake-ups pending already
 
-    def _run(self) -> None:
+    def serve_forever(self, poll_interval: float) -> None:
+        """Serves until the server's ``shutdown()`` (checked every ``poll_interval`` at least), as
+        ``socketserver.BaseServer.serve_forever`` does; then closes the connections still open."""
+        server = self._server
+        server._BaseServer__is_shut_down.clear()
         self._ident = threading.get_ident()
-        idle_since = time.monotonic()
-        while True:
-            now = time.monotonic()
-            wait = IDLE_S if not self._deadlines else max(0.0, self._deadlines[0][0] - now)
-            for key, events in self._selector.select(min(wait, IDLE_S)):
-                if key.data is None:
-                    self._drain_wake_ups()
-                else:
-                    self._guarded(key.data, self._readable if events & selectors.EVENT_READ else self._writable)
-            now = time.monotonic()
-            while self._deadlines and self._deadlines[0][0] <= now:
-                when, _, connection = heapq.heappop(self._deadlines)
-                if when == connection.deadline and connection.sock.fileno() >= 0:
-                    self._guarded(connection, self._expired)
-            if self._open:
-                idle_since = now
-            elif now - idle_since >= IDLE_S:
-                with self._lock:
-                    if self._calls.empty():
-                        self._running = False
-                        self._ident = None
-                        return
+        server.socket.setblocking(False)
+        self._selector.register(server.socket, selectors.EVENT_READ, server)
+        try:
+            while not server._BaseServer__shutdown_request:
+                now = time.monotonic()
+                wait = poll_interval if not self._deadlines else min(poll_interval, self._deadlines[0][0] - now)
+                for key, events in self._selector.select(max(0.0, wait)):
+                    if key.data is None:
+                        self._drain_wake_ups()
+                    elif key.data is server:
+                        self._accept_all()
+                    else:
+                        self._guarded(key.data, self._readable if events & selectors.EVENT_READ else self._writable)
+                now = time.monotonic()
+                while self._deadlines and self._deadlines[0][0] <= now:
+                    when, _, connection = heapq.heappop(self._deadlines)
+                    if when == connection.deadline and connection.sock.fileno() >= 0:
+                        self._guarded(connection, self._expired)
+                server.service_actions()
+        finally:
+            self._selector.unregister(server.socket)
+            for connection in list(self._open):
+                self._close(connection)
+            self._deadlines.clear()
+            self._ident = None
+            server._BaseServer__shutdown_request = False
+            server._BaseServer__is_shut_down.set()
+
+    def _accept_all(self) -> None:
+        """Takes every connection waiting, each checked by the server's ``verify_request`` (the guard)."""
+        server = self._server
+        for _ in range(ACCEPT_BATCH):
+            try:
+                sock, address = server.get_request()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # as socketserver: a failed accept is dropped
+                return
+            try:
+                if server.verify_request(sock, address):
+                    self._accept(sock, address)
+                    continue
+            except Exception:  # noqa: BLE001 - as socketserver's _handle_request_noblock
+                server.handle_error(sock, address)
+            server.shutdown_request(sock)
 
     def _drain_wake_ups(self) -> None:
         try:
@@ -165,7 +184,7 @@ class Loop:
     def _accept(self, sock: socket.socket, address: Any) -> None:
         sock.setblocking(False)
         connection = _Connection(sock, address)
-        self._open += 1
+        self._open.add(connection)
         self._selector.register(sock, selectors.EVENT_READ, connection)
         self._set_deadline(connection, self._timeout)
 
@@ -266,15 +285,15 @@ class Loop:
         except OSError:
             pass
         connection.sock.close()
-        self._open -= 1
+        self._open.discard(connection)
 
 
 def loop_of(server: Any, body_limit: int) -> Loop:
-    """The server's loop (made at its first connection: the accept loop is one thread, no race)."""
+    """The server's loop (made by its ``serve_forever``: one thread, no race)."""
     loop = server.__dict__.get("_elastic_ext_loop")
     if loop is None:
         loop = server.__dict__["_elastic_ext_loop"] = Loop(server, body_limit)
     return loop
 
 
-__all__ = ["HEAD_MAX", "IDLE_S", "Loop", "THREADED_SCOPES", "loop_of"]
+__all__ = ["ACCEPT_BATCH", "HEAD_MAX", "Loop", "THREADED_SCOPES", "loop_of"]

@@ -19,14 +19,14 @@ server with socketserver's defaults, which do not hold a thousand workers
    second at most, and a thread held for each request that waits (Gloo's
    exchange, a rank request): at 1,024 workers a thousand threads that,
    woken together, took the store's lock and the interpreter in turn.
-   Here the accept loop hands each connection to the server's one
-   :class:`~elastic_ext.launch.store_loop.Loop`, which reads, serves,
-   holds and answers requests without a thread each; only those that wait
-   on the driver get a (reused) thread.
+   Here the server's ``serve_forever`` thread runs its
+   :class:`~elastic_ext.launch.store_loop.Loop`, which accepts, reads,
+   serves, holds and answers requests without a thread each; only those
+   that wait on the driver get a (reused) thread.
 
 Who may connect and what a request may do is unchanged
 (:mod:`elastic_ext.launch.store_guard`: ``verify_request`` runs on the
-accept loop before a connection is handed to the loop).
+loop as it accepts each connection).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from elastic_ext.launch import store_guard, store_loop
 BACKLOG = max(4096, socket.SOMAXCONN)  # a burst of every worker's requests of a thousand-worker job
 
 
-def _process_request(self: Any, request: Any, client_address: Any) -> None:
-    store_loop.loop_of(self, store_guard.MAX_BODY_BYTES).add(request, client_address)
+def _serve_forever(self: Any, poll_interval: float = 0.5) -> None:
+    store_loop.loop_of(self, store_guard.MAX_BODY_BYTES).serve_forever(poll_interval)
 
 
 def changes() -> List[Change]:
@@ -50,7 +50,7 @@ def changes() -> List[Change]:
     from horovod.runner.http.http_server import RendezvousHTTPServer
 
     return [(RendezvousHTTPServer, "request_queue_size", BACKLOG),
-            (RendezvousHTTPServer, "process_request", _process_request)]
+            (RendezvousHTTPServer, "serve_forever", _serve_forever)]
 
 
 __all__ = ["BACKLOG", "changes"]

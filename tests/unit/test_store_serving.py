@@ -88,13 +88,12 @@ def test_the_listen_queue_is_sized_for_a_burst(server):
 
 
 def test_requests_are_served_by_one_loop_without_a_thread_each(server):
-    _, url, _, _ = server
-    loops, workers = threads_named("elastic_ext-store-loop"), threads_named("elastic_ext-store")
+    started, url, _, _ = server
+    before = set(threading.enumerate())
     for i in range(40):
         prestart.put(f"{url}/global/{i}", b"x%d" % i)
         assert prestart.get(f"{url}/global/{i}") == b"x%d" % i
-    assert len(threads_named("elastic_ext-store-loop") - loops) == 1  # this server's (others' may linger)
-    assert not threads_named("elastic_ext-store") - workers
+    assert not set(threading.enumerate()) - before  # served on the thread of serve_forever, no other
 
 
 def test_a_burst_of_concurrent_requests_is_answered_every_one(server):
@@ -182,13 +181,21 @@ def test_clients_that_hang_up_or_fail_a_handler_cost_only_their_own_connection(s
     assert prestart.get(f"{url}/global/k") == b"v"
 
 
-def test_the_loop_ends_when_idle_and_the_next_request_starts_another(server, monkeypatch):
-    monkeypatch.setattr(store_loop, "IDLE_S", 0.1)
-    started, url, _, _ = server
-    prestart.put(f"{url}/global/k", b"v")
-    loop = started._httpd._elastic_ext_loop
-    assert wait_until(lambda: not loop._running)
-    assert prestart.get(f"{url}/global/k") == b"v"  # served: another loop thread started
+def test_the_servers_shutdown_ends_its_loop_and_closes_the_requests_it_held(changes):
+    from horovod.runner.http.http_server import RendezvousServer
+    changes("store_serving")
+    started, handler = RendezvousServer(verbose=0), handler_class()
+    port = started.start(handler)
+    prestart.put(f"http://127.0.0.1:{port}/global/k", b"v")
+    answers = []
+    held = threading.Thread(target=lambda: answers.append(raw(port, b"PUT /hold/60 HTTP/1.0\r\n"
+                                                                     b"Content-Length: 1\r\n\r\nx")))
+    held.start()
+    assert wait_until(lambda: handler.held)
+    started.stop()  # Horovod's: shutdown() and the join of serve_forever's thread
+    held.join(10)
+    assert answers == [b""]  # closed unanswered: its client asks again
+    assert not started._listen_thread.is_alive()
 
 
 def test_idle_threads_end_and_every_queued_job_keeps_a_thread(monkeypatch):
