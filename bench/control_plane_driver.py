@@ -149,17 +149,37 @@ def serve(args: argparse.Namespace) -> None:
     ids = iter(range(1 << 30))
     ids_lock = threading.Lock()
 
+    # Horovod's execute waits on a worker's events (the job's shutdown, its host's removal) on threads that
+    # block; here one thread per distinct event ends the workers waiting on it, so that a thousand
+    # simulated workers cost the driver's process no polling a real driver does not do.
+    watched: Dict[int, Tuple[threading.Event, List[int]]] = {}
+    terminated = -1
+
+    def ended_by(event: threading.Event, wids: List[int]) -> None:
+        event.wait()
+        with ids_lock:
+            ended = list(wids)
+        for wid in ended:
+            if not exits[wid][0].is_set():
+                exits[wid][1].append(terminated)
+                exits[wid][0].set()
+
     def create_worker(slot: Any, events: List[threading.Event]) -> Tuple[int, float]:
         with ids_lock:
             wid = next(ids)
             done: Tuple[threading.Event, List[int]] = (threading.Event(), [])
             exits[wid] = done
+            for event in events:
+                if id(event) not in watched:
+                    watched[id(event)] = (event, [])
+                    threading.Thread(target=ended_by, args=watched[id(event)], daemon=True).start()
+                watched[id(event)][1].append(wid)
         emit(f"start {wid} {slot.hostname} {slot.local_rank} {slot.rank} {slot.size} {slot.local_rank} "
              f"{slot.local_size} {slot.cross_rank} {slot.cross_size}")
-        while not done[0].wait(0.5):
-            if any(event.is_set() for event in events):  # Horovod's execute terminates the worker
-                emit(f"terminated {wid}")
-                return 143, time.time()
+        done[0].wait()
+        if done[1][0] == terminated:  # Horovod's execute terminates the worker
+            emit(f"terminated {wid}")
+            return 143, time.time()
         return done[1][0], time.time()
 
     if args.backlog is not None:  # a diagnosis (--driver-backlog), not elastic-horovodrun's store
