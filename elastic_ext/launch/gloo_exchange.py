@@ -15,16 +15,18 @@ server does not answer it), a rank sends one request a context:
 ``PUT <scope>/_mesh_<rank>_<size>_<item>`` with its host name, a newline and
 its pair addresses (``item`` bytes each, one per other rank in rank order).
 :func:`exchange` stores them under Gloo's own keys (``rank_<rank>`` and
-``<rank>``), then holds the request until every rank of ``size`` has
-published (at most :data:`HOLD_S`; the rank asks again on a 404) and answers
-with the rank's local rank (lower ranks with the same host name), a newline,
-and of every other rank's addresses the one made for this rank: N requests
-and N^2 address bytes a context. The rank then sends no ``DELETE`` at the
+``<rank>``) and, once every rank of ``size`` has published, answers with the
+rank's local rank (lower ranks with the same host name), a newline, and of
+every other rank's addresses the one made for this rank: N requests and N^2
+address bytes a context. The store's loop holds the request meanwhile,
+without a thread (:mod:`elastic_ext.launch.store_loop`), at most
+:data:`HOLD_S`; the rank asks again on a 404. The rank then sends no ``DELETE`` at the
 context's finalize (Gloo's own path sends one per rank, which lets the
 server drop the scope's values once every rank has connected): the values
 stay in the cache until the driver's next round clears it, about
 ``136 N^2`` bytes for each of a round's two global contexts (142 MB at
-1,024 ranks), and a rank whose answer was lost can still ask again.
+1,024 ranks; as much again while a context lasts, in the array its
+answers are cut from), and a rank whose answer was lost can still ask again.
 """
 
 from __future__ import annotations

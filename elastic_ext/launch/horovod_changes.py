@@ -11,7 +11,7 @@ the order of :data:`LAUNCHER_PARTS`:
 
 1. ``store_guard``: the store serves the job's hosts only, loads no pickle,
    takes the launcher's keys only with the job's secret.
-2. ``store_serving``: a listen queue for bursts; threads reused.
+2. ``store_serving``: a listen queue for bursts; one loop serves every request.
 3. ``noticed_hosts``: preemption notices reach the driver through its store.
 4. ``driver``: Horovod's elastic Gloo run builds the launcher's driver
    (:func:`elastic_ext.launch.driver.driver_class`, one subclass of

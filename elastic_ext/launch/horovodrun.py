@@ -22,8 +22,8 @@ that could reach a shell are refused), with
 the job's hosts, loads no pickle from the network, and takes the
 launcher's keys only with the job's secret, which each worker receives on
 its stdin), with :mod:`elastic_ext.launch.store_serving` (a listen queue
-that takes a thousand workers' bursts, threads reused rather than one
-started per request), and with :mod:`elastic_ext.launch.worker_runs` (each
+that takes a thousand workers' bursts, and one loop that serves and holds
+requests without a thread each), and with :mod:`elastic_ext.launch.worker_runs` (each
 worker's command runs as the driver's own child, not through a fresh Python
 middleman, so a failed worker's end, which its round waits for, is recorded
 at once). Horovod's build checks (was it built with Gloo? with MPI?), which import
