@@ -1,4 +1,12 @@
-"""Threads of the driver's store for the requests that wait on the driver (:mod:`~.store_loop`), reused."""
+"""Threads of the driver's store for the requests that wait on the driver (:mod:`~.store_loop`), reused.
+
+Such a request waits until the driver acts (a rank request until the
+round forms, which takes every member's request), so the threads are not
+bounded: a fixed pool could hold every thread on requests whose wait ends
+only once those still queued are served. A thread that finished its job
+takes the next; a new one starts only when none is idle, and one idle for
+:data:`IDLE_S` ends.
+"""
 
 from __future__ import annotations
 
