@@ -174,6 +174,9 @@ def serve(args: argparse.Namespace) -> None:
                     watched[id(event)] = (event, [])
                     threading.Thread(target=ended_by, args=watched[id(event)], daemon=True).start()
                 watched[id(event)][1].append(wid)
+            if any(event.is_set() for event in events):  # set before this worker was watched
+                done[1].append(terminated)
+                done[0].set()
         emit(f"start {wid} {slot.hostname} {slot.local_rank} {slot.rank} {slot.size} {slot.local_rank} "
              f"{slot.local_size} {slot.cross_rank} {slot.cross_size}")
         done[0].wait()
