@@ -66,14 +66,17 @@ def install_counter(timeline: bool = False) -> None:
         _timeline = []
     original = BaseHTTPRequestHandler.send_response
 
-    def send_response(self: Any, code: int, message: Optional[str] = None) -> None:
-        parts = self.path.split("/")
+    def count(command: str, path: str, code: int) -> None:
+        parts = path.split("/")
         scope, key = (parts[1], parts[2]) if len(parts) == 3 else ("?", "?")
-        entry = (self.command, *kind_of(scope, key), int(code))
+        entry = (command, *kind_of(scope, key), int(code))
         with _counts_lock:
             _counts[entry] += 1
             if _timeline is not None:
                 _timeline.append((time.time(), *entry))
+
+    def send_response(self: Any, code: int, message: Optional[str] = None) -> None:
+        count(self.command, self.path, code)
         original(self, code, message)
 
     BaseHTTPRequestHandler.send_response = send_response  # type: ignore[method-assign]
@@ -87,13 +90,7 @@ def install_counter(timeline: bool = False) -> None:
         sent = original_reply(self, status, body)
         if sent:
             request_line = self.data[:self.data.find(b"\r\n")].decode("latin-1").split(" ")
-            parts = (request_line[1] if len(request_line) > 1 else "").split("/")
-            entry = (request_line[0], *kind_of(*((parts[1], parts[2]) if len(parts) == 3 else ("?", "?"))),
-                     int(status))
-            with _counts_lock:
-                _counts[entry] += 1
-                if _timeline is not None:
-                    _timeline.append((time.time(), *entry))
+            count(request_line[0], request_line[1] if len(request_line) > 1 else "", status)
         return sent
 
     InMemory.reply = reply  # type: ignore[method-assign]
