@@ -43,7 +43,8 @@ def gloo_requests(size: int, exchange: bool = False) -> int:
 
 def extrapolate(reset: Dict[str, Any], size: int, slots: int, timeout_s: float,
                 exchange: bool = False) -> Dict[str, Any]:
-    """For a reset that did not end in its bound: Gloo's requests it needs, and two estimates of their time.
+    """For a reset that did not end in its bound: Gloo's requests it needs, and two estimates of their time
+    (``exchange``: a Horovod built with patches 08 and 09, as after issue 55's changes).
 
     ``at_store_rate_s``: at the rate the store answered in the phase (all its requests, polls included, as if
     all went to Gloo: a lower bound while the polls go on); ``at_one_core_s``: at the driver's measured CPU per
@@ -51,17 +52,18 @@ def extrapolate(reset: Dict[str, Any], size: int, slots: int, timeout_s: float,
     136 bytes per peer, cost more). The larger is the extrapolation.
     """
     local = [slots] * (size // slots) + ([size % slots] if size % slots else [])
-    total = 2 * (gloo_requests(size, exchange) + sum(gloo_requests(s, exchange) for s in local)
+    # Global, local and cross contexts; as released again for the global process set (patch 09: shared).
+    total = (1 if exchange else 2) * (gloo_requests(size, exchange) + sum(gloo_requests(s, exchange) for s in local)
                  + sum(gloo_requests(len([h for h in local if h > lr]), exchange) for lr in range(slots)))
     rate = reset["requests_per_s"] or 0.0
     at_rate = total / rate if rate else None
     at_core = total * reset["driver_cpu_ms_per_request"] / 1000.0
     return {"gloo_requests_done": reset["by_kind"].get("gloo", 0), "gloo_requests_needed": total,
-            "gloo_bytes_read_needed": 2 * (1 if exchange else 2 * (size - 1)) * size * (size - 1) * ADDRESS_BYTES,
+            "gloo_bytes_read_needed": (1 if exchange else 4 * (size - 1)) * size * (size - 1) * ADDRESS_BYTES,
             "store_requests_per_s": rate, "driver_cpu_ms_per_request": reset["driver_cpu_ms_per_request"],
             "at_store_rate_s": None if at_rate is None else round(at_rate, 1), "at_one_core_s": round(at_core, 1),
             "round_formed_s_extrapolated": round(max(at_rate or 0.0, at_core), 1),
-            "note": f"the reset did not end in its bound ({timeout_s} s): Gloo's six rendezvous alone need "
-                    f"{total} store requests ({'about 6 N' if exchange else 'about 5 N^2 (1 + 1/slots)'}); "
+            "note": f"the reset did not end in its bound ({timeout_s} s): Gloo's rendezvous alone need "
+                    f"{total} store requests ({'about 3 N' if exchange else 'about 5 N^2 (1 + 1/slots)'}); "
                     f"the time given is the larger of the two estimates (at the store's measured rate, at its "
                     f"measured CPU per request)"}

@@ -17,13 +17,15 @@ them; the store answers HTTP/1.0 and closes), at the real intervals:
   the early-start marker at a first init, the keeper's round watch
   (:mod:`elastic_ext.worker.round_watch`: ``current``, then ``failed_<r>``
   every 0.25 s while init runs), a reset's ``rank_and_size`` (answered when
-  the driver's round forms), then Horovod 0.28.1's six Gloo rendezvous
-  (``gloo_context.cc``: global, local, cross, then the same for the global
-  process set), each Gloo's ``connectFullMesh`` through ``HTTPStore``
-  (:meth:`Worker.gloo_context`): before issue 55's changes a read of every
-  lower rank's host name and two of every peer's value, then the store's
-  ``DELETE`` of its key; after them one request and no ``DELETE`` (Horovod
-  built with patch 08, :mod:`elastic_ext.launch.gloo_exchange`);
+  the driver's round forms), then Horovod 0.28.1's Gloo rendezvous
+  (``gloo_context.cc``: global, local, cross, then, before issue 55's
+  changes, the same for the global process set; after them the global
+  process set shares the first three, build patch 09), each Gloo's
+  ``connectFullMesh`` through ``HTTPStore`` (:meth:`Worker.gloo_context`):
+  before a read of every lower rank's host name and two of every peer's
+  value, then the store's ``DELETE`` of its key; after one request and no
+  ``DELETE`` (Horovod built with patch 08,
+  :mod:`elastic_ext.launch.gloo_exchange`);
 - the sync after it: ``current``, ``assigned``, ``capacity_left_out``,
   and an early start when the round left capacity out or hosts were added
   (:mod:`elastic_ext.worker.prestart`; rank 0 polls the newcomers), the
@@ -197,8 +199,8 @@ class Worker:
                 self.slot_lr = self.local_rank  # Horovod's C++ sets HOROVOD_LOCAL_RANK: the next request's key
                 self.job.ranked(self)
             self.generation = self.job.generation  # the round's Gloo peers: those answered in the same reset
-            if self.job.gloo:
-                for suffix in ("", f"_process_set_hash_{PROCESS_SET_HASH}"):
+            if self.job.gloo:  # the global process set's own three contexts, but not with build patch 09
+                for suffix in ("",) if self.job.after else ("", f"_process_set_hash_{PROCESS_SET_HASH}"):
                     await self.gloo_context("global" + suffix, self.rank, self.size)
                     await self.gloo_context(f"local_{self.host}{suffix}", self.local_rank, self.local_size)
                     await self.gloo_context(f"cross_{self.local_rank}{suffix}", self.cross_rank, self.cross_size)
