@@ -5,7 +5,7 @@ Gloo's ``Context::connectFullMesh`` through Horovod's ``HTTPStore`` (Horovod
 name, a PUT of its N-1 pair addresses, then per peer a wait (GETs every
 10 ms) and a GET of the peer's whole value: about N^2 requests a context
 through the driver's one Python server, and every rank reads every value
-(N^3 bytes in all). A reset runs six such contexts: at 1,024 workers hours
+(N^3 bytes in all). A reset runs six such contexts (three with build patch 09): at 1,024 workers hours
 (``bench/README.md``, "The control plane at scale").
 
 With ``tools/horovod_patches/08-gloo-full-mesh-in-one-request.patch`` and
@@ -24,7 +24,7 @@ without a thread (:mod:`elastic_ext.launch.store_loop`), at most
 context's finalize (Gloo's own path sends one per rank, which lets the
 server drop the scope's values once every rank has connected): the values
 stay in the cache until the driver's next round clears it, about
-``136 N^2`` bytes for each of a round's two global contexts (142 MB at
+``136 N^2`` bytes for a round's global context (142 MB at
 1,024 ranks; as much again while a context lasts, in the array its
 answers are cut from), and a rank whose answer was lost can still ask again.
 """
