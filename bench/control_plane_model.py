@@ -53,8 +53,9 @@ def extrapolate(reset: Dict[str, Any], size: int, slots: int, timeout_s: float,
     """
     local = [slots] * (size // slots) + ([size % slots] if size % slots else [])
     # Global, local and cross contexts; as released again for the global process set (patch 09: shared).
-    total = (1 if exchange else 2) * (gloo_requests(size, exchange) + sum(gloo_requests(s, exchange) for s in local)
-                 + sum(gloo_requests(len([h for h in local if h > lr]), exchange) for lr in range(slots)))
+    contexts = (gloo_requests(size, exchange) + sum(gloo_requests(s, exchange) for s in local)
+                + sum(gloo_requests(len([h for h in local if h > lr]), exchange) for lr in range(slots)))
+    total = (1 if exchange else 2) * contexts
     rate = reset["requests_per_s"] or 0.0
     at_rate = total / rate if rate else None
     at_core = total * reset["driver_cpu_ms_per_request"] / 1000.0

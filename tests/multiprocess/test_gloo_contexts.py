@@ -10,7 +10,6 @@ set the user adds still builds its own. Each collective's result is
 checked, on both process sets.
 """
 
-import os
 import subprocess
 import sys
 
