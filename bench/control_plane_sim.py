@@ -39,6 +39,7 @@ them; the store answers HTTP/1.0 and closes), at the real intervals:
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import Any, List, Optional, Set, Tuple
 
@@ -48,9 +49,21 @@ from elastic_ext.worker import prestart, round_watch
 from elastic_ext.runtime import driver_watch
 
 ADDRESS_BYTES = 136   # gloo::transport::tcp::Address::bytes(): sockaddr_storage + sequence number
+PORT_OFFSETS = (2, 3)  # a rank's pair addresses differ only in the sockaddr's port (one listening socket per pair)
 GLOO_WAIT_POLL_S = 0.01  # HTTPStore::wait sleeps 10 ms between reads of a missing key
 GLOO_RETRIES, GLOO_RETRY_S = 3, 0.5  # HTTPStore::PerformHTTP: a failed request is tried 3 times, 500 ms apart
 PROCESS_SET_HASH = "5d1e6b1f0a3c2e47"  # std::hash of "0,1,...," in hex: 16 digits (its value does not matter)
+
+
+@functools.lru_cache(maxsize=4096)
+def compact_addresses(host: str, count: int) -> bytes:
+    """A rank's ``count`` pair addresses as build patch 08's ``HTTPStore`` sends them (the compact form of
+    :func:`elastic_ext.launch.gloo_exchange.compact`): its first address whole, then of each the two bytes of
+    its port."""
+    ports = b"".join((20000 + i).to_bytes(2, "big") for i in range(count))
+    first = bytes([2, 0]) + ports[:2] + host.encode()[-4:].rjust(4, b"\0") + bytes(ADDRESS_BYTES - 8)
+    return (len(PORT_OFFSETS).to_bytes(2, "little") + b"".join(o.to_bytes(2, "little") for o in PORT_OFFSETS)
+            + first + ports)
 
 
 class Worker:
@@ -216,7 +229,7 @@ class Worker:
         started = time.monotonic()
         self.step = f"gloo {scope} rank {rank}/{size} gen {self.generation}"
         if self.job.after and size > 1:  # build patch 08: one request (asked again while held: 404)
-            body = self.host.encode() + b"\n" + b"\0" * (ADDRESS_BYTES * (size - 1))
+            body = self.host.encode() + b"\n" + compact_addresses(self.host, size - 1)
             while await self.gloo("PUT", scope, f"_mesh_{rank}_{size}_{ADDRESS_BYTES}", body) != 200:
                 await asyncio.sleep(GLOO_WAIT_POLL_S)
             await self.finish_gloo_context(scope, rank, size, started, delete=False)

@@ -8,17 +8,22 @@ through the driver's one Python server, and every rank reads every value
 (N^3 bytes in all). A reset runs six such contexts (three with build patch 09): at 1,024 workers hours
 (``bench/README.md``, "The control plane at scale").
 
-With ``tools/horovod_patches/08-gloo-full-mesh-in-one-request.patch`` and
+With ``tools/horovod_patches/08-gloo-full-mesh-in-one-compact-request.patch`` and
 ``HOROVOD_GLOO_FULL_MESH_EXCHANGE=1`` in its environment (set by
 ``elastic-horovodrun`` where the build carries the patch: Horovod's own
 server does not answer it), a rank sends one request a context:
 ``PUT <scope>/_mesh_<rank>_<size>_<item>`` with its host name, a newline and
-its pair addresses (``item`` bytes each, one per other rank in rank order).
-:func:`exchange` stores them under Gloo's own keys (``rank_<rank>`` and
-``<rank>``) and, once every rank of ``size`` has published, answers with the
-rank's local rank (lower ranks with the same host name), a newline, and of
-every other rank's addresses the one made for this rank: N requests and N^2
-address bytes a context. The store's loop holds the request meanwhile,
+its pair addresses (``item`` bytes each, one per other rank in rank order)
+in compact form (:func:`compact`: the first whole, then of each the bytes
+where any differs from it; a rank's TCP pair addresses differ only in their
+port). :func:`exchange` stores them whole under Gloo's own keys
+(``rank_<rank>`` and ``<rank>``) and, once every rank of ``size`` has
+published, answers with the rank's local rank (lower ranks with the same
+host name), a newline, and of every other rank's addresses the one made for
+this rank, compact too (the offsets where any of the context's addresses
+differ from the first: port and host address). N requests a context, about
+``2 N`` bytes each way per rank for Gloo's TCP transport, ``6 N`` back where
+every host has its own address, instead of ``136 N``. The store's loop holds the request meanwhile,
 without a thread (:mod:`elastic_ext.launch.store_loop`), at most
 :data:`HOLD_S`; the rank asks again on a 404. The rank then sends no ``DELETE`` at the
 context's finalize (Gloo's own path sends one per rank, which lets the
@@ -36,12 +41,13 @@ import re
 import threading
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set
 
-PATCH = "08-gloo-full-mesh-in-one-request"
+PATCH = "08-gloo-full-mesh-in-one-compact-request"
 ENV = "HOROVOD_GLOO_FULL_MESH_EXCHANGE"
 PREFIX = "_mesh_"
 HOLD_S = 5.0        # a request waits this long for the last ranks, then is answered 404 and asked again
 MAX_SIZE = 1 << 16  # ranks of one context
 MAX_ITEM = 4096     # bytes of one pair address (Gloo's TCP transport: 136)
+_OFFSETS = "<u2"    # compact form: a count and the offsets, 16-bit little-endian
 
 _KEY = re.compile(r"_mesh_(\d{1,6})_(\d{1,6})_(\d{1,5})")
 _state_lock = threading.Lock()
@@ -64,6 +70,10 @@ class _Context:
         self.values, self.size, self.item = values, size, item
         self._numpy = numpy
         self.columns = numpy.empty((max(size - 1, 0), size, item), dtype=numpy.uint8)
+        self.first: Any = None  # the first published address, and where any address differs from it
+        self.differs = numpy.zeros(item, dtype=bool)
+        self.offsets: Any = None  # where any address differs from the first, once every rank has published
+        self.head = b""  # an answer's count of offsets, the offsets and the first address, then
         self.published: Set[int] = set()
         self.local_ranks: Optional[List[int]] = None  # set when every rank has published
         self.waiting: Dict[int, Callable[[bytes], None]] = {}  # the requests not answered yet, by rank
@@ -75,8 +85,11 @@ class _Context:
     def publish(self, rank: int, addresses: bytes) -> bool:
         """Places ``rank``'s addresses; True when this made the context complete (its answers are ready)."""
         if self.size > 1:
-            self.columns[:, rank] = self._numpy.frombuffer(addresses, dtype=self._numpy.uint8).reshape(
-                self.size - 1, self.item)
+            items = self._numpy.frombuffer(addresses, dtype=self._numpy.uint8).reshape(self.size - 1, self.item)
+            self.columns[:, rank] = items
+            if self.first is None:
+                self.first = items[0].copy()
+            self.differs |= (items != self.first).any(axis=0)
         self.published.add(rank)
         if self.local_ranks is not None or len(self.published) < self.size:
             return False
@@ -87,15 +100,66 @@ class _Context:
             local_ranks.append(seen.get(host, 0))
             seen[host] = local_ranks[-1] + 1
         self.local_ranks = local_ranks
+        if self.size > 1:
+            self.offsets = self._numpy.flatnonzero(self.differs)
+            self.head = len(self.offsets).to_bytes(2, "little") + self.offsets.astype(_OFFSETS).tobytes() + \
+                self.first.tobytes()
         return True
 
     def answer(self, rank: int) -> bytes:
-        """Rank ``rank``'s answer: its local rank, a newline, and the address each other rank made for it."""
+        """Rank ``rank``'s answer: its local rank, a newline, and the address each other rank made for it, in
+        compact form against the context's first address (:func:`compact`)."""
         assert self.local_ranks is not None
-        flat, row, item = memoryview(self.columns).cast("B"), self.size * self.item, self.item
-        lower = flat[(rank - 1) * row:(rank - 1) * row + rank * item] if rank > 0 else b""
-        higher = flat[rank * row + (rank + 1) * item:(rank + 1) * row] if rank < self.size - 1 else b""
-        return b"".join((b"%d\n" % self.local_ranks[rank], lower, higher))
+        parts = [b"%d\n" % self.local_ranks[rank], self.head]
+        if rank > 0:  # its lower peers hold its address at their index rank - 1
+            parts.append(self.columns[rank - 1, :rank][:, self.offsets].tobytes())
+        if rank < self.size - 1:  # its higher peers at their index rank
+            parts.append(self.columns[rank, rank + 1:][:, self.offsets].tobytes())
+        return b"".join(parts)
+
+
+def compact(items: bytes, count: int, item: int) -> bytes:
+    """``count`` addresses of ``item`` bytes in compact form: a 16-bit little-endian count K, K rising 16-bit
+    offsets, the first address whole, then of each address its bytes at the K offsets (those where any
+    address differs from the first). The patched ``HTTPStore`` sends its addresses so; a test's reference."""
+    import numpy
+
+    if count == 0:
+        return b"\0\0"
+    array = numpy.frombuffer(items, dtype=numpy.uint8).reshape(count, item)
+    offsets = numpy.flatnonzero((array != array[0]).any(axis=0))
+    return (len(offsets).to_bytes(2, "little") + offsets.astype(_OFFSETS).tobytes() + array[0].tobytes()
+            + array[:, offsets].tobytes())
+
+
+def expand(data: bytes, count: int, item: int, what: str) -> bytes:
+    """The ``count`` addresses of ``item`` bytes that ``data`` holds in :func:`compact`'s form.
+
+    Raises:
+        ValueError: naming ``what`` and the fault, where ``data`` is not that form (its length does not match
+            its count of offsets, an offset is not below ``item`` or not above the one before it).
+    """
+    import numpy
+
+    if count == 0:
+        if data not in (b"", b"\0\0"):
+            raise ValueError(f"{what}: expected no addresses, got {len(data)} bytes")
+        return b""
+    k = int.from_bytes(data[:2], "little") if len(data) >= 2 else -1
+    expected = 2 + 2 * k + item + count * k
+    if not 0 <= k <= item or len(data) != expected:
+        raise ValueError(f"{what}: expected compact addresses (a count K of at most {item} offsets, K offsets, "
+                         f"one address of {item} bytes and {count} x K bytes), got {len(data)} bytes"
+                         + (f" for K = {k} ({expected} expected)" if k >= 0 else ""))
+    offsets = numpy.frombuffer(data, dtype=_OFFSETS, count=k, offset=2).astype(numpy.intp)
+    if k and (offsets[-1] >= item or (numpy.diff(offsets) <= 0).any()):
+        raise ValueError(f"{what}: the offsets {offsets[:8].tolist()}{'...' if k > 8 else ''} must rise and stay "
+                         f"below the address's {item} bytes")
+    first = numpy.frombuffer(data, dtype=numpy.uint8, count=item, offset=2 + 2 * k)
+    array = numpy.tile(first, (count, 1))
+    array[:, offsets] = numpy.frombuffer(data, dtype=numpy.uint8, count=count * k,
+                                         offset=2 + 2 * k + item).reshape(count, k)
+    return array.tobytes()
 
 
 def is_exchange(key: str) -> bool:
@@ -116,7 +180,8 @@ def parse(key: str, body: bytes) -> Request:
 
     Raises:
         ValueError: the key is not ``_mesh_<rank>_<size>_<item>`` with 0 <= rank < size <= MAX_SIZE and
-            0 < item <= MAX_ITEM, or the body is not a host name, a newline and (size - 1) * item bytes.
+            0 < item <= MAX_ITEM, or the body is not a host name, a newline and size - 1 addresses of item
+            bytes in :func:`compact` form.
     """
     match = _KEY.fullmatch(key)
     if match is None:
@@ -125,10 +190,10 @@ def parse(key: str, body: bytes) -> Request:
     if not (0 <= rank < size <= MAX_SIZE and 0 < item <= MAX_ITEM):
         raise ValueError(f"key {key!r}: expected 0 <= rank < size <= {MAX_SIZE} and 0 < item bytes <= {MAX_ITEM}")
     host, newline, addresses = body.partition(b"\n")
-    if not newline or len(addresses) != (size - 1) * item:
-        raise ValueError(f"{key}: expected a host name, a newline and {(size - 1) * item} address bytes, "
-                         f"got {len(body)} bytes{'' if newline else ' without a newline'}")
-    return Request(rank, size, item, host, addresses)
+    if not newline:
+        raise ValueError(f"{key}: expected a host name, a newline and compact addresses, got {len(body)} bytes "
+                         "without a newline")
+    return Request(rank, size, item, host, expand(addresses, size - 1, item, key))
 
 
 def _contexts(server: Any) -> Dict[str, _Context]:
@@ -173,4 +238,4 @@ def exchange_waiting(server: Any, scope: str, request: Request) -> Optional[byte
         return None
 
 
-__all__ = ["ENV", "HOLD_S", "PATCH", "PREFIX", "Request", "exchange", "exchange_waiting", "is_exchange", "parse"]
+__all__ = ["ENV", "HOLD_S", "PATCH", "compact", "expand", "PREFIX", "Request", "exchange", "exchange_waiting", "is_exchange", "parse"]

@@ -3,7 +3,8 @@ real, guarded rendezvous server, against what Gloo's own protocol gives each ran
 
 Gloo's ``connectFullMesh`` reads, from every peer p's value (p's pair addresses, one per other rank in rank
 order), the address at rank r's index: r below p, r - 1 above (``extractAddress``), and counts as r's local
-rank the lower ranks with r's host name. The exchange must hand each rank exactly that.
+rank the lower ranks with r's host name. The exchange must hand each rank exactly that. Both ways the addresses
+travel in compact form (``gloo_exchange.compact``), as the patched ``HTTPStore`` sends and reads them.
 """
 
 import argparse
@@ -28,14 +29,32 @@ def gloos_own(blobs, hosts, rank):
     return local, column
 
 
+def addresses(host, count):
+    """``count`` addresses of a rank on ``host`` as Gloo's TCP transport makes them: one listening socket per
+    pair, so they differ only in the port (bytes 2 and 3 of the sockaddr)."""
+    first = bytes([2, 0, 0, 0]) + host.encode()[:4].ljust(4, b"x") + bytes(ITEM - 8)
+    return b"".join(first[:2] + (40000 + os.getpid() % 1000 + 7 * i).to_bytes(2, "big") + first[4:]
+                    for i in range(count))
+
+
+def put(job, scope, hosts, rank, blob):
+    """One rank's exchange as the patched HTTPStore sends it: (status, body with its addresses expanded)."""
+    size = len(hosts)
+    status, body = request(job, "PUT", f"/{scope}/_mesh_{rank}_{size}_{ITEM}",
+                           hosts[rank].encode() + b"\n" + gloo_exchange.compact(blob, size - 1, ITEM))
+    if status != 200:
+        return status, body
+    local, _, packed = body.partition(b"\n")
+    return status, local + b"\n" + gloo_exchange.expand(packed, size - 1, ITEM, "the answer")
+
+
 def exchange_all(job, scope, hosts, blobs):
     """Every rank's PUT at once, each asking again on a 404 as the patched HTTPStore does: {rank: answer}."""
     answers = {}
 
     def rank_of(rank):
-        key = f"/{scope}/_mesh_{rank}_{len(hosts)}_{ITEM}"
         while True:
-            status, body = request(job, "PUT", key, hosts[rank].encode() + b"\n" + blobs[rank])
+            status, body = put(job, scope, hosts, rank, blobs[rank])
             if status != 404:
                 answers[rank] = (status, body)
                 return
@@ -48,9 +67,11 @@ def exchange_all(job, scope, hosts, blobs):
     return answers
 
 
-def test_every_rank_gets_in_one_request_what_gloos_own_protocol_reads_one_peer_at_a_time(job):
+@pytest.mark.parametrize("made", ["as Gloo makes them", "at random"])
+def test_every_rank_gets_in_one_request_what_gloos_own_protocol_reads_one_peer_at_a_time(job, made):
     hosts = ["host-a", "host-a", "host-b", "host-a", "host-b"]
-    blobs = [os.urandom(ITEM * (len(hosts) - 1)) for _ in hosts]
+    blobs = [addresses(host, len(hosts) - 1) if made == "as Gloo makes them" else os.urandom(ITEM * (len(hosts) - 1))
+             for host in hosts]
     answers = exchange_all(job, "global", hosts, blobs)
     assert sorted(answers) == list(range(len(hosts)))
     for rank, (status, body) in answers.items():
@@ -67,7 +88,7 @@ def test_every_rank_gets_in_one_request_what_gloos_own_protocol_reads_one_peer_a
 def test_a_rank_is_held_then_answered_404_until_the_last_one_has_published(job, monkeypatch):
     monkeypatch.setattr(gloo_exchange, "HOLD_S", 0.2)
     blobs = [os.urandom(ITEM * 2) for _ in range(3)]
-    first = request(job, "PUT", f"/local_host-a/_mesh_0_3_{ITEM}", b"host-a\n" + blobs[0])
+    first = put(job, "local_host-a", ["host-a"] * 3, 0, blobs[0])
     assert first == (404, b"")
     answers = exchange_all(job, "local_host-a", ["host-a"] * 3, blobs)
     assert {rank: status for rank, (status, _) in answers.items()} == {0: 200, 1: 200, 2: 200}
@@ -78,7 +99,7 @@ def test_a_rank_whose_answer_was_lost_asks_again_and_gets_the_same_answer(job):
     hosts = ["host-a", "host-b", "host-b"]
     blobs = [os.urandom(ITEM * 2) for _ in hosts]
     first = exchange_all(job, "cross_1", hosts, blobs)
-    again = request(job, "PUT", f"/cross_1/_mesh_2_3_{ITEM}", b"host-b\n" + blobs[2])
+    again = put(job, "cross_1", hosts, 2, blobs[2])
     assert again == first[2] and again[0] == 200
 
 
@@ -91,12 +112,22 @@ def test_a_new_round_exchanges_afresh_in_the_same_scope(job):
     assert answers == {0: (200, b"0\n" + smaller[1][:ITEM]), 1: (200, b"0\n" + smaller[0][:ITEM])}
 
 
+def test_the_compact_form_carries_only_the_bytes_where_a_ranks_addresses_differ():
+    blob = addresses("host-a", 1023)
+    packed = gloo_exchange.compact(blob, 1023, ITEM)
+    assert len(packed) == 2 + 2 * 2 + ITEM + 1023 * 2  # the port's two bytes: 2,188 bytes instead of 139,128
+    assert gloo_exchange.expand(packed, 1023, ITEM, "x") == blob
+
+
 @pytest.mark.parametrize("key, body, named", [
     ("_mesh_x", b"h\n", "'_mesh_x'"),
     ("_mesh_3_2_136", b"h\n" + b"a" * 136, "0 <= rank < size"),
     ("_mesh_0_2_0", b"h\n", "0 < item bytes"),
     ("_mesh_0_2_4", b"h" + b"a" * 4, "without a newline"),
-    ("_mesh_0_3_4", b"h\n" + b"a" * 4, "expected a host name, a newline and 8 address bytes, got 6 bytes"),
+    ("_mesh_0_3_4", b"h\n" + b"a" * 4, "got 4 bytes for K = 24929 (99722 expected)"),
+    ("_mesh_0_3_4", b"h\n\x01\x00\x00\x00abcdxy" + b"z", "got 11 bytes for K = 1 (10 expected)"),
+    ("_mesh_0_3_4", b"h\n\x02\x00\x03\x00\x01\x00abcdwxyz", "offsets [3, 1] must rise"),
+    ("_mesh_0_3_4", b"h\n\x01\x00\x04\x00abcdxy", "offsets [4] must rise and stay below"),
 ])
 def test_a_malformed_exchange_is_answered_400_naming_what_is_wrong_and_stores_nothing(job, key, body, named):
     with pytest.raises(ValueError) as raised:
