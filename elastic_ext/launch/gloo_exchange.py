@@ -47,6 +47,7 @@ PREFIX = "_mesh_"
 HOLD_S = 5.0        # a request waits this long for the last ranks, then is answered 404 and asked again
 MAX_SIZE = 1 << 16  # ranks of one context
 MAX_ITEM = 4096     # bytes of one pair address (Gloo's TCP transport: 136)
+MAX_ADDRESS_BYTES = 1 << 20  # a rank's addresses expanded: no more than the store takes in one body (1 MiB)
 _OFFSETS = "<u2"    # compact form: a count and the offsets, 16-bit little-endian
 
 _KEY = re.compile(r"_mesh_(\d{1,6})_(\d{1,6})_(\d{1,5})")
@@ -73,7 +74,7 @@ class _Context:
         self.first: Any = None  # the first published address, and where any address differs from it
         self.differs = numpy.zeros(item, dtype=bool)
         self.offsets: Any = None  # where any address differs from the first, once every rank has published
-        self.head = b""  # an answer's count of offsets, the offsets and the first address, then
+        self.head = b""  # every answer's count of offsets, offsets and first address, once all have published
         self.published: Set[int] = set()
         self.local_ranks: Optional[List[int]] = None  # set when every rank has published
         self.waiting: Dict[int, Callable[[bytes], None]] = {}  # the requests not answered yet, by rank
@@ -179,8 +180,9 @@ def parse(key: str, body: bytes) -> Request:
     """The exchange a ``_mesh_`` key and its body ask for.
 
     Raises:
-        ValueError: the key is not ``_mesh_<rank>_<size>_<item>`` with 0 <= rank < size <= MAX_SIZE and
-            0 < item <= MAX_ITEM, or the body is not a host name, a newline and size - 1 addresses of item
+        ValueError: the key is not ``_mesh_<rank>_<size>_<item>`` with 0 <= rank < size <= MAX_SIZE,
+            0 < item <= MAX_ITEM and (size - 1) * item <= MAX_ADDRESS_BYTES (what one body could carry
+            whole before the compact form), or the body is not a host name, a newline and size - 1 addresses of item
             bytes in :func:`compact` form.
     """
     match = _KEY.fullmatch(key)
@@ -189,6 +191,9 @@ def parse(key: str, body: bytes) -> Request:
     rank, size, item = (int(group) for group in match.groups())
     if not (0 <= rank < size <= MAX_SIZE and 0 < item <= MAX_ITEM):
         raise ValueError(f"key {key!r}: expected 0 <= rank < size <= {MAX_SIZE} and 0 < item bytes <= {MAX_ITEM}")
+    if (size - 1) * item > MAX_ADDRESS_BYTES:  # a few compact bytes must not make the store hold more
+        raise ValueError(f"key {key!r}: {size - 1} addresses of {item} bytes exceed the {MAX_ADDRESS_BYTES} bytes "
+                         "a rank's addresses may take")
     host, newline, addresses = body.partition(b"\n")
     if not newline:
         raise ValueError(f"{key}: expected a host name, a newline and compact addresses, got {len(body)} bytes "
@@ -238,4 +243,5 @@ def exchange_waiting(server: Any, scope: str, request: Request) -> Optional[byte
         return None
 
 
-__all__ = ["ENV", "HOLD_S", "PATCH", "compact", "expand", "PREFIX", "Request", "exchange", "exchange_waiting", "is_exchange", "parse"]
+__all__ = ["ENV", "HOLD_S", "MAX_ADDRESS_BYTES", "PATCH", "PREFIX", "Request", "compact", "exchange", "exchange_waiting",
+           "expand", "is_exchange", "parse"]

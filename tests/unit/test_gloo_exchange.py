@@ -33,7 +33,7 @@ def addresses(host, count):
     """``count`` addresses of a rank on ``host`` as Gloo's TCP transport makes them: one listening socket per
     pair, so they differ only in the port (bytes 2 and 3 of the sockaddr)."""
     first = bytes([2, 0, 0, 0]) + host.encode()[:4].ljust(4, b"x") + bytes(ITEM - 8)
-    return b"".join(first[:2] + (40000 + os.getpid() % 1000 + 7 * i).to_bytes(2, "big") + first[4:]
+    return b"".join(first[:2] + (40000 + 7 * i).to_bytes(2, "big") + first[4:]
                     for i in range(count))
 
 
@@ -123,6 +123,7 @@ def test_the_compact_form_carries_only_the_bytes_where_a_ranks_addresses_differ(
     ("_mesh_x", b"h\n", "'_mesh_x'"),
     ("_mesh_3_2_136", b"h\n" + b"a" * 136, "0 <= rank < size"),
     ("_mesh_0_2_0", b"h\n", "0 < item bytes"),
+    ("_mesh_0_7712_136", b"h\n\0\0" + b"a" * 136, "7711 addresses of 136 bytes exceed the 1048576 bytes"),
     ("_mesh_0_2_4", b"h" + b"a" * 4, "without a newline"),
     ("_mesh_0_3_4", b"h\n" + b"a" * 4, "got 4 bytes for K = 24929 (99722 expected)"),
     ("_mesh_0_3_4", b"h\n\x01\x00\x00\x00abcdxy" + b"z", "got 11 bytes for K = 1 (10 expected)"),
