@@ -176,13 +176,14 @@ class Request(NamedTuple):
     addresses: bytes
 
 
-def parse(key: str, body: bytes) -> Request:
-    """The exchange a ``_mesh_`` key and its body ask for.
+def parse(key: str, body: bytes, ranks: Optional[int]) -> Request:
+    """The exchange a ``_mesh_`` key and its body ask for, in a round of ``ranks`` ranks (None: no round is
+    open): no context of the round has more ranks than the round, so none may make the store hold more.
 
     Raises:
         ValueError: the key is not ``_mesh_<rank>_<size>_<item>`` with 0 <= rank < size <= MAX_SIZE,
-            0 < item <= MAX_ITEM and (size - 1) * item <= MAX_ADDRESS_BYTES (what one body could carry
-            whole before the compact form), or the body is not a host name, a newline and size - 1 addresses of item
+            0 < item <= MAX_ITEM, size <= ranks and (size - 1) * item <= MAX_ADDRESS_BYTES (what one body
+            could carry whole before the compact form), or the body is not a host name, a newline and size - 1 addresses of item
             bytes in :func:`compact` form.
     """
     match = _KEY.fullmatch(key)
@@ -191,6 +192,9 @@ def parse(key: str, body: bytes) -> Request:
     rank, size, item = (int(group) for group in match.groups())
     if not (0 <= rank < size <= MAX_SIZE and 0 < item <= MAX_ITEM):
         raise ValueError(f"key {key!r}: expected 0 <= rank < size <= {MAX_SIZE} and 0 < item bytes <= {MAX_ITEM}")
+    if ranks is None or size > ranks:
+        raise ValueError(f"key {key!r}: {size} ranks, but " + (
+            "no round is open" if ranks is None else f"the round has {ranks}"))
     if (size - 1) * item > MAX_ADDRESS_BYTES:  # a few compact bytes must not make the store hold more
         raise ValueError(f"key {key!r}: {size - 1} addresses of {item} bytes exceed the {MAX_ADDRESS_BYTES} bytes "
                          "a rank's addresses may take")
@@ -199,6 +203,11 @@ def parse(key: str, body: bytes) -> Request:
         raise ValueError(f"{key}: expected a host name, a newline and compact addresses, got {len(body)} bytes "
                          "without a newline")
     return Request(rank, size, item, host, expand(addresses, size - 1, item, key))
+
+
+def round_ranks(server: Any) -> Optional[int]:
+    """The ranks of the round Horovod's rendezvous server has open (its ``init``), None before one."""
+    return getattr(server, "scope_size", {}).get("global")
 
 
 def _contexts(server: Any) -> Dict[str, _Context]:
@@ -244,4 +253,4 @@ def exchange_waiting(server: Any, scope: str, request: Request) -> Optional[byte
 
 
 __all__ = ["ENV", "HOLD_S", "MAX_ADDRESS_BYTES", "PATCH", "PREFIX", "Request", "compact", "exchange", "exchange_waiting",
-           "expand", "is_exchange", "parse"]
+           "expand", "is_exchange", "parse", "round_ranks"]

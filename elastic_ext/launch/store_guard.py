@@ -36,7 +36,10 @@ change that, in this process:
    :data:`~elastic_ext.control.store.NOTICE_SCOPE` the secret or to come
    from an address of the host it names.
 4. **Bodies** are at most :data:`MAX_BODY_BYTES` (413 above; Gloo's largest
-   value, every pair address of a rank, is about 140 bytes per rank).
+   value, every pair address of a rank, is about 140 bytes per rank, 2 in
+   the exchange's compact form, which may expand to no more than that limit
+   and to no more ranks than the open round's:
+   :func:`~elastic_ext.launch.gloo_exchange.parse`).
 
 Everything else (Gloo's scopes, ``rank_and_size``) is Horovod's, for the
 clients of rule 1; a PUT of a Gloo scope's ``_mesh_`` key is Gloo's
@@ -202,7 +205,7 @@ def guarded(handler_cls: type) -> type:
         def _exchange(self, scope: str, key: str) -> None:
             body = self.rfile.read(int(self.headers["Content-Length"]))  # (checked: at most MAX_BODY_BYTES)
             try:
-                request = gloo_exchange.parse(key, body)
+                request = gloo_exchange.parse(key, body, gloo_exchange.round_ranks(self.server))
             except ValueError as exc:
                 self._refuse(Refused(400, str(exc)))
                 return

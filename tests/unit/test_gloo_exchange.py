@@ -12,6 +12,7 @@ import os
 import threading
 
 import pytest
+from horovod.runner.common.util.hosts import SlotInfo
 
 from elastic_ext.control import horovod_seam
 from elastic_ext.launch import command_line, gloo_exchange
@@ -69,7 +70,7 @@ def exchange_all(job, scope, hosts, blobs):
 
 @pytest.mark.parametrize("made", ["as Gloo makes them", "at random"])
 def test_every_rank_gets_in_one_request_what_gloos_own_protocol_reads_one_peer_at_a_time(job, made):
-    hosts = ["host-a", "host-a", "host-b", "host-a", "host-b"]
+    hosts = ["host-a", "host-a", "host-b", "host-a"]  # the job's round: 4 ranks
     blobs = [addresses(host, len(hosts) - 1) if made == "as Gloo makes them" else os.urandom(ITEM * (len(hosts) - 1))
              for host in hosts]
     answers = exchange_all(job, "global", hosts, blobs)
@@ -106,7 +107,8 @@ def test_a_rank_whose_answer_was_lost_asks_again_and_gets_the_same_answer(job):
 def test_a_new_round_exchanges_afresh_in_the_same_scope(job):
     blobs = [os.urandom(ITEM * 2) for _ in range(3)]
     exchange_all(job, "global", ["host-a"] * 3, blobs)
-    job.server._httpd.init([])  # the driver's next round: Horovod clears the store
+    # the driver's next round, of 2 ranks: Horovod clears the store
+    job.server._httpd.init([SlotInfo("host-a", 0, 0, 0, 2, 1, 2), SlotInfo("host-b", 1, 0, 1, 2, 1, 2)])
     smaller = [os.urandom(ITEM) for _ in range(2)]
     answers = exchange_all(job, "global", ["host-a", "host-b"], smaller)
     assert answers == {0: (200, b"0\n" + smaller[1][:ITEM]), 1: (200, b"0\n" + smaller[0][:ITEM])}
@@ -132,10 +134,21 @@ def test_the_compact_form_carries_only_the_bytes_where_a_ranks_addresses_differ(
 ])
 def test_a_malformed_exchange_is_answered_400_naming_what_is_wrong_and_stores_nothing(job, key, body, named):
     with pytest.raises(ValueError) as raised:
-        gloo_exchange.parse(key, body)
+        gloo_exchange.parse(key, body, 1 << 16)
     assert named in str(raised.value)
     assert request(job, "PUT", f"/cross_0/{key}", body)[0] == 400
     assert "cross_0" not in snapshot(job)
+
+
+@pytest.mark.parametrize("ranks, named", [(4, "5 ranks, but the round has 4"), (None, "5 ranks, but no round is open")])
+def test_an_exchange_larger_than_the_round_is_answered_400_and_stores_nothing(job, ranks, named):
+    body = b"h\n" + gloo_exchange.compact(addresses("h", 4), 4, ITEM)  # a well-formed body: 5 ranks of 136
+    with pytest.raises(ValueError) as raised:
+        gloo_exchange.parse(f"_mesh_0_5_{ITEM}", body, ranks)
+    assert named in str(raised.value)
+    assert gloo_exchange.round_ranks(job.server._httpd) == 4
+    assert request(job, "PUT", f"/global/_mesh_0_5_{ITEM}", body)[0] == 400
+    assert "global" not in snapshot(job)
 
 
 @pytest.mark.parametrize("patches, expected", [((gloo_exchange.PATCH,), "1"), ((), None)])
