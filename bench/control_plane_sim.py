@@ -45,11 +45,11 @@ from typing import Any, List, Optional, Set, Tuple
 
 from bench.control_plane_http import HTTPError, Unanswered, Unreachable
 from elastic_ext.control import store
+from elastic_ext.launch import gloo_exchange
 from elastic_ext.worker import prestart, round_watch
 from elastic_ext.runtime import driver_watch
 
 ADDRESS_BYTES = 136   # gloo::transport::tcp::Address::bytes(): sockaddr_storage + sequence number
-PORT_OFFSETS = (2, 3)  # a rank's pair addresses differ only in the sockaddr's port (one listening socket per pair)
 GLOO_WAIT_POLL_S = 0.01  # HTTPStore::wait sleeps 10 ms between reads of a missing key
 GLOO_RETRIES, GLOO_RETRY_S = 3, 0.5  # HTTPStore::PerformHTTP: a failed request is tried 3 times, 500 ms apart
 PROCESS_SET_HASH = "5d1e6b1f0a3c2e47"  # std::hash of "0,1,...," in hex: 16 digits (its value does not matter)
@@ -57,13 +57,12 @@ PROCESS_SET_HASH = "5d1e6b1f0a3c2e47"  # std::hash of "0,1,...," in hex: 16 digi
 
 @functools.lru_cache(maxsize=4096)
 def compact_addresses(host: str, count: int) -> bytes:
-    """A rank's ``count`` pair addresses as build patch 08's ``HTTPStore`` sends them (the compact form of
-    :func:`elastic_ext.launch.gloo_exchange.compact`): its first address whole, then of each the two bytes of
-    its port."""
-    ports = b"".join((20000 + i).to_bytes(2, "big") for i in range(count))
-    first = bytes([2, 0]) + ports[:2] + host.encode()[-4:].rjust(4, b"\0") + bytes(ADDRESS_BYTES - 8)
-    return (len(PORT_OFFSETS).to_bytes(2, "little") + b"".join(o.to_bytes(2, "little") for o in PORT_OFFSETS)
-            + first + ports)
+    """A rank's ``count`` pair addresses as build patch 08's ``HTTPStore`` sends them
+    (:func:`elastic_ext.launch.gloo_exchange.compact`): one listening socket per pair, so they differ only in
+    the sockaddr's port."""
+    first = bytes([2, 0, 0, 0]) + host.encode()[-4:].rjust(4, b"\0") + bytes(ADDRESS_BYTES - 8)
+    addresses = b"".join(first[:2] + (20000 + i).to_bytes(2, "big") + first[4:] for i in range(count))
+    return gloo_exchange.compact(addresses, count, ADDRESS_BYTES)
 
 
 class Worker:

@@ -71,8 +71,8 @@ class _Context:
         self.values, self.size, self.item = values, size, item
         self._numpy = numpy
         self.columns = numpy.empty((max(size - 1, 0), size, item), dtype=numpy.uint8)
-        self.first: Any = None  # the first published address, and where any address differs from it
-        self.differs = numpy.zeros(item, dtype=bool)
+        self.first: Any = None  # the first published address
+        self.differs = numpy.zeros(item, dtype=bool)  # where any published address differs from it
         self.offsets: Any = None  # where any address differs from the first, once every rank has published
         self.head = b""  # every answer's count of offsets, offsets and first address, once all have published
         self.published: Set[int] = set()
@@ -103,8 +103,7 @@ class _Context:
         self.local_ranks = local_ranks
         if self.size > 1:
             self.offsets = self._numpy.flatnonzero(self.differs)
-            self.head = len(self.offsets).to_bytes(2, "little") + self.offsets.astype(_OFFSETS).tobytes() + \
-                self.first.tobytes()
+            self.head = _head(self.offsets, self.first)
         return True
 
     def answer(self, rank: int) -> bytes:
@@ -119,18 +118,22 @@ class _Context:
         return b"".join(parts)
 
 
+def _head(offsets: Any, first: Any) -> bytes:
+    """The compact form's head: the count of ``offsets``, the offsets, and the ``first`` address whole."""
+    return len(offsets).to_bytes(2, "little") + offsets.astype(_OFFSETS).tobytes() + first.tobytes()
+
+
 def compact(items: bytes, count: int, item: int) -> bytes:
     """``count`` addresses of ``item`` bytes in compact form: a 16-bit little-endian count K, K rising 16-bit
     offsets, the first address whole, then of each address its bytes at the K offsets (those where any
-    address differs from the first). The patched ``HTTPStore`` sends its addresses so; a test's reference."""
+    address differs from the first), as the patched ``HTTPStore`` sends them."""
     import numpy
 
     if count == 0:
         return b"\0\0"
     array = numpy.frombuffer(items, dtype=numpy.uint8).reshape(count, item)
     offsets = numpy.flatnonzero((array != array[0]).any(axis=0))
-    return (len(offsets).to_bytes(2, "little") + offsets.astype(_OFFSETS).tobytes() + array[0].tobytes()
-            + array[:, offsets].tobytes())
+    return _head(offsets, array[0]) + array[:, offsets].tobytes()
 
 
 def expand(data: bytes, count: int, item: int, what: str) -> bytes:
@@ -183,8 +186,8 @@ def parse(key: str, body: bytes, ranks: Optional[int]) -> Request:
     Raises:
         ValueError: the key is not ``_mesh_<rank>_<size>_<item>`` with 0 <= rank < size <= MAX_SIZE,
             0 < item <= MAX_ITEM, size <= ranks and (size - 1) * item <= MAX_ADDRESS_BYTES (what one body
-            could carry whole before the compact form), or the body is not a host name, a newline and size - 1 addresses of item
-            bytes in :func:`compact` form.
+            could carry whole before the compact form), or the body is not a host name, a newline and
+            size - 1 addresses of item bytes in :func:`compact` form.
     """
     match = _KEY.fullmatch(key)
     if match is None:
