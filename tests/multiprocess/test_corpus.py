@@ -164,7 +164,8 @@ def run_faulted(tmp_path, script):
     cmd = [os.path.join(launch.VENV_BIN, "elastic-horovodrun"), "-np", "4", "--min-np", "2", "--max-np", "4",
            "--network-interfaces", "lo", "--host-discovery-script", f"{launch.STATIC} {hosts}",
            *script_cmd(script, out, "--dump-at", str(DUMP_STEP),
-                       "--faults", f"3:{KILL_STEP}:kill,1:{script.term_step}:term", "--slow-below", "4:0.6")]
+                       "--faults", f"3:{KILL_STEP}:kill,1:{script.term_step}:term", "--leave-frees", hosts,
+                       "--slow-below", "4:0.6")]
     env = launch.base_env(ELASTIC_EXT_EVENTS_PATH=str(out / "events.jsonl"), ELASTIC_EXT_REPLICA_CHECK_EVERY=1,
                           HOROVOD_GLOO_TIMEOUT_SECONDS=120)
     code, output = launch.run(cmd, env, str(out / "horovodrun.log"), script.timeout_s)

@@ -53,6 +53,9 @@ def arguments(description, epochs=2, global_batch=60, commit_every=4):
     parser.add_argument("--resize-at", default="", help="STEP:HOSTFILE:HOST,... (HostFileSchedule)")
     parser.add_argument("--dump-at", type=int, default=-1, help="dump the weights at the commit of this step")
     parser.add_argument("--sizes", default="", help="reference: JSON file {step: world size} of an elastic run")
+    parser.add_argument("--leave-frees", default="", help="HOSTFILE: at rank 1's SIGTERM, rank 0 takes the "
+                                                          "leaver's slot out of this discovery host file, as a host "
+                                                          "going away does, so that no newcomer replaces it")
     parser.add_argument("--slow-below", default="", help="SIZE:SECONDS: while the world has fewer than SIZE "
                                                          "workers each step sleeps SECONDS (a newcomer then "
                                                          "joins while the job trains, not at its end)")
@@ -139,12 +142,40 @@ class Hooks:
     def step(self, state, epoch=0, cursor=0, indices=None):
         """Before a step's forward pass: a declared fault fires; the step's samples go to the ledger."""
         if self.faults is not None:
+            if self.args.leave_frees and self.mode == "elastic" and self.rank() == 0 and any(
+                    (f.rank, f.step, f.how, f.where) == (1, state.step, "term", "step") for f in self.faults.faults):
+                self._free_slot(state)  # not by rank 1's marker: rank 1 may have fired already
             self.faults.maybe_fire(self.rank(), state.step)
         if self._slow is not None and self.mode != "reference" and self.size() < self._slow[0]:
             time.sleep(self._slow[1])  # pacing, not synchronisation: the job goes on whenever it may
         if self.ledger is not None and indices is not None:
             indices = np.asarray(indices)
             self.ledger.step(state.generation, epoch, cursor, state.step, self.rank(), self.size(), indices, 0)
+
+    def _free_slot(self, state, wait_s=60.0):
+        """Rank 0, at the step where rank 1 gets its SIGTERM: one slot fewer on rank 0's host in the host
+        file, as a host going away, waited for until Horovod's driver has announced it (to rank 0, its
+        coordinator). The leave and the host change then meet at the next commit, and no newcomer
+        replaces the leaver. Ranks are host-major, so with 2 slots per host rank 1 is rank 0's host's
+        local rank 1, the one Horovod drops when that host loses a slot."""
+        path, host = self.args.leave_frees, os.environ["HOROVOD_HOSTNAME"]
+        marker = path + ".freed"
+        if os.path.exists(marker):
+            return
+        with open(path) as handle:
+            slots = dict(line.strip().rsplit(":", 1) for line in handle if line.strip())
+        if int(slots.get(host, 0)) != 2:
+            raise RuntimeError(f"--leave-frees {path}: rank 0's host {host!r} must have 2 slots, has {slots}")
+        slots[host] = 1
+        with open(path + ".tmp", "w") as handle:
+            handle.writelines(f"{name}:{count}\n" for name, count in slots.items())
+        os.replace(path + ".tmp", path)
+        open(marker, "w").close()
+        deadline = time.time() + wait_s
+        while not state.host_update_pending():
+            if time.time() > deadline:
+                raise RuntimeError(f"Horovod's driver did not announce the host file's change within {wait_s} s")
+            time.sleep(0.05)
 
     def record(self, state, epoch, cursor, indices):
         """The step's samples to the ledger only (where a fault fires elsewhere: ``model.fit``)."""
