@@ -4,7 +4,10 @@ docs/corpus.md), each compared with a one-process run of itself.
 Each script runs three ways, in two launches:
 
 1. ``--reference``: one process, no Horovod, the whole global batch per step,
-   the same seed and steps: the math the user means. A script whose math
+   the same seed and steps: the math the user means. The PyTorch scripts'
+   references that do not follow the job run one after the other in one
+   process launched for the module (``corpus/_references.py``), so torch
+   and Horovod are imported once for them, not once each. A script whose math
    depends on the world size (the learning rate scaled by ``hvd.size()``)
    follows the world sizes the elastic job went through, step by step
    (``--sizes``, read from the job's sample ledger).
@@ -107,6 +110,7 @@ class Script:
     timeout_s: int = 240
 
     adam_lr_sum: float = 0.0      # bf16: the sum over the steps of Adam's learning rate (see the module docstring)
+    tensorflow: bool = False      # its reference runs in a process of its own (corpus/_references.py)
 
     @property
     def tolerance_factor(self):
@@ -133,9 +137,9 @@ SCRIPTS = [
     Script("compiled_model"),
     # 24 sequences of 16 tokens a step: a gradient entry sums 384 terms.
     Script("causal_lm", samples=288, summands=24 * 16 + 4),
-    Script("tf_function_schedule", timeout_s=300),
+    Script("tf_function_schedule", timeout_s=300, tensorflow=True),
     # 12 steps an epoch, a commit every 4 batches of an epoch; 4 epochs.
-    Script("keras_fit_callbacks", steps=48, epochs=4, timeout_s=300),
+    Script("keras_fit_callbacks", steps=48, epochs=4, timeout_s=300, tensorflow=True),
 ]
 
 
@@ -153,6 +157,38 @@ def run_reference(tmp_path, script, sizes=None):
     code, output = launch.run(script_cmd(script, out, "--reference", *extra), launch.base_env(),
                               str(tmp_path / "reference.log"), 180)
     assert code == 0, f"phase 'reference': exit {code}\n{output[-5000:]}"
+    return out
+
+
+def batched(script):
+    """True for a reference that runs with the others in one process: PyTorch, not following the job's sizes."""
+    return not (script.size_dependent or script.tensorflow)
+
+
+@pytest.fixture(scope="module")
+def torch_references(tmp_path_factory):
+    """The batched scripts' references, all in one process (corpus/_references.py: torch and Horovod
+    imported once, not once each): {script name: (out directory, status file)}, and the launch's log."""
+    root = tmp_path_factory.mktemp("references")
+    plan, runs = [], {}
+    for script in filter(batched, SCRIPTS):
+        out = root / script.name
+        runs[script.name] = (out, out / "status.json")
+        plan.append([os.path.join(CORPUS, f"{script.name}.py"),
+                     ["--out", str(out), *script.args, "--reference", "--dump-at", str(DUMP_STEP)],
+                     str(out / "status.json")])
+    (root / "plan.json").write_text(json.dumps(plan))
+    code, output = launch.run([sys.executable, os.path.join(CORPUS, "_references.py"), str(root / "plan.json")],
+                              launch.base_env(), str(root / "references.log"), 600)
+    return runs, code, output
+
+
+def batched_reference(torch_references, script):
+    runs, code, output = torch_references
+    out, status_file = runs[script.name]
+    status = json.loads(status_file.read_text()) if status_file.exists() else None
+    assert status is not None and status["ok"], \
+        f"phase 'reference': {status['error'] if status else f'no outcome (exit {code})'}\n{output[-3000:]}"
     return out
 
 
@@ -201,9 +237,11 @@ def load_dumps(out):
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.name)
-def test_script_matches_its_one_process_run_failure_free_and_through_kill_grow_and_leave(tmp_path, script):
+def test_script_matches_its_one_process_run_failure_free_and_through_kill_grow_and_leave(tmp_path, script,
+                                                                                       torch_references):
     # The reference first, where it does not depend on the job (a compiled model's kernels are then cached).
-    reference = None if script.size_dependent else run_reference(tmp_path, script)
+    reference = batched_reference(torch_references, script) if batched(script) else \
+        None if script.size_dependent else run_reference(tmp_path, script)
     out, code, output = run_faulted(tmp_path, script)
     events = analysis.read_events(str(out / "events.jsonl")) if (out / "events.jsonl").exists() else []
     first_fault = min((e["time"] for e in events if e["event"] == "rollback"), default=float("inf"))
