@@ -18,13 +18,15 @@ Each script runs three ways, in two launches:
    (a rollback to the commit before it; under the launcher the dead
    worker's slot is offered again, so a newcomer joins: a grow, with a full
    sync), and a SIGTERM to rank 1 at step ``Script.term_step`` (a graceful
-   leave at a following commit: a shrink). While the world has fewer than 4
-   workers the steps are paced (``--slow-below``) so that the newcomer can
-   join while the job trains. On this loaded 2-core machine a newcomer
-   takes 4 to 8 s to start, so it usually joins in the reset of the leave
-   (one reset: one worker out, one in) or at the end (every rank commits
-   and takes it in before returning); either way it is synced, and the
-   final states of every rank, newcomers included, are compared.
+   leave at a following commit: a shrink). At that step rank 0 takes the
+   leaver's slot out of the host file (``--leave-frees``), as a preempted
+   host goes away, so that no second newcomer takes it. While the world has
+   fewer than 4 workers the steps are paced (``--slow-below``) so that the
+   newcomer can join while the job trains. On this loaded 2-core machine a
+   newcomer takes 4 to 8 s to start, so it usually joins before the leave,
+   or in its reset (one reset: one worker out, one in); either way it is
+   synced, and the final states of every rank, newcomers included, are
+   compared.
 
 Asserted per script, each assertion naming its phase:
 
