@@ -112,7 +112,8 @@ class Script:
     timeout_s: int = 240
 
     adam_lr_sum: float = 0.0      # bf16: the sum over the steps of Adam's learning rate (see the module docstring)
-    tensorflow: bool = False      # its reference runs in a process of its own (corpus/_references.py)
+    tensorflow: bool = False      # its reference gets a process of its own (Keras names variables by a
+                                  # process-wide counter), not the PyTorch references' shared one
 
     @property
     def tolerance_factor(self):
@@ -168,17 +169,22 @@ def batched(script):
 
 
 @pytest.fixture(scope="module")
-def torch_references(tmp_path_factory):
-    """The batched scripts' references, all in one process (corpus/_references.py: torch and Horovod
-    imported once, not once each): {script name: (out directory, status file)}, and the launch's log."""
+def torch_references(request, tmp_path_factory):
+    """The batched references of the scripts this session runs, all in one process
+    (corpus/_references.py: torch and Horovod imported once, not once each): {script name: (out
+    directory, status file)}, the launch's exit status and its log."""
+    selected = {item.callspec.params["script"].name for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec")}
     root = tmp_path_factory.mktemp("references")
     plan, runs = [], {}
-    for script in filter(batched, SCRIPTS):
+    for script in (s for s in SCRIPTS if batched(s) and s.name in selected):
         out = root / script.name
         runs[script.name] = (out, out / "status.json")
         plan.append([os.path.join(CORPUS, f"{script.name}.py"),
                      ["--out", str(out), *script.args, "--reference", "--dump-at", str(DUMP_STEP)],
                      str(out / "status.json")])
+    if not plan:
+        return runs, 0, ""
     (root / "plan.json").write_text(json.dumps(plan))
     code, output = launch.run([sys.executable, os.path.join(CORPUS, "_references.py"), str(root / "plan.json")],
                               launch.base_env(), str(root / "references.log"), 600)
