@@ -77,12 +77,10 @@ def test_fit_survives_kill_grow_and_leave_exactly_once_and_bitwise(tmp_path, ker
     # 23, 27, 30. Steps 0-7 on 2 workers; at the commit of step 8 a host
     # joins (3); rank 2 is SIGKILLed at the start of step 13 (rollback to 12,
     # its host blacklisted: 2); at 19 another host joins (3); its worker gets
-    # SIGTERM at step 22 and leaves at the commit of step 23 (2), where its host
-    # leaves the host file too, as a preempted host does: no newcomer takes its slot.
+    # SIGTERM at step 22 and leaves at the commit of step 23 (2).
     failed_hosts = str(tmp_path / "failed" / "hosts")
     failed, _ = run_fit(tmp_path, "failed", keras, "--side-callbacks", "--faults", "2:13:kill,2:22:term",
-                        "--resize-at", f"8:{failed_hosts}:{BASE},{OTHER};19:{failed_hosts}:{BASE},{THIRD};"
-                                      f"23:{failed_hosts}:{BASE}")
+                        "--resize-at", f"8:{failed_hosts}:{BASE},{OTHER};19:{failed_hosts}:{BASE},{THIRD}")
     records = ledger.read(str(failed))
     sizes = analysis.sizes_by_generation(records)
     assert sizes == [[2], [3], [2], [3], [2]], sizes
