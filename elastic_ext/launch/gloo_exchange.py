@@ -16,8 +16,10 @@ server does not answer it), a rank sends one request a context:
 its pair addresses (``item`` bytes each, one per other rank in rank order)
 in compact form (:func:`compact`: the first whole, then of each the bytes
 where any differs from it; a rank's TCP pair addresses differ only in their
-port). :func:`exchange` stores them whole under Gloo's own keys
-(``rank_<rank>`` and ``<rank>``) and, once every rank of ``size`` has
+port). :func:`exchange` keeps its host name under Gloo's own key
+(``rank_<rank>``) and its addresses compact under ``_mesh_<rank>`` (a
+reader of Gloo's own protocol reading ``<rank>`` gets them whole,
+:func:`whole`), and, once every rank of ``size`` has
 published, answers with the rank's local rank (lower ranks with the same
 host name), a newline, and of every other rank's addresses the one made for
 this rank, compact too (the offsets where any of the context's addresses
@@ -29,10 +31,11 @@ without a thread (:mod:`elastic_ext.launch.store_loop`), at most
 context's finalize (Gloo's own path sends one per rank, which lets the
 server drop the scope's values once every rank has connected): the values
 stay in the cache until the driver's next round clears it, about
-``136 N^2`` bytes for a round's global context (142 MB at
-1,024 ranks), and a rank whose answer was lost can still ask again. While a
-context lasts, its answers are cut from an array of the few bytes where
-addresses differ (``K N^2`` bytes: 6 MB at 1,024 ranks for K = 6).
+``K N^2`` bytes for a round's global context (2.2 MB at 1,024 ranks for
+Gloo's TCP addresses, K = 2; whole, they were 142 MB), and a rank whose
+answer was lost can still ask again. While a context lasts, its answers
+are cut from an array of the few bytes where addresses may differ (6 MB at
+1,024 ranks for K = 6).
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ from __future__ import annotations
 import queue
 import re
 import threading
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
+
+from elastic_ext.launch.gloo_compact import Packed, compact, expand, head, unpack
 
 PATCH = "08-gloo-full-mesh-in-one-compact-request"
 ENV = "HOROVOD_GLOO_FULL_MESH_EXCHANGE"
@@ -49,7 +54,6 @@ HOLD_S = 5.0        # a request waits this long for the last ranks, then is answ
 MAX_SIZE = 1 << 16  # ranks of one context
 MAX_ITEM = 4096     # bytes of one pair address (Gloo's TCP transport: 136)
 MAX_ADDRESS_BYTES = 1 << 20  # a rank's addresses expanded: no more than the store takes in one body (1 MiB)
-_OFFSETS = "<u2"    # compact form: a count and the offsets, 16-bit little-endian
 
 _KEY = re.compile(r"_mesh_(\d{1,6})_(\d{1,6})_(\d{1,5})")
 _state_lock = threading.Lock()
@@ -58,16 +62,15 @@ _state_lock = threading.Lock()
 class _Context:
     """One context's exchange in one scope of the cache (``values``, the dict Horovod's store keeps for it).
 
-    Each rank's addresses are kept as published (a view of its value in ``values``), and where any differs
-    from the first address published is noted. When the last rank publishes, only those bytes (a port and a
-    host address: a few of the 136) of every rank's addresses are gathered into ``columns``: ``columns[c, p]``
-    is rank p's address at its index c, cut to those offsets, and rank r's answer is ``columns[r - 1, :r]``
-    (its lower peers, who hold r's address at index r - 1) followed by ``columns[r, r + 1:]`` (its higher
-    peers, at index r), two contiguous runs cut in one copy each. So a publish costs a comparison of its
-    addresses with the first, and the last one a gather of ``size * (size - 1)`` times a few bytes, not of
-    every whole address (142 MB for a global context of 1,024 ranks). Dropped once every rank is answered; a
-    rank asking again after that (its answer lost) finds its peers' values still in ``values``, from which
-    a new context is made.
+    Each rank's addresses are kept as published, in compact form (:class:`Packed`), and the offsets where
+    any may differ from the first address published are noted (its own offsets, and where its first address
+    differs). When the last rank publishes, only those bytes (a port and a host address: a few of the 136)
+    of every rank's addresses are gathered into ``columns``: ``columns[c, p]`` is rank p's address at its
+    index c, cut to those offsets, and rank r's answer is ``columns[r - 1, :r]`` (its lower peers, who hold
+    r's address at index r - 1) followed by ``columns[r, r + 1:]`` (its higher peers, at index r), two
+    contiguous runs cut in one copy each. No address is ever made whole here. Dropped once every rank is
+    answered; a rank asking again after that (its answer lost) finds its peers' values still in ``values``,
+    from which a new context is made.
     """
 
     def __init__(self, values: Dict[str, bytes], size: int, item: int) -> None:
@@ -75,29 +78,31 @@ class _Context:
 
         self.values, self.size, self.item = values, size, item
         self._numpy = numpy
-        self.items: Dict[int, Any] = {}  # each published rank's addresses, (size - 1, item) bytes
+        self.packed: Dict[int, Packed] = {}  # each published rank's addresses
         self.columns: Any = None  # (size - 1, size, offsets) bytes, once every rank has published
         self.first: Any = None  # the first published address
-        self.differs = numpy.zeros(item, dtype=bool)  # where any published address differs from it
-        self.offsets: Any = None  # where any address differs from the first, once every rank has published
+        self.differs = numpy.zeros(item, dtype=bool)  # where any published address may differ from it
+        self.offsets: Any = None  # those offsets, once every rank has published
         self.head = b""  # every answer's count of offsets, offsets and first address, once all have published
         self.published: Set[int] = set()
         self.local_ranks: Optional[List[int]] = None  # set when every rank has published
         self.waiting: Dict[int, Callable[[bytes], None]] = {}  # the requests not answered yet, by rank
         self.answered: Set[int] = set()
         for peer in range(size):
-            if len(values.get(str(peer), b"")) == (size - 1) * item:
-                self.publish(peer, values[str(peer)])
+            kept = _kept(values, peer)
+            if kept is not None and kept[:2] == (size, item):
+                self.publish(peer, unpack(kept[2], size - 1, item, f"rank {peer}") if size > 1 else None)
 
-    def publish(self, rank: int, addresses: bytes) -> bool:
-        """Takes ``rank``'s addresses; True when this made the context complete (its answers are ready)."""
+    def publish(self, rank: int, packed: Optional[Packed]) -> bool:
+        """Takes ``rank``'s addresses (None for a context of one rank); True when this made the context complete
+        (its answers are ready)."""
         numpy = self._numpy
-        if self.size > 1:
-            items = numpy.frombuffer(addresses, dtype=numpy.uint8).reshape(self.size - 1, self.item)
-            self.items[rank] = items
+        if packed is not None:
+            self.packed[rank] = packed
             if self.first is None:
-                self.first = items[0].copy()
-            self.differs |= (items != self.first).any(axis=0)
+                self.first = packed.first.copy()
+            self.differs |= packed.first != self.first
+            self.differs[packed.offsets] = True
         self.published.add(rank)
         if self.local_ranks is not None or len(self.published) < self.size:
             return False
@@ -110,11 +115,13 @@ class _Context:
         self.local_ranks = local_ranks
         if self.size > 1:
             self.offsets = numpy.flatnonzero(self.differs)
-            self.head = _head(self.offsets, self.first)
+            self.head = head(self.offsets, self.first)
             self.columns = numpy.empty((self.size - 1, self.size, len(self.offsets)), dtype=numpy.uint8)
-            for peer, items in self.items.items():
-                self.columns[:, peer] = items[:, self.offsets]
-            self.items = {}
+            for peer, packed in self.packed.items():
+                rows = self.columns[:, peer]
+                rows[:] = packed.first[self.offsets]
+                rows[:, numpy.searchsorted(self.offsets, packed.offsets)] = packed.rows
+            self.packed = {}
         return True
 
     def answer(self, rank: int) -> bytes:
@@ -129,52 +136,24 @@ class _Context:
         return b"".join(parts)
 
 
-def _head(offsets: Any, first: Any) -> bytes:
-    """The compact form's head: the count of ``offsets``, the offsets, and the ``first`` address whole."""
-    return len(offsets).to_bytes(2, "little") + offsets.astype(_OFFSETS).tobytes() + first.tobytes()
+def _kept(values: Dict[str, bytes], rank: int) -> Optional[Tuple[int, int, bytes]]:
+    """(size, item, compact addresses) of ``rank``'s exchange as :func:`exchange` keeps it in ``values``."""
+    kept = values.get(f"{PREFIX}{rank}")
+    if kept is None:
+        return None
+    shape, _, data = kept.partition(b"\n")
+    size, item = (int(part) for part in shape.split(b"_"))
+    return size, item, data
 
 
-def compact(items: bytes, count: int, item: int) -> bytes:
-    """``count`` addresses of ``item`` bytes in compact form: a 16-bit little-endian count K, K rising 16-bit
-    offsets, the first address whole, then of each address its bytes at the K offsets (those where any
-    address differs from the first), as the patched ``HTTPStore`` sends them."""
-    import numpy
-
-    if count == 0:
-        return b"\0\0"
-    array = numpy.frombuffer(items, dtype=numpy.uint8).reshape(count, item)
-    offsets = numpy.flatnonzero((array != array[0]).any(axis=0))
-    return _head(offsets, array[0]) + array[:, offsets].tobytes()
-
-
-def expand(data: bytes, count: int, item: int, what: str) -> bytes:
-    """The ``count`` addresses of ``item`` bytes that ``data`` holds in :func:`compact`'s form.
-
-    Raises:
-        ValueError: naming ``what`` and the fault, where ``data`` is not that form (its length does not match
-            its count of offsets, an offset is not below ``item`` or not above the one before it).
-    """
-    import numpy
-
-    if count == 0:
-        if data not in (b"", b"\0\0"):
-            raise ValueError(f"{what}: expected no addresses, got {len(data)} bytes")
-        return b""
-    k = int.from_bytes(data[:2], "little") if len(data) >= 2 else -1
-    expected = 2 + 2 * k + item + count * k
-    if not 0 <= k <= item or len(data) != expected:
-        raise ValueError(f"{what}: expected compact addresses (a count K of at most {item} offsets, K offsets, "
-                         f"one address of {item} bytes and {count} x K bytes), got {len(data)} bytes"
-                         + (f" for K = {k} ({expected} expected)" if k >= 0 else ""))
-    offsets = numpy.frombuffer(data, dtype=_OFFSETS, count=k, offset=2).astype(numpy.intp)
-    if k and (offsets[-1] >= item or (numpy.diff(offsets) <= 0).any()):
-        raise ValueError(f"{what}: the offsets {offsets[:8].tolist()}{'...' if k > 8 else ''} must rise and stay "
-                         f"below the address's {item} bytes")
-    first = numpy.frombuffer(data, dtype=numpy.uint8, count=item, offset=2 + 2 * k)
-    array = numpy.tile(first, (count, 1))
-    array[:, offsets] = numpy.frombuffer(data, dtype=numpy.uint8, count=count * k,
-                                         offset=2 + 2 * k + item).reshape(count, k)
-    return array.tobytes()
+def whole(server: Any, scope: str, key: str) -> Optional[bytes]:
+    """Gloo's own value at ``scope/key`` for a reader of its protocol: a rank's addresses whole, made from its
+    exchange (the cache keeps them compact), or None where ``key`` is not an exchanged rank's."""
+    if not key.isdigit():
+        return None
+    with server.cache_lock:
+        kept = _kept(server.cache.get(scope, {}), int(key))
+    return None if kept is None else expand(kept[2], kept[0] - 1, kept[1], f"{scope}/{key}")
 
 
 def is_exchange(key: str) -> bool:
@@ -187,7 +166,8 @@ class Request(NamedTuple):
     size: int
     item: int
     host: bytes
-    addresses: bytes
+    addresses: bytes  # in compact form, as sent
+    packed: Optional[Packed]  # the same, checked (None for a context of one rank)
 
 
 def parse(key: str, body: bytes, ranks: Optional[int]) -> Request:
@@ -216,7 +196,10 @@ def parse(key: str, body: bytes, ranks: Optional[int]) -> Request:
     if not newline:
         raise ValueError(f"{key}: expected a host name, a newline and compact addresses, got {len(body)} bytes "
                          "without a newline")
-    return Request(rank, size, item, host, expand(addresses, size - 1, item, key))
+    if size == 1:
+        expand(addresses, 0, item, key)  # (checks that it holds no address)
+        return Request(rank, size, item, host, addresses, None)
+    return Request(rank, size, item, host, addresses, unpack(addresses, size - 1, item, key))
 
 
 def round_ranks(server: Any) -> Optional[int]:
@@ -241,12 +224,12 @@ def exchange(server: Any, scope: str, request: Request, answer: Callable[[bytes]
     with server.cache_lock:
         values = server.cache.setdefault(scope, {})
         values[f"rank_{rank}"] = request.host
-        values[str(rank)] = request.addresses
+        values[f"{PREFIX}{rank}"] = b"%d_%d\n" % (size, item) + request.addresses  # (not Gloo's key: see whole)
         context = contexts.get(scope)
         if context is None or context.values is not values or (context.size, context.item) != (size, item):
             context = contexts[scope] = _Context(values, size, item)  # the round's first (init cleared the cache)
         context.waiting[rank] = answer  # (a rank asking again replaces its earlier request, answered 404)
-        if not context.publish(rank, request.addresses) and context.local_ranks is None:
+        if not context.publish(rank, request.packed) and context.local_ranks is None:
             return
         waiting, context.waiting = context.waiting, {}
         context.answered.update(waiting)
@@ -267,4 +250,4 @@ def exchange_waiting(server: Any, scope: str, request: Request) -> Optional[byte
 
 
 __all__ = ["ENV", "HOLD_S", "MAX_ADDRESS_BYTES", "PATCH", "PREFIX", "Request", "compact", "exchange", "exchange_waiting",
-           "expand", "is_exchange", "parse", "round_ranks"]
+           "expand", "is_exchange", "parse", "round_ranks", "whole"]

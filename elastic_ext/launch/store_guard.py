@@ -185,10 +185,21 @@ def guarded(handler_cls: type) -> type:
             return refused is None
 
         def do_GET(self) -> None:
-            if (_parts(self.path) or ("", ""))[0] == store.WORKER_ADDRESSES:
+            scope, key = _parts(self.path) or ("", "")
+            if scope == store.WORKER_ADDRESSES:
                 self.send_status_code(404)  # a worker's key is the driver's only
                 return
-            super().do_GET()
+            value = gloo_exchange.whole(self.server, scope, key)  # a rank's addresses, kept compact
+            if value is None:
+                super().do_GET()
+            else:
+                self._send_value(value)
+
+        def _send_value(self, value: bytes) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(value)))
+            self.end_headers()
+            self.wfile.write(value)
 
         def do_PUT(self) -> None:
             if not self._checked("PUT"):
@@ -218,10 +229,7 @@ def guarded(handler_cls: type) -> type:
             if value is None:
                 self.send_status_code(404)
                 return
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(value)))
-            self.end_headers()
-            self.wfile.write(value)
+            self._send_value(value)
 
         def do_DELETE(self) -> None:
             if self._checked("DELETE"):
