@@ -15,7 +15,7 @@ import json
 import os
 import signal
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -201,6 +201,23 @@ class CommitFaultProbe:
         return obj
 
 
+def announce_hosts(state, path: str, hosts: Sequence[str], marker: str, wait_s: float) -> bool:
+    """Rank 0, the coordinator (the only worker Horovod's driver tells of a host change): replaces the
+    discovery host file ``path`` with ``hosts`` (``HOST:SLOTS`` lines, :func:`devkit.launch.write_hosts`),
+    leaves ``marker`` so that it happens once, then waits until the driver has announced the change
+    (``state.host_update_pending()``), at most ``wait_s``: True if it did. The commit that follows then
+    resizes the job."""
+    from devkit.launch import write_hosts  # (not at import: the workers that import this module need none of it)
+    write_hosts(path, hosts)
+    open(marker, "w").close()
+    deadline = time.time() + wait_s
+    while not state.host_update_pending():
+        if time.time() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 class HostFileSchedule:
     """Deterministic resizes for tests: rewrite a discovery host file at given steps.
 
@@ -231,10 +248,4 @@ class HostFileSchedule:
             marker = f"{path}.done{index}"
             if at != step or os.path.exists(marker):
                 continue
-            with open(path + ".tmp", "w", encoding="utf-8") as handle:
-                handle.write("\n".join(hosts) + "\n")
-            os.replace(path + ".tmp", path)
-            open(marker, "w").close()
-            deadline = time.time() + self.wait_s
-            while not state.host_update_pending() and time.time() < deadline:
-                time.sleep(0.05)
+            announce_hosts(state, path, hosts, marker, self.wait_s)

@@ -167,15 +167,9 @@ class Hooks:
         if int(slots.get(host, 0)) != 2:
             raise RuntimeError(f"--leave-frees {path}: rank 0's host {host!r} must have 2 slots, has {slots}")
         slots[host] = 1
-        with open(path + ".tmp", "w") as handle:
-            handle.writelines(f"{name}:{count}\n" for name, count in slots.items())
-        os.replace(path + ".tmp", path)
-        open(marker, "w").close()
-        deadline = time.time() + wait_s
-        while not state.host_update_pending():
-            if time.time() > deadline:
-                raise RuntimeError(f"Horovod's driver did not announce the host file's change within {wait_s} s")
-            time.sleep(0.05)
+        from devkit.faults import announce_hosts
+        if not announce_hosts(state, path, [f"{name}:{count}" for name, count in slots.items()], marker, wait_s):
+            raise RuntimeError(f"Horovod's driver did not announce the host file's change within {wait_s} s")
 
     def record(self, state, epoch, cursor, indices):
         """The step's samples to the ledger only (where a fault fires elsewhere: ``model.fit``)."""
