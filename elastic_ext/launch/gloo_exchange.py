@@ -56,6 +56,7 @@ MAX_ITEM = 4096     # bytes of one pair address (Gloo's TCP transport: 136)
 MAX_ADDRESS_BYTES = 1 << 20  # a rank's addresses expanded: no more than the store takes in one body (1 MiB)
 
 _KEY = re.compile(r"_mesh_(\d{1,6})_(\d{1,6})_(\d{1,5})")
+_RANK = re.compile(r"[0-9]{1,6}")  # Gloo's key of a rank's addresses
 _state_lock = threading.Lock()
 
 
@@ -149,7 +150,7 @@ def _kept(values: Dict[str, bytes], rank: int) -> Optional[Tuple[int, int, bytes
 def whole(server: Any, scope: str, key: str) -> Optional[bytes]:
     """Gloo's own value at ``scope/key`` for a reader of its protocol: a rank's addresses whole, made from its
     exchange (the cache keeps them compact), or None where ``key`` is not an exchanged rank's."""
-    if not key.isdigit():
+    if not _RANK.fullmatch(key):  # (not str.isdigit: it takes other scripts' digits, which int() refuses)
         return None
     with server.cache_lock:
         kept = _kept(server.cache.get(scope, {}), int(key))

@@ -89,6 +89,14 @@ def test_every_rank_gets_in_one_request_what_gloos_own_protocol_reads_one_peer_a
         assert all(len(stored[f"_mesh_{rank}"]) < 136 + 16 + 2 * len(hosts) for rank in range(len(hosts)))
 
 
+@pytest.mark.parametrize("key", ["9" * 5000, "\u00b2", "1_2"])
+def test_a_read_of_a_key_that_is_no_ranks_is_horovods_plain_read(job, key):
+    exchange_all(job, "global", ["host-a"] * 3, [os.urandom(ITEM * 2) for _ in range(3)])
+    assert gloo_exchange.whole(job.server._httpd, "global", key) is None  # (int() refuses both digit strings)
+    if key.isascii():
+        assert request(job, "GET", f"/global/{key}") == (404, b"")
+
+
 def test_a_rank_is_held_then_answered_404_until_the_last_one_has_published(job, monkeypatch):
     monkeypatch.setattr(gloo_exchange, "HOLD_S", 0.2)
     blobs = [os.urandom(ITEM * 2) for _ in range(3)]
