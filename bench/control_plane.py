@@ -38,9 +38,9 @@ workers, and ``after``, this checkout's. Results: ``results.<version>.<N>``.
 
 The simulated workers run on uvloop's event loop (``--sim-loop``): a
 thousand workers' requests in one process are the simulation's cost, not
-the driver's, and on asyncio's own loop that process took as much CPU per
-request as the driver's answer (0.44 ms against 0.43 at 1,024 workers), so on
-a 2-core machine the simulation, not the driver, set the pace of a reset's
+the driver's, and on asyncio's own loop that process took more CPU per
+request than the driver's answer (0.36 to 0.47 ms against 0.27 to 0.37 at
+1,024 workers), so on a 2-core machine the simulation, not the driver, set the pace of a reset's
 bursts (``docs/benchmarks.md``). Real workers each have a CPU of their own.
 
 ``--validate`` compares the simulation with real jobs of 4 and 6 workers
