@@ -98,6 +98,8 @@ class _Context:
         """Takes ``rank``'s addresses (None for a context of one rank); True when this made the context complete
         (its answers are ready)."""
         numpy = self._numpy
+        if self.local_ranks is not None:  # complete already: a rank asking again gets the answer it had
+            return False
         if packed is not None:
             self.packed[rank] = packed
             if self.first is None:
@@ -105,7 +107,7 @@ class _Context:
             self.differs |= packed.first != self.first
             self.differs[packed.offsets] = True
         self.published.add(rank)
-        if self.local_ranks is not None or len(self.published) < self.size:
+        if len(self.published) < self.size:
             return False
         seen: Dict[bytes, int] = {}
         local_ranks = []
