@@ -73,12 +73,14 @@ LAUNCHER: Sequence[Row] = (
         "_get_host_assignments", "_update_host_assignments", "get_slot_info", "_start_worker_process",
         "record_ready", "_handle_worker_exit", "__init__", "register_worker_server", "_discover_hosts")),
     *((_DRIVER, f"ElasticDriver.{name}", "read") for name in (
-        "_notify_workers_host_changes", "has_rank_assignment", "world_size", "finished", "host_assignments")),
+        "_notify_workers_host_changes", "has_rank_assignment", "world_size", "finished", "host_assignments",
+        "get_coordinator_info", "get_worker_client")),
     *((_DRIVER, f"ElasticDriver.{name}", "instance") for name in (
         "_rendezvous", "_host_manager", "_worker_registry", "_worker_clients", "_min_num_proc", "_max_num_proc",
         "_shutdown", "_host_assignments", "_wait_hosts_cond", "_verbose")),
     (_DRIVER, "WorkerNotificationClient", "overridden"),  # its _wire, in the launcher's driver's clients
     (_DRIVER, "DISCOVER_HOSTS_FREQUENCY_SECS", "read"),
+    (_DRIVER, "_epoch_time_s", "read"),  # the timestamp of a host notification, as Horovod's own tells
     (_REGISTRY, "WorkerStateRegistry.reset", "overridden"),
     (_REGISTRY, "WorkerStateRegistry._on_workers_recorded", "overridden"),
     *((_REGISTRY, f"WorkerStateRegistry.{name}", "read") for name in ("last_rendezvous", "get")),
@@ -88,6 +90,8 @@ LAUNCHER: Sequence[Row] = (
     (_DISCOVERY, "HostManager.update_available_hosts", "read"),
     (_DISCOVERY, "HostManager.blacklist", "replaced"),  # shadowed on the instance while a round is recorded
     (_DISCOVERY, "HostManager.current_hosts", "read"),
+    (_DISCOVERY, "DiscoveredHosts.host_assignment_order", "read"),
+    (_DISCOVERY, "DiscoveredHosts.count_available_slots", "read"),
     (_DISCOVERY, "HostManager._discovery", "instance"),
     (_DISCOVERY, "HostDiscoveryScript._execute_discovery_script", "overridden"),
     (_DISCOVERY, "HostDiscoveryScript._discovery_script", "instance"),
@@ -103,6 +107,7 @@ LAUNCHER: Sequence[Row] = (
     (_HTTP, "RendezvousHTTPServer.cache", "instance"),
     (_HTTP, "RendezvousHTTPServer.cache_lock", "instance"),
     ("horovod.runner.elastic.worker", "HostUpdateResult", "read"),
+    ("horovod.runner.elastic.worker", "WorkerNotificationClient.notify_hosts_updated", "read"),
     # the handler class Horovod builds in a function: its worker registration, which store_guard calls
     ("horovod.runner.elastic.rendezvous", "create_rendezvous_handler._put_worker_addresses", "instance"),
     ("horovod.runner.common.util.network", "Wire._key", "instance"),

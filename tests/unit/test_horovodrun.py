@@ -258,6 +258,60 @@ def test_the_coordinator_is_told_that_capacity_is_back_until_a_round_takes_it(ch
         job.stop()
 
 
+def test_the_regrow_checks_the_hosts_once_per_change_and_tells_only_while_they_add_slots():
+    """Horovod's check (the assignments of every slot: about 20 ms at 1,024) runs at the first tell and
+    after each discovery change or blacklisting; the tells between are one notification each."""
+    from horovod.runner.elastic.discovery import DiscoveredHosts
+    from horovod.runner.elastic.worker import HostUpdateResult
+    from elastic_ext.launch import driver_registry
+
+    class Coordinator:
+        hostname, local_rank = "host-a", 0
+
+        def __init__(self):
+            self.told = []
+
+        def notify_hosts_updated(self, timestamp, result):
+            self.told.append(result)
+
+    class Driver:  # the fields of Horovod's ElasticDriver the regrow reads
+        _min_num_proc = 2
+
+        def __init__(self):
+            self.coordinator = Coordinator()
+            self.hosts = DiscoveredHosts({"host-a": 2, "host-b": 2}, ["host-a", "host-b"])
+            self._host_manager = self
+            self.host_assignments = {"host-a": [0, 1]}  # the round held host-a only
+            self.checks = 0
+
+        @property
+        def current_hosts(self):
+            return self.hosts
+
+        def _get_host_assignments(self, hosts):
+            self.checks += 1
+            return {host: list(range(hosts.get_slots(host))) for host in hosts.host_assignment_order}, []
+
+        def get_coordinator_info(self):
+            return self.coordinator
+
+        def get_worker_client(self, slot):
+            return self.coordinator
+
+    fake = Driver()
+    told = driver_registry._Told(fake)
+    for _ in range(3):
+        told.tell()
+    assert (fake.checks, fake.coordinator.told) == (1, [HostUpdateResult.added] * 3)
+    fake.hosts._host_assignment_order = ["host-a"]  # host-b blacklisted (Horovod's update, in place)
+    told.tell()
+    told.tell()
+    assert (fake.checks, len(fake.coordinator.told)) == (2, 3), "capacity gone: no more tells"
+    fake.hosts = DiscoveredHosts({"host-a": 2, "host-c": 1}, ["host-a", "host-c"])  # discovery found host-c
+    told.tell()
+    assert (fake.checks, len(fake.coordinator.told)) == (3, 4)
+
+
 def test_a_host_that_lost_every_worker_is_still_blacklisted(changed):
     job = started_job()
     try:
