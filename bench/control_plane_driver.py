@@ -153,6 +153,9 @@ def serve(args: argparse.Namespace) -> None:
         horovod_changes.install_launcher(parts=("store_guard", "store_serving"), resolver=resolver)
         ElasticDriver = driver.driver_class()  # noqa: N806
     install_counter()
+    # A real driver imported numpy at its job's start, in the first Gloo exchange (gloo_exchange); the
+    # simulation's start runs no exchange above --gloo-start-max workers, so it would be imported in the reset.
+    import numpy  # noqa: F401
 
     exits: Dict[int, Tuple[threading.Event, List[int]]] = {}
     ids = iter(range(1 << 30))
