@@ -68,7 +68,7 @@ def install_counter(timeline: bool = False) -> None:
     original = BaseHTTPRequestHandler.send_response
 
     def count(command: str, path: str, code: int) -> None:
-        # Kept as asked and folded when reported (folded_counts): the count is the bench's, not the driver's,
+        # Kept as asked and folded when reported (folded): the count is the bench's, not the driver's,
         # and at 1,024 workers folding each request here took several per cent of the driver's CPU.
         entry = (command, path, int(code))
         with _counts_lock:

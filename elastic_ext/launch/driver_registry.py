@@ -101,8 +101,8 @@ def start_regrow(driver: Any) -> None:
     Whether the hosts would change the round's assignments is Horovod's
     check (``_notify_workers_host_changes``): the assignments of every slot,
     about 20 ms at 1,024 slots, a fifth of the driver's CPU in a reset at
-    that size when it ran at every tell. Here it runs once per discovery
-    change (:class:`_Told`); each tell is then one notification.
+    that size when it ran at every tell. Here it runs once per change of
+    the hosts (:class:`_Told`); each tell is then one notification.
     """
     ext = state_of(driver)
     if ext.regrow_thread is not None and ext.regrow_thread.is_alive():
