@@ -122,23 +122,26 @@ def start_regrow(driver: Any) -> None:
 
 class _Told:
     """The regrow's tells. Whether the hosts would give the round more slots is Horovod's check in
-    ``_notify_workers_host_changes`` (its assignments of every slot against the round's), made once per
-    hosts: a discovery change makes a new hosts object, a blacklisting shortens its order in place. The
-    round's assignments stay the same until a round takes the capacity, which ends the regrow."""
+    ``_notify_workers_host_changes`` (its assignments of every slot against the round's; hosts below
+    ``--min-np`` add none here, where Horovod would still tell), made once per hosts and round: a
+    discovery change makes a new hosts object, a blacklisting shortens its order in place, a round makes
+    new assignments."""
 
     def __init__(self, driver: Any) -> None:
-        self.driver, self.hosts, self.order, self.differs = driver, None, [], False
+        self.driver, self.seen, self.differs = driver, (None, [], None), False
 
     def tell(self) -> None:
         from horovod.runner.elastic.driver import _epoch_time_s
         from horovod.runner.elastic.worker import HostUpdateResult
 
         driver = self.driver
-        hosts = driver._host_manager.current_hosts
-        if hosts is not self.hosts or hosts.host_assignment_order != self.order:
-            self.hosts, self.order = hosts, list(hosts.host_assignment_order)
+        hosts, assignments = driver._host_manager.current_hosts, driver.host_assignments
+        seen_hosts, seen_order, seen_assignments = self.seen
+        changed = hosts is not seen_hosts or assignments is not seen_assignments
+        if changed or hosts.host_assignment_order != seen_order:
+            self.seen = (hosts, list(hosts.host_assignment_order), assignments)
             self.differs = (hosts.count_available_slots() >= driver._min_num_proc
-                            and driver._get_host_assignments(hosts)[0] != driver.host_assignments)
+                            and driver._get_host_assignments(hosts)[0] != assignments)
         coordinator = driver.get_coordinator_info() if self.differs else None
         client = driver.get_worker_client(coordinator) if coordinator else None
         if client is None:

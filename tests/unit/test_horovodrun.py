@@ -310,6 +310,9 @@ def test_the_regrow_checks_the_hosts_once_per_change_and_tells_only_while_they_a
     fake.hosts = DiscoveredHosts({"host-a": 2, "host-c": 1}, ["host-a", "host-c"])  # discovery found host-c
     told.tell()
     assert (fake.checks, len(fake.coordinator.told)) == (3, 4)
+    fake.host_assignments = {"host-a": [0, 1], "host-c": [0]}  # a round took host-c: nothing left out
+    told.tell()
+    assert (fake.checks, len(fake.coordinator.told)) == (4, 4), "a new round's assignments are checked again"
 
 
 def test_a_host_that_lost_every_worker_is_still_blacklisted(changed):
