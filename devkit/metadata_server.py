@@ -151,13 +151,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _answer(self, status: int, body: bytes = b"", headers: Optional[Dict[str, str]] = None,
                 name: str = "", path: str = "") -> None:
+        # logged before the answer goes out: a client that has its answer finds it in the log
+        self.server_state.log.append((name, self.command, path, status))
         self.send_response(status)
         for key, value in {"Content-Type": "text/plain", **(headers or {})}.items():
             self.send_header(key, value)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
-        self.server_state.log.append((name, self.command, path, status))
 
     def _route(self) -> Tuple[str, str, Dict[str, str]]:
         parsed = urllib.parse.urlsplit(self.path)
