@@ -164,6 +164,7 @@ class Job:
             return True
         plans = self.ranks()
         assert len(self.sampler) == plans[0].steps, "the arithmetic step count must match the plan"
+        firsts = []  # each rank's first step: (indices, pad)
         for plan in plans:
             # Every step as the sampler streams it (blocks), and batch() at both ends;
             # batch() at every step is checked by test_plan_steps_read_the_order_at_consecutive_positions
@@ -176,8 +177,9 @@ class Job:
             for step in {0, plan.steps - 1}:
                 indices, pad = plan.batch(step)
                 assert np.array_equal(indices, all_indices[step]) and np.array_equal(pad, all_pad[step])
-        taken = np.concatenate([p.indices[0][~p.pad[0]] for p in plans])
-        padded = np.concatenate([p.indices[0][p.pad[0]] for p in plans])
+            firsts.append((all_indices[0], all_pad[0]))
+        taken = np.concatenate([indices[~pad] for indices, pad in firsts])
+        padded = np.concatenate([indices[pad] for indices, pad in firsts])
         assert all(p.advance[0] == plans[0].advance[0] for p in plans)
         self.pending.append((self.sampler.epoch, taken, padded))
         self.sampler.record_step()
