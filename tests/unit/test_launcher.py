@@ -1,5 +1,6 @@
 """elastic-horovodrun starts each worker's Python through elastic_ext.worker.entry, which then runs the script."""
 
+import json
 import os
 import subprocess
 import sys
@@ -7,6 +8,7 @@ import time
 
 import pytest
 
+from elastic_ext.launch import build_check
 from elastic_ext.launch.command_line import WORKER_MODULE, worker_command
 from devkit.launch import Job, base_env
 
@@ -83,11 +85,19 @@ def test_a_test_jobs_horovodrun_line_moves_to_the_launcher_and_takes_options_wit
 
 
 def test_plain_horovodrun_with_cached_checks_is_horovods_runner(tmp_path):
-    # --check-build prints Horovod's own table of what it was built with.
-    result = subprocess.run([sys.executable, "-m", "elastic_ext.launch.plain_horovodrun", "--check-build"],
+    # A Gloo job of two ranks: Horovod's runner sets each rank's environment and prefixes its output
+    # with the rank; its Gloo build check is answered through the launcher's cache, which then holds it.
+    script = ("import os; print('env', *(os.environ[k] for k in "
+              "('HOROVOD_RANK', 'HOROVOD_SIZE', 'HOROVOD_CONTROLLER')))")
+    result = subprocess.run([sys.executable, "-m", "elastic_ext.launch.plain_horovodrun", "-np", "2", "-H",
+                             "localhost:2", "--gloo", "--network-interfaces", "lo", sys.executable, "-c", script],
                             capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "Horovod v0.28.1" in result.stdout and "[X] Gloo" in result.stdout, result.stdout
+    lines = sorted(line for line in result.stdout.splitlines() if ":env " in line)
+    assert lines == ["[0]<stdout>:env 0 2 gloo", "[1]<stdout>:env 1 2 gloo"], result.stdout
+    with open(build_check.cache_path()) as handle:
+        cache = json.load(handle)
+    assert cache["gloo_built"]["value"] is True, cache
 
 
 def test_a_job_that_times_out_says_where_each_of_its_python_processes_waits(tmp_path):
