@@ -2,6 +2,8 @@
 
 Flags override the environment. Each ``*_main`` returns the exit code
 documented in :mod:`elastic_ext.discovery.cli`; the scripts only call them.
+Each command imports its own provider only: Horovod runs the script every
+second, and the static one then imports neither Slurm's nor AWS's code.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ import argparse
 import os
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from elastic_ext.discovery import aws, slurm, static
 from elastic_ext.discovery.cli import main, make_parser, positive_float, positive_int
 from elastic_ext.discovery.deadline import Deadline
 from elastic_ext.discovery.hosts import HostSlots, parse_slots
@@ -18,6 +19,7 @@ from elastic_ext.errors import DiscoveryInputError
 
 
 def slurm_parser() -> argparse.ArgumentParser:
+    from elastic_ext.discovery import slurm
     parser = make_parser(
         "slurm.py",
         "Print the healthy hosts of the current Slurm allocation for horovodrun "
@@ -49,6 +51,7 @@ def slurm_parser() -> argparse.ArgumentParser:
 
 def slurm_main(argv: Optional[Sequence[str]] = None,
                environ: Optional[Mapping[str, str]] = None) -> int:
+    from elastic_ext.discovery import slurm
     env = os.environ if environ is None else environ
 
     def discover(args: argparse.Namespace, deadline: Deadline) -> List[HostSlots]:
@@ -62,6 +65,7 @@ def slurm_main(argv: Optional[Sequence[str]] = None,
 
 
 def static_parser() -> argparse.ArgumentParser:
+    from elastic_ext.discovery import static
     parser = make_parser(
         "static.py",
         "Print the hosts of a host file, minus excluded ones, for horovodrun "
@@ -80,6 +84,8 @@ def static_parser() -> argparse.ArgumentParser:
 
 
 def static_main(argv: Optional[Sequence[str]] = None) -> int:
+    from elastic_ext.discovery import static
+
     def discover(args: argparse.Namespace, deadline: Deadline) -> List[HostSlots]:
         return static.discover(args.host_file, args.exclude, args.exclude_file, args.slots)
 
@@ -87,6 +93,7 @@ def static_main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def aws_parser() -> argparse.ArgumentParser:
+    from elastic_ext.discovery import aws
     parser = make_parser(
         "aws_spot.py",
         "Print the usable instances of an AWS EC2 (spot) pool for horovodrun "
@@ -132,6 +139,8 @@ def parse_type_slots(specs: Sequence[str]) -> Dict[str, int]:
 
 
 def aws_main(argv: Optional[Sequence[str]] = None) -> int:
+    from elastic_ext.discovery import aws
+
     def discover(args: argparse.Namespace, deadline: Deadline) -> List[HostSlots]:
         policy = aws.SlotPolicy(args.slots, args.slots_tag, parse_type_slots(args.type_slots))
         return aws.discover(deadline, tags=aws.parse_tag_filters(args.tag), asg=args.asg,
