@@ -60,6 +60,7 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 from elastic_ext.control import store
 from elastic_ext.launch import gloo_exchange
 from elastic_ext.launch.job_hosts import hosts, normal
+from elastic_ext.launch.store_requests import PlainHead
 from elastic_ext.control.horovod_seam import Change
 
 logger = logging.getLogger(__name__)
@@ -164,7 +165,7 @@ def guarded(handler_cls: type) -> type:
     if handler_cls in _guarded:
         return _guarded[handler_cls]
 
-    class Guarded(handler_cls):  # type: ignore[misc, valid-type]
+    class Guarded(PlainHead, handler_cls):  # type: ignore[misc, valid-type]
         def _refuse(self, refused: Refused) -> None:
             entry = (self.client_address[0], str(refused)[:40], refused.status)
             if len(_refusals_logged) < LOGGED_REFUSALS and entry not in _refusals_logged:
