@@ -50,6 +50,9 @@ class Job:
         self.times[event][worker.wid] = time.monotonic()
         self.changed.set()
 
+    def asked(self, worker: Worker) -> None:
+        self._mark("asked", worker)
+
     def ranked(self, worker: Worker) -> None:
         self._mark("ranked", worker)
 

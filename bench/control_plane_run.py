@@ -219,6 +219,11 @@ class Run:
         reset = await self.close_phase("reset")
         released = job.times.get("released", {})
         self.result["round_formed_s"] = round(max(released.values()) - killed, 3) if formed else None
+        # When the survivors sent their rank request, had their rank and were released: first, median, last.
+        self.result["reset_phases_s"] = {
+            event: [round(times[0], 3), round(times[len(times) // 2], 3), round(times[-1], 3)]
+            for event, times in ((event, sorted(t - killed for t in job.times.get(event, {}).values()))
+                                 for event in ("asked", "ranked", "released")) if times}
         self.result["survivors_released"] = len([w for w in survivors if w.wid in released])
         self.result["survivors"] = len(survivors)
         self.result["survivor_answers"] = sorted({w.answers[-1][1] for w in survivors if w.answers})

@@ -200,6 +200,7 @@ class Worker:
         try:
             if reset:
                 self.step = "rank_and_size"
+                self.job.asked(self)
                 answer = await self.gloo("GET", prestart.RANK_SCOPE, f"{self.host}:{self.slot_lr}",
                                          kind="rank_and_size")
                 fields = [int(field) for field in answer.decode().split(",")]
