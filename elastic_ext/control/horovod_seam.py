@@ -85,7 +85,10 @@ LAUNCHER: Sequence[Row] = (
     (_REGISTRY, "WorkerStateRegistry._on_workers_recorded", "overridden"),
     *((_REGISTRY, f"WorkerStateRegistry.{name}", "read") for name in ("last_rendezvous", "get")),
     *((_REGISTRY, f"WorkerStateRegistry.{name}", "instance") for name in (
-        "_driver", "_host_manager", "_lock", "_states", "_workers")),
+        "_driver", "_host_manager", "_lock", "_states", "_workers", "_barrier", "_rendezvous_id", "_size",
+        "_action_event")),
+    # held_ranks: the registry's barrier counts held rank requests (its reset builds it as Horovod's does)
+    *((_REGISTRY, f"WorkerStateRegistry.{name}", "read") for name in ("_wait", "_action", "record_ready")),
     *((_REGISTRY, name, "read") for name in ("FAILURE", "READY", "SUCCESS")),
     (_DISCOVERY, "HostManager.update_available_hosts", "read"),
     (_DISCOVERY, "HostManager.blacklist", "replaced"),  # shadowed on the instance while a round is recorded

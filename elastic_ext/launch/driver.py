@@ -87,7 +87,7 @@ import functools
 import threading
 from typing import Any
 
-from elastic_ext.launch import discovery_runs, noticed_hosts, worker_clients
+from elastic_ext.launch import discovery_runs, held_ranks, noticed_hosts, worker_clients
 from elastic_ext.launch.driver_dismissal import worth_dismissing
 from elastic_ext.launch.driver_registry import REGROW_POLL_S, registry_methods
 from elastic_ext.launch.driver_slots import driver_methods
@@ -123,7 +123,8 @@ def driver_class() -> type:
     from horovod.runner.elastic.driver import ElasticDriver
     from horovod.runner.elastic.registration import WorkerStateRegistry
 
-    reset, on_workers_recorded = registry_methods(WorkerStateRegistry.reset, WorkerStateRegistry._on_workers_recorded)
+    # Horovod's reset, its barrier one that counts held rank requests (held_ranks).
+    reset, on_workers_recorded = registry_methods(held_ranks.held_reset, WorkerStateRegistry._on_workers_recorded)
     registry = type("Registry", (WorkerStateRegistry,), {
         "__module__": __name__, "__doc__": "Horovod's WorkerStateRegistry as elastic-horovodrun records a round.",
         "reset": reset, "_on_workers_recorded": on_workers_recorded})

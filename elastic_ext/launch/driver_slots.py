@@ -82,14 +82,7 @@ def driver_methods(original: Dict[str, Method]) -> Dict[str, Method]:
         original["_start_worker_process"](self, slot_info)
 
     def record_ready(self: Any, host: str, local_rank: int) -> None:
-        ext = state_of(self)
-        with ext.lock:
-            started = ext.starting.pop((host, local_rank), None)
-            if started is not None:
-                (ext.starts if (host, local_rank) in ext.newcomers else ext.other_starts).append(
-                    time.monotonic() - started)
-            ext.newcomers.discard((host, local_rank))
-            ext.dismissed.discard((host, local_rank))  # it asked before it read its dismissal: it is a member
+        note_ready(self, host, local_rank)
         original["record_ready"](self, host, local_rank)
 
     def handle_worker_exit(self: Any, slot_info: Any, exit_code: int, timestamp: Any) -> None:
@@ -115,6 +108,19 @@ def driver_methods(original: Dict[str, Method]) -> Dict[str, Method]:
     return {"_get_host_assignments": get_host_assignments, "_update_host_assignments": update_host_assignments,
             "get_slot_info": get_slot_info, "_start_worker_process": start_worker_process,
             "record_ready": record_ready, "_handle_worker_exit": handle_worker_exit}
+
+
+def note_ready(driver: Any, host: str, local_rank: int) -> None:
+    """What the launcher keeps of a worker's rank request before Horovod records it ready: its start's
+    duration, and that it is a member now (it asked before it read its dismissal)."""
+    ext = state_of(driver)
+    with ext.lock:
+        started = ext.starting.pop((host, local_rank), None)
+        if started is not None:
+            (ext.starts if (host, local_rank) in ext.newcomers else ext.other_starts).append(
+                time.monotonic() - started)
+        ext.newcomers.discard((host, local_rank))
+        ext.dismissed.discard((host, local_rank))
 
 
 def publish_failed(driver: Any, host: str, local_rank: int) -> None:

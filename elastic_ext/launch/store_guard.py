@@ -58,7 +58,7 @@ import urllib.parse
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
 from elastic_ext.control import store
-from elastic_ext.launch import gloo_exchange
+from elastic_ext.launch import gloo_exchange, held_ranks
 from elastic_ext.launch.job_hosts import hosts, normal
 from elastic_ext.launch.store_requests import PlainHead
 from elastic_ext.control.horovod_seam import Change
@@ -187,6 +187,9 @@ def guarded(handler_cls: type) -> type:
 
         def do_GET(self) -> None:
             scope, key = _parts(self.path) or ("", "")
+            if scope == store.RANK_SCOPE and getattr(self.request, "defer", None) is not None:
+                held_ranks.serve(self, key)  # held on the store's loop, not on a thread
+                return
             if scope == store.WORKER_ADDRESSES:
                 self.send_status_code(404)  # a worker's key is the driver's only
                 return
@@ -195,6 +198,8 @@ def guarded(handler_cls: type) -> type:
                 super().do_GET()
             else:
                 self._send_value(value)
+
+        HELD_SCOPES = held_ranks.HELD_SCOPES  # the store's loop gives them no thread (store_loop)
 
         def _send_value(self, value: bytes) -> None:
             self.send_response(200)

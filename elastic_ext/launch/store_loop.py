@@ -16,9 +16,9 @@ server's ``verify_request``: the guard) and for each:
 2. **serves** it with the server's own handler (Horovod's, as the guard
    changed it) on the request held in memory, on this thread: reads and
    writes of the store take microseconds. Only the requests that wait on
-   the driver go to a thread (:data:`THREADED_SCOPES`: a rank request
-   waits until the driver's round forms, a worker's registration until the
-   driver has reached the worker's service); threads are reused
+   the driver go to a thread (:data:`THREADED_SCOPES`; the guard's handler
+   holds rank requests itself, its ``HELD_SCOPES``, :mod:`.held_ranks`; a
+   worker's registration waits until the driver reaches it); threads are reused
    (:class:`~elastic_ext.launch.store_threads.ReusedThreads`);
 3. **holds** a request whose handler deferred its answer
    (:meth:`~elastic_ext.launch.store_requests.InMemory.defer`:
@@ -217,7 +217,8 @@ class Loop:
         path = data[:data.find(b"\r\n")].split(b" ")
         scope = path[1].split(b"/")[1] if len(path) > 1 and path[1].count(b"/") >= 2 else b""
         memory = InMemory(data, lambda answer: self.answer(connection, answer))
-        if scope.decode("latin-1") in THREADED_SCOPES:
+        held = getattr(self._server.RequestHandlerClass, "HELD_SCOPES", frozenset())  # the handler holds them
+        if scope.decode("latin-1") in THREADED_SCOPES - held:
             self._threads.submit(lambda: self._handle(connection, memory, threaded=True))
         else:
             self._handle(connection, memory, threaded=False)
