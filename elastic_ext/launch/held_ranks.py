@@ -92,11 +92,12 @@ class HeldBarrier(threading.Barrier):
             held, self._held = self._held, []
             self._count -= len(held)  # type: ignore[attr-defined]
             super().reset()
-        for key, done, failed in held:
-            if self._on_reset is None:
-                failed("the round's barrier was reset")
-            else:
-                self._on_reset(key, done, failed)
+        # As a thread woken by the reset: on a thread of its own, since Horovod resets the barrier holding
+        # the registry's lock, before it records the state that caused the reset.
+        on_reset = self._on_reset or (lambda key, done, failed: failed("the round's barrier was reset"))
+        if held:
+            threading.Thread(target=lambda: [on_reset(*party) for party in held], name="elastic_ext-round-reset",
+                             daemon=True).start()
 
 
 def _answer(held: List[Tuple[Any, Done, Failed]], call: Callable[[Done, Failed], None]) -> None:

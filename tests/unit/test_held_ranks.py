@@ -82,15 +82,24 @@ def test_threads_and_held_parties_pass_together_and_the_action_runs_once_off_the
 
 
 def test_a_reset_breaks_the_threads_and_counts_the_held_parties_again_through_the_registrys_rule():
-    counted_again = []
-    barrier = HeldBarrier(3, None, lambda key, done, failed: counted_again.append(key))
+    # Horovod resets the barrier holding the registry's lock, and records the new state after it: the held
+    # parties are counted again (under that lock) on another thread, as the woken threads are.
+    registry_lock, counted_again = threading.Lock(), []
+
+    def count_again(key, done, failed):
+        with registry_lock:
+            counted_again.append(key)
+
+    barrier = HeldBarrier(3, None, count_again)
     held = Held()
     assert barrier.arrive("held", held.on_done, held.on_failed)
     outcomes, threads = waiting_threads(barrier, 1)
     wait_until(lambda: barrier.n_waiting == 2, "the thread at the barrier (the held party counts)")
-    barrier.reset()
+    with registry_lock:
+        barrier.reset()
     threads[0].join(10)
-    assert outcomes == ["broken"] and counted_again == ["held"] and not held.event.is_set()
+    wait_until(lambda: counted_again == ["held"], "the held party counted again")
+    assert outcomes == ["broken"] and not held.event.is_set()
     # No party is left counted: three new ones pass.
     fresh = [Held() for _ in range(3)]
     wait_until(lambda: barrier._state == 0, "the reset to end")
