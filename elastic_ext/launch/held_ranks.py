@@ -101,9 +101,16 @@ class HeldBarrier(threading.Barrier):
 
 
 def _answer(held: List[Tuple[Any, Done, Failed]], call: Callable[[Done, Failed], None]) -> None:
+    """Tells every held party, on one thread; one that fails to be told costs only its own answer."""
+    def tell() -> None:
+        for _, done, failed in held:
+            try:
+                call(done, failed)
+            except Exception:  # noqa: BLE001 - the others are still answered
+                logger.exception("elastic_ext: a held rank request could not be answered")
+
     if held:
-        threading.Thread(target=lambda: [call(done, failed) for _, done, failed in held],
-                         name="elastic_ext-round-answers", daemon=True).start()
+        threading.Thread(target=tell, name="elastic_ext-round-answers", daemon=True).start()
 
 
 def held_reset(self: Any, size: int) -> None:

@@ -138,3 +138,16 @@ def test_a_held_party_is_not_counted_while_the_barrier_resets():
     for thread in threads:
         thread.join(10)
     assert outcomes == ["broken", "broken"]
+
+
+def test_a_party_whose_answer_fails_costs_only_its_own_answer():
+    barrier = HeldBarrier(3)
+    held = [Held(), Held()]
+
+    def broken():
+        raise RuntimeError("its connection is gone")
+
+    assert barrier.arrive("a", held[0].on_done, held[0].on_failed)
+    assert barrier.arrive("gone", broken, held[1].on_failed)
+    assert barrier.arrive("b", held[1].on_done, held[1].on_failed)
+    assert all(h.event.wait(10) for h in held) and [h.done for h in held] == [1, 1]
