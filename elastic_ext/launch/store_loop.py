@@ -75,6 +75,7 @@ class Loop:
 
     def __init__(self, server: Any, body_limit: int) -> None:
         self._server, self._body_limit = server, body_limit
+        self._threaded = THREADED_SCOPES - getattr(server.RequestHandlerClass, "HELD_SCOPES", frozenset())  # not held
         self._threads = ReusedThreads()
         self._selector = selectors.DefaultSelector()
         self._wake_read, self._wake_write = socket.socketpair()
@@ -217,8 +218,7 @@ class Loop:
         path = data[:data.find(b"\r\n")].split(b" ")
         scope = path[1].split(b"/")[1] if len(path) > 1 and path[1].count(b"/") >= 2 else b""
         memory = InMemory(data, lambda answer: self.answer(connection, answer))
-        held = getattr(self._server.RequestHandlerClass, "HELD_SCOPES", frozenset())  # the handler holds them
-        if scope.decode("latin-1") in THREADED_SCOPES - held:
+        if scope.decode("latin-1") in self._threaded:
             self._threads.submit(lambda: self._handle(connection, memory, threaded=True))
         else:
             self._handle(connection, memory, threaded=False)
