@@ -16,8 +16,8 @@ runs every second, or a worker's guardian) does not pay for the rest.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any, List
 
+TYPE_CHECKING = False  # typing's own flag, without importing typing (type checkers read it as True)
 if TYPE_CHECKING:
     from elastic_ext.config import ElasticConfig
     from elastic_ext.data.sampler import ElasticPartitioner
@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     """Loads a public name on first use (``elastic_ext.State``, ``from elastic_ext import run``)."""
     where = _WHERE.get(name)
     if where is None:
@@ -73,5 +73,5 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-def __dir__() -> List[str]:
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))

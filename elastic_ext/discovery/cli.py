@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 import threading
-from typing import Callable, List, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 from elastic_ext.discovery.deadline import Deadline
 from elastic_ext.discovery.hosts import HostSlots, render, usable_hosts
@@ -47,8 +47,6 @@ WATCHDOG_GRACE_S = 0.5
 # Set once the host list starts going to stdout; the watchdog then stands down.
 _written = threading.Event()
 
-Discover = Callable[[argparse.Namespace, Deadline], List[HostSlots]]
-
 
 def exit_code_epilog() -> str:
     """The exit-code table for ``--help``."""
@@ -57,11 +55,38 @@ def exit_code_epilog() -> str:
             f"exit status:\n{rows}")
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """argparse's formatter, its width read as argparse reads it but without importing ``shutil``.
+
+    argparse builds a formatter for every ``add_argument`` and imports
+    ``shutil`` (with its compression modules) for the terminal's width: a
+    tenth of a discovery script's start, every second under Horovod.
+    """
+
+    def __init__(self, prog: str, **options: object) -> None:
+        if options.get("width") is None:
+            options["width"] = _terminal_columns() - 2
+        super().__init__(prog, **options)
+
+
+def _terminal_columns() -> int:
+    """``$COLUMNS``, else the terminal's width, else 80 (``shutil.get_terminal_size``'s rule)."""
+    try:
+        columns = int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns
+        except (AttributeError, ValueError, OSError):
+            columns = 0
+    return columns or 80
+
+
 def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """A parser with the options every discovery script shares."""
     parser = argparse.ArgumentParser(prog=prog, description=description,
-                                     epilog=exit_code_epilog(),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     epilog=exit_code_epilog(), formatter_class=_HelpFormatter)
     parser.add_argument("--timeout-s", type=positive_float, default=DEFAULT_TIMEOUT_S,
                         metavar="S", help="bound for the whole run, in seconds "
                         f"(default {DEFAULT_TIMEOUT_S:g}); exceeding it exits {EXIT_TIMEOUT}")
@@ -93,8 +118,8 @@ def positive_float(text: str) -> float:
     return value
 
 
-def main(parser: argparse.ArgumentParser, discover: Discover,
-         argv: Optional[Sequence[str]] = None) -> int:
+def main(parser: argparse.ArgumentParser, discover: Callable[[argparse.Namespace, Deadline], list[HostSlots]],
+         argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, run ``discover`` under the deadline, print hosts; return the exit code."""
     args = parser.parse_args(argv)  # exits 2 with a usage message on bad flags
     _configure_logging(parser.prog, args.log_level)

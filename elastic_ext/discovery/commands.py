@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Dict, List, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
 
 from elastic_ext.discovery.cli import main, make_parser, positive_float, positive_int
 from elastic_ext.discovery.deadline import Deadline
@@ -49,12 +49,12 @@ def slurm_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def slurm_main(argv: Optional[Sequence[str]] = None,
-               environ: Optional[Mapping[str, str]] = None) -> int:
+def slurm_main(argv: Sequence[str] | None = None,
+               environ: Mapping[str, str] | None = None) -> int:
     from elastic_ext.discovery import slurm
     env = os.environ if environ is None else environ
 
-    def discover(args: argparse.Namespace, deadline: Deadline) -> List[HostSlots]:
+    def discover(args: argparse.Namespace, deadline: Deadline) -> list[HostSlots]:
         return slurm.discover(env, deadline, nodelist=args.nodelist, slots=args.slots,
                               slots_from=slurm.SlotSource(args.slots_from),
                               health_check=not args.no_health_check,
@@ -83,10 +83,10 @@ def static_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def static_main(argv: Optional[Sequence[str]] = None) -> int:
+def static_main(argv: Sequence[str] | None = None) -> int:
     from elastic_ext.discovery import static
 
-    def discover(args: argparse.Namespace, deadline: Deadline) -> List[HostSlots]:
+    def discover(args: argparse.Namespace, deadline: Deadline) -> list[HostSlots]:
         return static.discover(args.host_file, args.exclude, args.exclude_file, args.slots)
 
     return main(static_parser(), discover, argv)
@@ -127,9 +127,9 @@ def aws_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_type_slots(specs: Sequence[str]) -> Dict[str, int]:
+def parse_type_slots(specs: Sequence[str]) -> dict[str, int]:
     """``["t3.large=2"]`` -> ``{"t3.large": 2}``; raises DiscoveryInputError."""
-    table: Dict[str, int] = {}
+    table: dict[str, int] = {}
     for spec in specs:
         itype, sep, count = spec.partition("=")
         if not sep or not itype:
@@ -138,10 +138,10 @@ def parse_type_slots(specs: Sequence[str]) -> Dict[str, int]:
     return table
 
 
-def aws_main(argv: Optional[Sequence[str]] = None) -> int:
+def aws_main(argv: Sequence[str] | None = None) -> int:
     from elastic_ext.discovery import aws
 
-    def discover(args: argparse.Namespace, deadline: Deadline) -> List[HostSlots]:
+    def discover(args: argparse.Namespace, deadline: Deadline) -> list[HostSlots]:
         policy = aws.SlotPolicy(args.slots, args.slots_tag, parse_type_slots(args.type_slots))
         return aws.discover(deadline, tags=aws.parse_tag_filters(args.tag), asg=args.asg,
                             policy=policy, address=aws.Address(args.address),

@@ -11,9 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
 import time
-from typing import Callable, Mapping, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from elastic_ext.errors import DiscoveryInputError, DiscoveryTimeoutError, DiscoveryUnavailableError
 
@@ -47,7 +46,7 @@ class Deadline:
         """Seconds left, never negative."""
         return max(0.0, self._end - self._clock())
 
-    def call_timeout_s(self, cap_s: Optional[float], what: str) -> float:
+    def call_timeout_s(self, cap_s: float | None, what: str) -> float:
         """The timeout for one call: ``cap_s`` or what is left, whichever is smaller.
 
         Raises:
@@ -66,7 +65,7 @@ def _excerpt(text: str) -> str:
 
 
 def run_command(argv: Sequence[str], timeout_s: float,
-                env: Optional[Mapping[str, str]] = None,
+                env: Mapping[str, str] | None = None,
                 check: bool = True) -> "subprocess.CompletedProcess[str]":
     """Run ``argv`` with a hard timeout and return its exit status and output.
 
@@ -78,6 +77,7 @@ def run_command(argv: Sequence[str], timeout_s: float,
             exits non-zero; its stderr is quoted.
         DiscoveryTimeoutError: it did not finish within ``timeout_s``.
     """
+    import subprocess  # here, not at the top: the static discovery, run every second, runs no command
     logger.debug("running %s (timeout %.2f s)", " ".join(argv), timeout_s)
     try:
         proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -107,6 +107,7 @@ def command_failure(argv: Sequence[str], returncode: int, stderr: str) -> str:
 
 
 def _kill_group(proc: "subprocess.Popen[str]") -> None:
+    import subprocess
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

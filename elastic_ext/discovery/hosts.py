@@ -19,11 +19,9 @@ metacharacters never pass. Invalid entries are dropped with a warning.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import re
-from dataclasses import dataclass
-from typing import Iterable, List, Optional
+from collections.abc import Iterable
 
 from elastic_ext.errors import DiscoveryInputError
 
@@ -39,19 +37,39 @@ _DOTTED_NUMERIC_RE = re.compile(r"^[0-9.]+$")
 _SLOTS_RE = re.compile(r"^[0-9]+$")
 
 
-@dataclass(frozen=True)
 class HostSlots:
-    """One host Horovod may start workers on, and how many (``slots``)."""
+    """One host Horovod may start workers on, and how many (``slots``); immutable, compared by value.
 
-    host: str
-    slots: int
+    A plain class, not a dataclass: a discovery script runs every second, and
+    ``dataclasses`` (with ``inspect``) is a fifth of its imports.
+    """
+
+    __slots__ = ("host", "slots")
+
+    def __init__(self, host: str, slots: int) -> None:
+        object.__setattr__(self, "host", host)
+        object.__setattr__(self, "slots", slots)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"HostSlots is immutable: cannot set {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not HostSlots:
+            return NotImplemented
+        return (self.host, self.slots) == (other.host, other.slots)
+
+    def __hash__(self) -> int:
+        return hash((self.host, self.slots))
+
+    def __repr__(self) -> str:
+        return f"HostSlots(host={self.host!r}, slots={self.slots!r})"
 
     def line(self) -> str:
         """The ``host:slots`` line Horovod's discovery parser expects."""
         return f"{self.host}:{self.slots}"
 
 
-def host_error(value: str) -> Optional[str]:
+def host_error(value: str) -> str | None:
     """Return why ``value`` cannot be emitted as a Horovod host, or None if it can.
 
     The reason quotes the value and names the rule it broke.
@@ -62,6 +80,7 @@ def host_error(value: str) -> Optional[str]:
     if any(c.isspace() for c in value):
         return f"host {shown} contains whitespace"
     if ":" in value:
+        import ipaddress  # only for the hosts that need it: a discovery script runs every second
         try:
             ipaddress.IPv6Address(value)
         except ValueError:
@@ -70,6 +89,7 @@ def host_error(value: str) -> Optional[str]:
         return (f"host {shown} is an IPv6 address; Horovod 0.28.1 splits discovery lines and "
                 "rendezvous keys on ':', so IPv6 cannot be used: emit a hostname instead")
     if _DOTTED_NUMERIC_RE.match(value):
+        import ipaddress
         try:
             ipaddress.IPv4Address(value)
         except ValueError:
@@ -116,13 +136,13 @@ def parse_slots(value: object, source: str) -> int:
     return slots
 
 
-def usable_hosts(entries: Iterable[HostSlots]) -> List[HostSlots]:
+def usable_hosts(entries: Iterable[HostSlots]) -> list[HostSlots]:
     """Keep the entries Horovod can use, in order, warning about the rest.
 
     Drops invalid hosts, hosts with zero slots, and later duplicates of a host
     (Horovod keeps one slot count per host; the first one seen wins).
     """
-    kept: List[HostSlots] = []
+    kept: list[HostSlots] = []
     seen = set()
     for entry in entries:
         reason = host_error(entry.host)

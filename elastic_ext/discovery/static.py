@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import logging
 import re
-from pathlib import Path
-from typing import Iterable, List, Optional, Set, Union
+import os
+from collections.abc import Iterable
 
 from elastic_ext.discovery.hosts import HostSlots, parse_slots
 from elastic_ext.errors import DiscoveryInputError
@@ -33,11 +33,9 @@ _LINE_RES = (
     re.compile(r"^" + _HOST_RE + r"\s+slots\s*=\s*(?P<slots>\S+)$"),
 )
 
-PathLike = Union[str, Path]
-
 
 def parse_host_lines(lines: Iterable[str], source: str,
-                     default_slots: int = DEFAULT_SLOTS) -> List[HostSlots]:
+                     default_slots: int = DEFAULT_SLOTS) -> list[HostSlots]:
     """Parse host-file lines (see the module docstring) into entries, in file order.
 
     Host names are checked later, by :func:`elastic_ext.discovery.hosts.usable_hosts`,
@@ -46,7 +44,7 @@ def parse_host_lines(lines: Iterable[str], source: str,
     Raises:
         DiscoveryInputError: a line fits none of the accepted forms, or has a bad slot count.
     """
-    entries: List[HostSlots] = []
+    entries: list[HostSlots] = []
     for number, raw in enumerate(lines, start=1):
         text = raw.split("#", 1)[0].strip()
         if not text:
@@ -65,20 +63,25 @@ def parse_host_lines(lines: Iterable[str], source: str,
     return entries
 
 
-def read_host_file(path: PathLike, default_slots: int = DEFAULT_SLOTS) -> List[HostSlots]:
+def _read_text(path: str | os.PathLike[str]) -> str:
+    with open(path, encoding="utf-8") as handle:
+        return handle.read()
+
+
+def read_host_file(path: str | os.PathLike[str], default_slots: int = DEFAULT_SLOTS) -> list[HostSlots]:
     """Read and parse a host file.
 
     Raises:
         DiscoveryInputError: it cannot be read, or a line is malformed.
     """
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = _read_text(path)
     except (OSError, UnicodeDecodeError) as exc:
         raise DiscoveryInputError(f"cannot read host file {str(path)!r}: {exc}") from exc
     return parse_host_lines(text.splitlines(), repr(str(path)), default_slots)
 
 
-def read_exclude_file(path: PathLike) -> Set[str]:
+def read_exclude_file(path: str | os.PathLike[str]) -> set[str]:
     """Host names listed in an exclude file, one per line, ``#`` comments allowed.
 
     A missing file means "exclude nothing": an operator can create it to
@@ -88,7 +91,7 @@ def read_exclude_file(path: PathLike) -> Set[str]:
         DiscoveryInputError: it exists but cannot be read.
     """
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = _read_text(path)
     except FileNotFoundError:
         logger.info("exclude file %r does not exist: excluding nothing", str(path))
         return set()
@@ -101,9 +104,9 @@ def read_exclude_file(path: PathLike) -> Set[str]:
     return names
 
 
-def discover(host_file: PathLike, exclude: Iterable[str] = (),
-             exclude_file: Optional[PathLike] = None,
-             default_slots: int = DEFAULT_SLOTS) -> List[HostSlots]:
+def discover(host_file: str | os.PathLike[str], exclude: Iterable[str] = (),
+             exclude_file: str | os.PathLike[str] | None = None,
+             default_slots: int = DEFAULT_SLOTS) -> list[HostSlots]:
     """The hosts of ``host_file`` not named in ``exclude`` or ``exclude_file``.
 
     Raises:

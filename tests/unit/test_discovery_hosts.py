@@ -88,3 +88,13 @@ def test_anything_rendered_parses_as_horovod_host_slots(host, slots):
         assert not host.startswith("-")
         name, count = line.split(":")  # what Horovod's discovery parser does
         assert (name, int(count)) == (host, slots)
+
+
+def test_host_slots_is_an_immutable_value():
+    entry = HostSlots("node1", 4)
+    assert entry == HostSlots("node1", 4) and entry != HostSlots("node1", 2) and entry != ("node1", 4)
+    assert len({entry, HostSlots("node1", 4)}) == 1
+    assert repr(entry) == "HostSlots(host='node1', slots=4)"
+    with pytest.raises(AttributeError, match="immutable"):
+        entry.slots = 8
+    assert entry.slots == 4

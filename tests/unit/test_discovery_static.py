@@ -44,3 +44,21 @@ def test_exclude_list_and_file_are_reread_each_call(tmp_path):
     hosts.write_text("a:2\nb:2\nc:2\nd:1\n")
     excl.unlink()
     assert [h.host for h in static.discover(hosts, exclude_file=excl)] == ["a", "b", "c", "d"]
+
+
+def test_the_static_script_imports_only_what_it_uses(tmp_path):
+    # Horovod's driver runs the script every second: what it imports is paid once a second.
+    import os
+    import subprocess
+    import sys
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n127.0.0.1:2\n")
+    script = os.path.join(static.__file__.rsplit(os.sep + "elastic_ext" + os.sep, 1)[0], "host_discovery", "static.py")
+    done = subprocess.run([sys.executable, "-X", "importtime", script, str(hosts)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "localhost:2\n127.0.0.1:2\n"
+    imported = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "elastic_ext.discovery.static" in imported, done.stderr[-2000:]
+    assert not imported & {"dataclasses", "typing", "subprocess", "shutil", "pathlib", "inspect"}, \
+        sorted(imported & {"dataclasses", "typing", "subprocess", "shutil", "pathlib", "inspect"})
