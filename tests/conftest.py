@@ -6,13 +6,14 @@ pytest.ini for all of them, or the test's own ``pytest.mark.timeout``.
 Jobs launched by the job tiers start no hang guardian unless the test asks
 for one (:func:`no_guardian_unless_hangs_are_tested`).
 
-How the suite shares the machine (pytest-xdist, ``-n`` in pytest.ini): two
+How the suite shares the machine (pytest-xdist, ``-n`` in pytest.ini): three
 workers, each running one scope at a time (:class:`TierScheduler`): a
 module, a directory whose tests share one cluster, or all the tests marked
 ``exclusive`` (a detector with a short timeout, or an assertion that needs
 the machine quiet). Those run first, one worker running them one after the
-other while the other worker runs the unit tier beside them; then the job
-tiers' scopes (FIRST_SCOPES), two jobs at a time. An exclusive test runs
+other while the other two run the unit tier's modules beside them; then the
+job tiers' scopes (FIRST_SCOPES), two at a time (JOBS_AT_ONCE): the third
+worker ends when only scopes of jobs are left. An exclusive test runs
 alone among the jobs: it waits for the running job to end, and no job
 starts until it ends (:func:`pytest_runtest_protocol`). Unit tests (one
 light process each) run beside anything.
@@ -97,10 +98,31 @@ class TierScheduler:
                     return
                 super()._reschedule(node)
 
+            def _assign_work_unit(self, node):
+                # The first scope in order, unless two other workers run jobs: then the first unit
+                # module, and with none left this worker ends (what is left runs two at a time).
+                busy = sum(1 for other, work in self.assigned_work.items() if other is not node and any(
+                    runs_jobs(scope) and not all(done.values()) for scope, done in work.items()))
+                scope = next((s for s in self.workqueue if busy < JOBS_AT_ONCE or not runs_jobs(s)), None)
+                if scope is None:
+                    node.shutdown()
+                    return
+                self.workqueue.move_to_end(scope, last=False)
+                super()._assign_work_unit(node)
+
         return TierScheduling(config, log)
 
 
 EXCLUSIVE_SCOPE = "exclusive"
+
+# Scopes that launch jobs (the exclusive tests included) run at most this many at a time: a third
+# job beside two slows all three and costs more CPU (docs/testing.md). The unit tier's modules, one
+# light process each, fill the remaining worker (``-n`` in pytest.ini).
+JOBS_AT_ONCE = 2
+
+
+def runs_jobs(scope):
+    return scope == EXCLUSIVE_SCOPE or in_a_job_tier(os.path.join(REPO, scope))
 
 # The order in which the job tiers' scopes are taken after the exclusive tests
 # and the unit tier (measured on 2 cores): the longest first, so that the
