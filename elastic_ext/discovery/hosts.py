@@ -64,6 +64,9 @@ class HostSlots:
     def __repr__(self) -> str:
         return f"HostSlots(host={self.host!r}, slots={self.slots!r})"
 
+    def __reduce__(self) -> tuple:
+        return HostSlots, (self.host, self.slots)  # copies and pickles rebuild it (no setattr)
+
     def line(self) -> str:
         """The ``host:slots`` line Horovod's discovery parser expects."""
         return f"{self.host}:{self.slots}"

@@ -15,8 +15,8 @@ guessing which hosts the author meant would start workers in the wrong place.
 from __future__ import annotations
 
 import logging
-import re
 import os
+import re
 from collections.abc import Iterable
 
 from elastic_ext.discovery.hosts import HostSlots, parse_slots

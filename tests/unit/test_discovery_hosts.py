@@ -98,3 +98,5 @@ def test_host_slots_is_an_immutable_value():
     with pytest.raises(AttributeError, match="immutable"):
         entry.slots = 8
     assert entry.slots == 4
+    import copy
+    assert copy.deepcopy(entry) == entry and copy.copy(entry) == entry
