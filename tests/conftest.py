@@ -124,6 +124,7 @@ JOBS_AT_ONCE = 2
 def runs_jobs(scope):
     return scope == EXCLUSIVE_SCOPE or in_a_job_tier(os.path.join(REPO, scope))
 
+
 # The order in which the job tiers' scopes are taken after the exclusive tests
 # and the unit tier (measured on 2 cores): the longest first, so that the
 # workers end together. A scope not listed runs after these.
