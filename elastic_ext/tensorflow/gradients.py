@@ -134,6 +134,10 @@ class _GradientReducer:
     def register_local(self, variable: Any) -> None:
         self.local[_variable_key(variable)] = variable
 
+    # Graph-safe as written (explicit tf.cond, Python conditions on Python values only): AutoGraph
+    # would only spend a second or two converting this module and Horovod's allreduce inside the
+    # first trace of a user's step (docs/keras.md).
+    @tf.autograph.experimental.do_not_convert
     def __call__(self, grads: Sequence[Any], variables: Sequence[Any], use_generic_names: bool = False,
                  loss: Any = None) -> List[Any]:
         """The reduced gradients. With ``loss`` (the step's, this rank's) while a State with a numeric
@@ -201,7 +205,8 @@ class _GradientReducer:
             options = copy.copy(self)  # what the graph reads; not this tape's local variables
             options.local = {}
             options.loss = None
-            fn = tf.function(lambda ts, rs: options._reduce_graph(ts, rs, generic), reduce_retracing=True)
+            fn = tf.function(lambda ts, rs: options._reduce_graph(ts, rs, generic), reduce_retracing=True,
+                             autograph=False)  # graph-safe as written (see __call__)
             _EAGER_REDUCTIONS[key] = fn
         return fn
 

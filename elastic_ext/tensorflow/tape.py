@@ -26,6 +26,7 @@ class _DistributedGradientTapeMixin:
 
     _elastic_reducer: _GradientReducer
 
+    @tf.autograph.experimental.do_not_convert  # as the reducer's call (gradients.py)
     def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
                  use_generic_names: bool = False, **kwargs: Any) -> Any:
         gradients = super().gradient(target, sources, output_gradients, **kwargs)  # type: ignore[misc]
@@ -60,6 +61,7 @@ def _tape_class(base: type) -> type:
     return cls
 
 
+@tf.autograph.experimental.do_not_convert  # called inside users' traced steps: nothing to convert
 def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
                             compression: Any = Compression.none, sparse_as_dense: bool = False,
                             op: Any = hvd.Average, gradient_predivide_factor: float = 1.0,

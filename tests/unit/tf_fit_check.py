@@ -289,4 +289,15 @@ assert not bad.loss_finite and bad.bad_ranks == (0,) and not bad.grad_finite, ba
 compiled(tf.constant(2.0))
 again = carried_signal()
 assert again.loss_finite and again.grad_finite and again.loss > 0, again
+# 8. AutoGraph converts the user's step but none of elastic_ext's or Horovod's code inside it: the
+#    gradient reduction is graph code as written, and converting it and Horovod's allreduce cost each
+#    worker one to three seconds of CPU at its first trace. The transpiler's cache holds the code
+#    objects it converted (TensorFlow's internals: a TF that moves it fails here, not silently).
+import horovod  # noqa: E402
+from tensorflow.python.autograph.impl import api as autograph_api  # noqa: E402
+
+converted = {code.co_filename for code in autograph_api._TRANSPILER._cache._cache}
+assert os.path.abspath(__file__) in converted, f"the user's step was not converted: {converted}"
+library = [os.path.dirname(m.__file__) for m in (elastic_ext, horovod)]
+assert not [f for f in converted if any(f.startswith(d + os.sep) for d in library)], converted
 print("ok")
