@@ -1,5 +1,6 @@
 """The launcher's use of the driver's store (elastic_ext.control.store): malformed values are read as absent and
-stop no reader, and each worker receives the job's secret on its stdin, never on a command line.
+stop no reader, each worker receives the job's secret on its stdin, never on a command line, and the store is
+reached directly, never through a proxy.
 
 Values are served by Horovod's own KV store server, as a forged write would
 have left them in the driver's (without elastic_ext.launch.store_guard).
@@ -145,3 +146,26 @@ def test_a_secret_line_must_be_the_launchers(caplog):
         assert store.secret_matches(None) is False
     finally:
         store.set_job_secret(None)
+
+
+def test_the_store_is_reached_directly_whatever_proxy_the_environment_names(server):
+    # A proxy would see the job's secret on every write. The "proxy" here accepts and hangs up at once, so a
+    # client that went through it fails; the client reads the environment only when it is imported, hence
+    # the fresh process.
+    import socket
+    import subprocess
+
+    publish(server, store.ROUND_SCOPE, store.CURRENT, b"3")
+    with socket.socket() as proxy:
+        proxy.bind(("127.0.0.1", 0))
+        proxy.listen()
+        proxy.settimeout(0)
+        address = f"http://127.0.0.1:{proxy.getsockname()[1]}"
+        env = dict(os.environ, PYTHONPATH=REPO, http_proxy=address, HTTP_PROXY=address, no_proxy="", NO_PROXY="")
+        url = f"{server}/{store.ROUND_SCOPE}/{store.CURRENT}"
+        read = subprocess.run([sys.executable, "-c", "import sys; from elastic_ext.control import store; "
+                               f"sys.stdout.write(repr(store.get({url!r})))"],
+                              env=env, capture_output=True, text=True, timeout=60)
+        assert read.returncode == 0 and read.stdout == "b'3'", read.stderr[-2000:]
+        with pytest.raises(BlockingIOError):
+            proxy.accept()  # nobody called on the proxy
