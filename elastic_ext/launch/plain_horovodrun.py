@@ -16,10 +16,11 @@ itself.
 
 import sys
 
-from elastic_ext.launch import horovod_changes
-
 
 def main() -> None:
+    # Imported here, not at the top: Horovod's runner starts each command (a discovery run every second,
+    # each worker) through a "spawn" multiprocessing child, which imports this module first.
+    from elastic_ext.launch import horovod_changes
     horovod_changes.install_launcher(parts=("build_check",))
     from horovod.runner.launch import run_commandline
     sys.argv = ["horovodrun", *sys.argv[1:]]

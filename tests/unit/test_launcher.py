@@ -100,6 +100,17 @@ def test_plain_horovodrun_with_cached_checks_is_horovods_runner(tmp_path):
     assert cache["gloo_built"]["value"] is True, cache
 
 
+def test_importing_plain_horovodrun_imports_neither_horovod_nor_the_launchers_changes():
+    # Horovod's runner starts every command (each discovery run, each worker) through a "spawn"
+    # multiprocessing child, which imports the parent's main module: it must stay this small.
+    done = subprocess.run([sys.executable, "-X", "importtime", "-c", "import elastic_ext.launch.plain_horovodrun"],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "elastic_ext.launch.plain_horovodrun" in imported, done.stderr[-2000:]
+    assert not {m for m in imported if m == "horovod" or m.startswith(("horovod.", "elastic_ext.launch.horovod"))}
+
+
 def test_a_job_that_times_out_says_where_each_of_its_python_processes_waits(tmp_path):
     # A job test that gives up prints every process's stack (Job.stacks, through py-spy): a process
     # waiting in a function of its own must show that function, the wait it is in and the C call under it.
