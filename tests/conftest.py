@@ -102,8 +102,8 @@ class TierScheduler:
                 # The first scope in order, unless two other workers run jobs: then the first unit
                 # module, and with none left this worker ends (what is left runs two at a time).
                 busy = sum(1 for other, work in self.assigned_work.items() if other is not node and any(
-                    runs_jobs(scope) and not all(done.values()) for scope, done in work.items()))
-                scope = next((s for s in self.workqueue if busy < JOBS_AT_ONCE or not runs_jobs(s)), None)
+                    takes_a_job_place(scope) and not all(done.values()) for scope, done in work.items()))
+                scope = next((s for s in self.workqueue if busy < JOBS_AT_ONCE or not takes_a_job_place(s)), None)
                 if scope is None:
                     node.shutdown()
                     return
@@ -121,8 +121,13 @@ EXCLUSIVE_SCOPE = "exclusive"
 JOBS_AT_ONCE = 2
 
 
-def runs_jobs(scope):
-    return scope == EXCLUSIVE_SCOPE or in_a_job_tier(os.path.join(REPO, scope))
+# Scopes of jobs that mostly wait (tests/multihost's partitions, timeouts and ssh round trips: about a
+# third of a core over its three minutes) run beside two others without taking a place of theirs.
+WAITING_SCOPES = ("tests/multihost",)
+
+
+def takes_a_job_place(scope):
+    return scope not in WAITING_SCOPES and (scope == EXCLUSIVE_SCOPE or in_a_job_tier(os.path.join(REPO, scope)))
 
 
 # The order in which the job tiers' scopes are taken after the exclusive tests
@@ -164,7 +169,9 @@ def pytest_collection_modifyitems(session, config, items):
     scheduler (every worker collects the same tests)."""
     def rank(item):
         if item.get_closest_marker("exclusive") is not None:
-            return 0, 0
+            # The unit tier's exclusive tests (light, mostly waiting) first, while the unit tier's
+            # modules run beside them; then the exclusive tests of the job tiers.
+            return 0, 1 if in_a_job_tier(item.path) else 0
         if not in_a_job_tier(item.path):
             return 1, 0
         scope = scope_of(item.nodeid)
