@@ -8,11 +8,22 @@ import os
 import numpy as np
 import pytest
 
-os.environ.pop("TF_USE_LEGACY_KERAS", None)
-import keras  # noqa: E402
+from elastic_ext.errors import ConfigError, StateError
 
-from elastic_ext.errors import ConfigError  # noqa: E402
-from elastic_ext.tensorflow.fit_carry import CARRY_NAME, FitCarry, carried  # noqa: E402
+
+@pytest.fixture(scope="module")
+def keras():
+    """Keras 3, imported by this module's tests, not at its collection (each pytest-xdist worker collects
+    every module, and one runs these)."""
+    os.environ.pop("TF_USE_LEGACY_KERAS", None)
+    import keras
+    return keras
+
+
+@pytest.fixture(scope="module")
+def fit_carry(keras):
+    from elastic_ext.tensorflow import fit_carry
+    return fit_carry
 
 
 class Ranks:
@@ -28,7 +39,7 @@ class Ranks:
         return np.concatenate([array] + [o[None, :] for o in self.others])
 
 
-def trained_model():
+def trained_model(keras):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
@@ -40,8 +51,9 @@ def sums(model):
     return [np.asarray(v.numpy(), dtype=np.float64) for m in model.metrics for v in m.variables]
 
 
-def test_the_epoch_logs_are_the_whole_job_s_and_a_resumed_epoch_starts_from_the_committed_sums():
-    model = trained_model()
+def test_the_epoch_logs_are_the_whole_job_s_and_a_resumed_epoch_starts_from_the_committed_sums(keras, fit_carry):
+    FitCarry = fit_carry.FitCarry
+    model = trained_model(keras)
     mine = sums(model)
     other = np.concatenate([s.reshape(-1) for s in mine]) * 3  # another rank: three times the totals
     carry = FitCarry({}, Ranks(0, [other]))
@@ -63,13 +75,14 @@ def test_the_epoch_logs_are_the_whole_job_s_and_a_resumed_epoch_starts_from_the_
     assert all(not s.any() for s in sums(model))
 
 
-def test_the_callbacks_counters_come_back_after_a_new_call_reset_them():
+def test_the_callbacks_counters_come_back_after_a_new_call_reset_them(keras, fit_carry):
+    FitCarry, carried = fit_carry.FitCarry, fit_carry.carried
     plateau = keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=3)
     stop = keras.callbacks.EarlyStopping(monitor="loss", patience=2)
     plateau.best, plateau.wait, plateau.cooldown_counter = 1.25, 2, 1
     stop.best, stop.wait, stop.stopped_epoch, stop.best_epoch = np.float32(0.5), 1, 0, 3
     carry = FitCarry({}, Ranks(0, []))
-    model = trained_model()
+    model = trained_model(keras)
     carry.save(model, carried([plateau, stop]), in_epoch=False)
     assert carry.store["metrics"] == []
     plateau.on_train_begin()
@@ -81,14 +94,14 @@ def test_the_callbacks_counters_come_back_after_a_new_call_reset_them():
     assert (stop.best, stop.wait, stop.best_epoch) == (0.5, 1, 3) and type(stop.best) is float
 
 
-def test_early_stopping_that_restores_its_best_weights_is_refused_and_the_entry_name_is_checked():
+def test_early_stopping_that_restores_its_best_weights_is_refused_and_the_entry_name_is_checked(keras, fit_carry):
+    FitCarry, carried = fit_carry.FitCarry, fit_carry.carried
     with pytest.raises(ConfigError, match="restore_best_weights=True"):
         carried([keras.callbacks.EarlyStopping(restore_best_weights=True)])
 
     class FakeState:
-        objects = {CARRY_NAME: [1, 2]}
+        objects = {fit_carry.CARRY_NAME: [1, 2]}
         binding = Ranks(0, [])
 
-    from elastic_ext.errors import StateError
     with pytest.raises(StateError, match="rename that object"):
         FitCarry.attach(FakeState())

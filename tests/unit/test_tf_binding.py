@@ -5,14 +5,23 @@ import subprocess
 import sys
 
 import pytest
-import tensorflow as tf
 from horovod.common.exceptions import HorovodInternalError
 
-from elastic_ext.tensorflow.binding import TensorFlowBinding
+
+@pytest.fixture(scope="module")
+def tf():
+    """TensorFlow, imported by the tests that use it: each pytest-xdist worker collects every module."""
+    import tensorflow
+    return tensorflow
 
 
-def test_horovod_op_errors_are_internal_errors_and_others_are_not():
-    binding = TensorFlowBinding()
+@pytest.fixture
+def binding(tf):
+    from elastic_ext.tensorflow.binding import TensorFlowBinding
+    return TensorFlowBinding()
+
+
+def test_horovod_op_errors_are_internal_errors_and_others_are_not(tf, binding):
     failed = tf.errors.UnknownError(None, None, "HorovodAllreduce_grad_0_0 failed: Horovod has been shut down")
     assert isinstance(binding.as_internal_error(failed), HorovodInternalError)
     not_ours = tf.errors.InvalidArgumentError(None, None, "Incompatible shapes: [2] vs. [3]")
@@ -20,9 +29,7 @@ def test_horovod_op_errors_are_internal_errors_and_others_are_not():
     assert binding.as_internal_error(ValueError("HorovodAllreduce in a message")) is None
 
 
-def test_collective_wrapper_translates_failures():
-    binding = TensorFlowBinding()
-
+def test_collective_wrapper_translates_failures(tf, binding):
     def failing(*args, **kwargs):
         raise tf.errors.UnknownError(None, None, "HorovodBroadcast_elastic_ext_sync_meta_len_0 failed")
 

@@ -4,12 +4,12 @@ Horovod is on the main thread's stack (a waiting Keras rank was killed for it)."
 
 import time
 
-import tensorflow as tf
-
 from tests.unit.test_watchdog import sample_while
 
 
 def test_a_main_thread_inside_a_tf_function_counts_as_possibly_in_a_collective():
+    import tensorflow as tf  # here: each pytest-xdist worker collects every module, and few run this one
+
     def slow(x):
         time.sleep(0.6)  # stands in for an allreduce that waits for a slow peer
         return x
