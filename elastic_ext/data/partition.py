@@ -7,7 +7,8 @@ changes. The vocabulary:
 - *order*: the epoch's permutation of ``range(size)`` (seeded by
   ``(seed, epoch)``; identity without shuffling). It is *virtual*: an
   :class:`EpochOrder` computes the index at any position directly, so no
-  array of ``size`` entries is ever built (see :class:`FeistelOrder`).
+  array of ``size`` entries is built, but for a shuffle of fewer than
+  4,096 samples (see :class:`FeistelOrder`).
 - *cursor*: how many positions of the order the job has consumed (committed
   state, identical on every rank).
 - *global step*: consumes the next ``global_batch`` positions; rank ``r``

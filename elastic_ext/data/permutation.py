@@ -5,8 +5,10 @@ the keyed shuffle :class:`FeistelOrder`, whose cipher, round keys and mixing
 function are :mod:`elastic_ext.data.feistel`'s), and :func:`epoch_order`,
 which picks one for an epoch. An order is *virtual*: the index at any
 position is computed when asked for, so no array of ``size`` entries is
-built. Cutting the order into global steps and rank shares is
-:mod:`elastic_ext.data.partition`'s job, which re-exports these names.
+built (below ``SMALL_SIZE`` samples, 4,096, the shuffle computes its whole
+order at its first use: 32 KB at most). Cutting the order into global
+steps and rank shares is :mod:`elastic_ext.data.partition`'s job, which
+re-exports these names.
 """
 
 from __future__ import annotations
@@ -151,7 +153,8 @@ class FeistelOrder(EpochOrder):
     to shuffle); the same in every process (integer arithmetic only); time per position independent
     of ``size``; ``O(1)`` state (the round keys). Statistical quality (uniform positions and pairs
     of positions over seeds, unrelated orders from one epoch to the next) is checked by the unit
-    tests. Not every one of the ``size!`` orders can come out: there are at most ``2**64`` keys, and
+    tests. Below :data:`SMALL_SIZE` samples the whole order is computed once, at its first use, and
+    looked up after that (:meth:`_small_table`). Not every one of the ``size!`` orders can come out: there are at most ``2**64`` keys, and
     a round only composes cyclic shifts of rows or columns, which for some radices reaches only even
     permutations of the rectangle; what a shuffle needs is that any position, or pair of positions,
     lands anywhere with equal probability, and that is what is tested. It is a shuffle, not a
@@ -168,15 +171,37 @@ class FeistelOrder(EpochOrder):
         self.network = FeistelNetwork(self.size, round_keys(self.seed, self.epoch, rounds))
         self.keys = self.network.keys
         self.high_radix, self.low_radix = self.network.high_radix, self.network.low_radix
+        self._table: Optional[np.ndarray] = None
+        self._inverse: Optional[np.ndarray] = None
 
     def __repr__(self) -> str:
         return f"FeistelOrder(size={self.size}, seed={self.seed}, epoch={self.epoch})"
 
     def _compute(self, positions: np.ndarray) -> np.ndarray:
-        return self.network.permute(positions)
+        table = self._small_table()
+        return self.network.permute(positions) if table is None else table[positions]
 
     def _invert(self, indices: np.ndarray) -> np.ndarray:
-        return self.network.invert(indices)
+        table = self._small_table()
+        if table is None:
+            return self.network.invert(indices)
+        if self._inverse is None:
+            self._inverse = np.empty(self.size, dtype=np.int64)
+            self._inverse[table] = np.arange(self.size, dtype=np.int64)
+        return self._inverse[indices]
+
+    def _small_table(self) -> Optional[np.ndarray]:
+        """The whole order of an epoch below :data:`SMALL_SIZE` samples, computed at its first use.
+
+        A step of a small epoch asks for a handful of positions, and the network's 24 rounds cost
+        numpy's per-call overhead whatever their number: one pass over the whole epoch (at most
+        4,095 entries, 32 KB) then serves every step by lookup. The same entries, from the same
+        network."""
+        if self.size >= SMALL_SIZE:
+            return None
+        if self._table is None:
+            self._table = self.network.permute(np.arange(self.size, dtype=np.int64)).astype(np.int64)
+        return self._table
 
 
 def epoch_order(size: int, seed: int, epoch: int, shuffle: bool = True) -> EpochOrder:
@@ -184,7 +209,8 @@ def epoch_order(size: int, seed: int, epoch: int, shuffle: bool = True) -> Epoch
 
     A :class:`FeistelOrder` keyed by ``(seed, epoch)`` with ``shuffle``, an
     :class:`IdentityOrder` without. Building it costs microseconds and no
-    memory that depends on ``size``; entries are computed when indexed.
+    memory that depends on ``size``; entries are computed when indexed (a
+    shuffle of fewer than ``SMALL_SIZE`` samples computes them all at once).
 
     Raises:
         PartitionError: ``size`` is negative (or >= 2**63), or ``seed``/``epoch``

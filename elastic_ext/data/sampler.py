@@ -200,7 +200,7 @@ class ElasticPartitioner:
 
     def order(self) -> permutation.EpochOrder:
         """This epoch's order: a virtual permutation (entries computed when
-        indexed, nothing of the dataset's size held), cached per epoch."""
+        indexed, nothing of the dataset's size held above 4,096 samples), cached per epoch."""
         key = (self.size, self.seed, self.epoch, self.shuffle)
         if self._order_key != key:
             self._order = permutation.epoch_order(self.size, self.seed, self.epoch, self.shuffle)
