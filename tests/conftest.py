@@ -11,9 +11,11 @@ workers, each running one scope at a time (:class:`TierScheduler`): a
 module, a directory whose tests share one cluster, or all the tests marked
 ``exclusive`` (a detector with a short timeout, or an assertion that needs
 the machine quiet). Those run first, one worker running them one after the
-other while the other two run the unit tier's modules beside them; then the
-job tiers' scopes (FIRST_SCOPES), two at a time (JOBS_AT_ONCE): the third
-worker ends when only scopes of jobs are left. An exclusive test runs
+other (the unit tier's first) while the other two run the unit tier's modules
+beside them; then the job tiers' scopes (FIRST_SCOPES), two at a time
+(JOBS_AT_ONCE), tests/multihost, which mostly waits, beside them
+(WAITING_SCOPES): the third worker ends when only scopes of jobs are left
+that would take a place. An exclusive test runs
 alone among the jobs: it waits for the running job to end, and no job
 starts until it ends (:func:`pytest_runtest_protocol`). Unit tests (one
 light process each) run beside anything.
