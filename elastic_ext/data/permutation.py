@@ -154,11 +154,12 @@ class FeistelOrder(EpochOrder):
     of ``size``; ``O(1)`` state (the round keys). Statistical quality (uniform positions and pairs
     of positions over seeds, unrelated orders from one epoch to the next) is checked by the unit
     tests. Below :data:`SMALL_SIZE` samples the whole order is computed once, at its first use, and
-    looked up after that (:meth:`_small_table`). Not every one of the ``size!`` orders can come out: there are at most ``2**64`` keys, and
-    a round only composes cyclic shifts of rows or columns, which for some radices reaches only even
-    permutations of the rectangle; what a shuffle needs is that any position, or pair of positions,
-    lands anywhere with equal probability, and that is what is tested. It is a shuffle, not a
-    cipher: its keys are not meant to withstand an adversary.
+    looked up after that (:meth:`_small_table`). Not every one of the ``size!`` orders can come
+    out: there are at most ``2**64`` keys, and a round only composes cyclic shifts of rows or
+    columns, which for some radices reaches only even permutations of the rectangle; what a
+    shuffle needs is that any position, or pair of positions, lands anywhere with equal
+    probability, and that is what is tested. It is a shuffle, not a cipher: its keys are not meant
+    to withstand an adversary.
     """
 
     def __init__(self, size: int, seed: int, epoch: int, rounds: Optional[int] = None) -> None:
