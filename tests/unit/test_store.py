@@ -9,6 +9,8 @@ have left them in the driver's (without elastic_ext.launch.store_guard).
 import io
 import logging
 import os
+import socket
+import subprocess
 import sys
 
 import pytest
@@ -149,12 +151,9 @@ def test_a_secret_line_must_be_the_launchers(caplog):
 
 
 def test_the_store_is_reached_directly_whatever_proxy_the_environment_names(server):
-    # A proxy would see the job's secret on every write. The "proxy" here accepts and hangs up at once, so a
-    # client that went through it fails; the client reads the environment only when it is imported, hence
-    # the fresh process.
-    import socket
-    import subprocess
-
+    # A proxy would see the job's secret on every write. The "proxy" here listens and never answers: a
+    # client that went through it would wait in its backlog until the request's timeout. A client reads
+    # the environment's proxies when it is made, at import here, hence the fresh process.
     publish(server, store.ROUND_SCOPE, store.CURRENT, b"3")
     with socket.socket() as proxy:
         proxy.bind(("127.0.0.1", 0))
